@@ -1,0 +1,157 @@
+"""Command line: `ddpjob <command>`.
+
+The only place that turns exceptions into exit codes. Each subcommand's arguments are declared
+here; the work lives in its own module, imported lazily so that login-node commands do not pay
+for importing torch. Errors: one line, exit 2 for usage and 1 for runtime, traceback only with
+--debug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from ddpjob import __version__
+from ddpjob.errors import DDPJobError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one `ddpjob: error:` line with a hint, not usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (in `{self.prog}`)", f"see `{self.prog} --help`")
+
+
+def _handler(spec: str):  # "module:function", imported only when the command runs
+    def call(args: argparse.Namespace) -> int:
+        module, func = spec.split(":")
+        return int(getattr(importlib.import_module(module), func)(args) or 0)
+
+    return call
+
+
+def _add_job_overrides(p: argparse.ArgumentParser) -> None:
+    """Flags shared by submit/sbatch/run/doctor: they override the job file."""
+    g = p.add_argument_group("job overrides (win over the job file)")
+    g.add_argument("--nodes", type=int, help="[slurm] nodes")
+    g.add_argument("--tasks-per-node", type=int, help="[slurm] tasks_per_node (one rank each)")
+    g.add_argument("--gpus-per-node", type=int, help="[slurm] gpus_per_node (0 = CPU job)")
+    g.add_argument("--partition", help="[slurm] partition")
+    g.add_argument("--account", help="[slurm] account")
+    g.add_argument("--qos", help="[slurm] qos")
+    g.add_argument("--time", help="[slurm] time limit, e.g. 04:00:00 or 1-00:00:00")
+    g.add_argument("--name", help="job name")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="typed override of any job-file key, e.g. --set train.lr=0.05 (repeatable)")
+    g.add_argument("--run-dir", help="run directory (default: a new folder under ./runs/)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ddpjob", description="Preemption-proof PyTorch DDP training on SLURM.")
+    parser.add_argument("--version", action="version", version=f"ddpjob {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("submit", help="submit a job file (submitit on SLURM, or local processes)")
+    p.add_argument("job", help="job file (TOML)")
+    p.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto",
+                   help="auto = slurm when sbatch is on PATH, else local")
+    p.add_argument("--sweep", action="append", default=[], metavar="SECTION.KEY=V1,V2",
+                   help="grid search: one run per combination, as one SLURM job array (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the script and per-rank view; submit nothing")
+    p.add_argument("--wait", action="store_true", help="block until the job ends, streaming rank 0's log")
+    _add_job_overrides(p)
+    p.set_defaults(func=_handler("ddpjob.submit:cmd_submit"))
+
+    p = sub.add_parser("sbatch", help="write a standalone sbatch script for a job file")
+    p.add_argument("job", help="job file (TOML)")
+    p.add_argument("-o", "--output", required=True, help="where to write the script ('-' = stdout)")
+    p.add_argument("--template", help="your own copy of templates/sbatch.sh.tmpl")
+    _add_job_overrides(p)
+    p.set_defaults(func=_handler("ddpjob.submit:cmd_sbatch"))
+
+    p = sub.add_parser("run", help="train on this node (under srun, torchrun, or alone)")
+    p.add_argument("target", help="job file (TOML) or an existing run directory")
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help=argparse.SUPPRESS)  # torch.distributed.launch (legacy) passes this
+    _add_job_overrides(p)
+    p.set_defaults(func=_handler("ddpjob.runner:cmd_run"))
+
+    p = sub.add_parser("selftest", help="check the process group: all-reduce, broadcast, bandwidth")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
+    p.add_argument("--size-mb", type=float, default=16.0, help="all-reduce payload for the bandwidth test")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the other ranks")
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help=argparse.SUPPRESS)
+    p.set_defaults(func=_handler("ddpjob.selftest:cmd_selftest"))
+
+    p = sub.add_parser("status", help="state, restarts, last step and checkpoint of runs")
+    p.add_argument("target", nargs="?", help="run directory or SLURM job id (default: all runs)")
+    p.add_argument("--runs-root", default="runs", help="where runs live (default: ./runs)")
+    p.set_defaults(func=_handler("ddpjob.control:cmd_status"))
+
+    p = sub.add_parser("logs", help="print a run's logs")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("-f", "--follow", action="store_true", help="keep following, across requeues")
+    p.set_defaults(func=_handler("ddpjob.control:cmd_logs"))
+
+    p = sub.add_parser("cancel", help="cancel a run's job")
+    p.add_argument("run", help="run directory")
+    p.set_defaults(func=_handler("ddpjob.control:cmd_cancel"))
+
+    p = sub.add_parser("ls", help="list runs")
+    p.add_argument("--runs-root", default="runs")
+    p.set_defaults(func=_handler("ddpjob.control:cmd_ls"))
+
+    p = sub.add_parser("doctor", help="preflight checks on the login node")
+    p.add_argument("job", nargs="?", help="job file to check against the cluster")
+    p.add_argument("--srun", action="store_true", help="also run a tiny real srun on a compute node")
+    _add_job_overrides(p)
+    p.set_defaults(func=_handler("ddpjob.doctor:cmd_doctor"))
+
+    p = sub.add_parser("data", help="download/verify/extract a dataset once, on the login node")
+    p.add_argument("dataset", choices=["cifar10"])
+    p.add_argument("--root", required=True, help="data root (the job file's data.root)")
+    p.add_argument("--from", dest="from_file", help="an archive fetched by other means")
+    p.add_argument("--url", help="download address (default: the official one)")
+    p.set_defaults(func=_handler("ddpjob.dataprep:cmd_data"))
+
+    p = sub.add_parser("plot", help="plot loss/accuracy/lr/throughput of runs, with restart markers")
+    p.add_argument("runs", nargs="+", help="run directories")
+    p.add_argument("-o", "--output", required=True, help="PNG file to write")
+    p.set_defaults(func=_handler("ddpjob.plot:cmd_plot"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except DDPJobError as exc:
+        if debug:
+            raise
+        print(exc.line(), file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("ddpjob: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+    except Exception as exc:  # a bug, not a user error: still one line unless --debug
+        if debug:
+            raise
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"ddpjob: error: internal error, {msg}. Hint: rerun with --debug for the traceback "
+              "and report it.", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
