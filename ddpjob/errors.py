@@ -24,7 +24,7 @@ class DDPJobError(Exception):
         """The single line the CLI prints (never contains a newline)."""
         text = f"ddpjob: error: {self.message}."
         if self.hint:
-            text += f" Hint: {self.hint}."
+            text += f" Hint: {self.hint}" + ("" if self.hint[-1] in "?!" else ".")
         return " ".join(text.split())  # user strings may hold newlines: keep it one line
 
     def __str__(self) -> str:

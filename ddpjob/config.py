@@ -1,0 +1,433 @@
+"""Job files: TOML -> frozen, validated dataclasses.
+
+First step of the flow (CLI -> config -> render/submit -> nodes). The login node resolves the job
+file plus `--set` overrides once and writes `RUN_DIR/config.json`; the nodes read only that, so
+every rank and every restart trains with the same settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import sys
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpjob.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# Names are what SLURM accepts in --signal (without the SIG prefix).
+SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU", "QUIT", "ALRM")
+_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+# Names, partitions, accounts: what SLURM itself allows, and nothing a shell or a file
+# pattern (%j) could interpret.
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+_SBATCH_EXTRA_RE = re.compile(r"^--[a-z][a-z0-9-]*(=.*)?$")
+
+
+def _key(f: dataclasses.Field) -> str:  # TOML key of a field ("async" is a Python keyword)
+    return str(f.metadata.get("key", f.name))
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """Resources and SLURM behaviour (`[slurm]`)."""
+
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0  # 0 = CPU job
+    cpus_per_task: int = 1
+    mem: str = ""  # e.g. "32G"; "" = the partition's default
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = "01:00:00"
+    constraint: str = ""
+    signal: str = "USR2"  # sent to every task `signal_lead_s` before the time limit
+    signal_lead_s: int = 120
+    max_requeues: int = 20
+    setup: tuple[str, ...] = ()  # shell lines before the job (module load ...), written verbatim
+    sbatch_extra: tuple[str, ...] = ()  # extra "--option=value" sbatch arguments
+    requeue: bool = True
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Model, optimisation and the training loop (`[train]`)."""
+
+    model: str = "resnet18"  # torchvision name, built-in (cnn_tiny, resnet8) or "pkg.mod:fn"
+    num_classes: int = 10
+    cifar_stem: bool = True  # 3x3 stride-1 first conv, no max-pool (32x32 images)
+    pretrained: str = ""  # local weights file
+    freeze_backbone: bool = False
+    epochs: int = 1
+    max_steps: int = 0  # > 0: stop after this many optimizer steps (wins over epochs)
+    batch_size: int = 128  # per rank, per micro-step
+    global_batch_size: int = 0  # > 0: accumulation = global / (batch_size * world_size)
+    accumulation_steps: int = 1
+    optimizer: str = "sgd"  # sgd | adamw
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-4
+    warmup_steps: int = 0
+    warmup_epochs: float = 0.0
+    schedule: str = "cosine"  # cosine | step | constant
+    lr_step_epochs: int = 30  # schedule = step
+    lr_gamma: float = 0.1
+    amp: str = "auto"  # auto (bf16 where supported) | bf16 | fp16 | off
+    sync_batchnorm: bool = False
+    channels_last: bool = True
+    compile: bool = False
+    grad_clip: float = 0.0  # max grad norm; 0 = off
+    label_smoothing: float = 0.0
+    seed: int = 0
+    eval_every: int = 0  # optimizer steps; 0 = end of each epoch (and always at the end)
+    log_every: int = 10
+    backend: str = "auto"  # process group: auto | nccl | gloo
+    threads: int = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
+    dist_timeout_s: int = 300
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Dataset (`[data]`)."""
+
+    dataset: str = "synthetic"  # cifar10 | synthetic | "pkg.mod:fn" returning a Dataset
+    root: str = "data"
+    augment: bool = True
+    num_workers: int = 0  # plugin datasets only (cifar10/synthetic live on the device)
+    synthetic_train: int = 4096
+    synthetic_test: int = 1024
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints and resume (`[checkpoint]`)."""
+
+    every_steps: int = 0  # 0 = only when stopping and at the end
+    every_minutes: float = 0.0
+    keep_last: int = 3
+    async_save: bool = field(default=False, metadata={"key": "async"})
+    resume: bool = True
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str = "ddpjob"
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {_key(f): _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def hash(self) -> str:
+        """What must match for a checkpoint to be resumed (resources may change: elastic resume)."""
+        d = self.to_dict()
+        d.pop("slurm")
+        d.pop("name")
+        d.pop("checkpoint")
+        for k in ("epochs", "max_steps", "eval_every", "log_every", "threads", "backend",
+                  "dist_timeout_s", "batch_size", "accumulation_steps"):
+            d["train"].pop(k)
+        for k in ("root", "num_workers"):
+            d["data"].pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+SECTIONS: dict[str, type] = {
+    "slurm": SlurmConfig, "train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+}
+
+
+def _to_plain(v: Any) -> Any:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {_key(f): _to_plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, tuple):
+        return list(v)
+    return v
+
+
+def _type_name(t: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        t, "a list of strings")
+
+
+def _coerce(where: str, value: Any, t: Any) -> Any:
+    """Check one value against a field's type; ints are accepted where floats are expected."""
+    if t is bool:
+        ok = isinstance(value, bool)
+    elif t is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif t is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif t is str:
+        ok = isinstance(value, str)
+    else:  # tuple[str, ...]
+        if isinstance(value, str):
+            value = [value]
+        ok = isinstance(value, list) and all(isinstance(x, str) for x in value)
+        value = tuple(value) if ok else value
+    if not ok:
+        raise UsageError(f"{where} is {value!r} ({type(value).__name__}), expected {_type_name(t)}",
+                         f"write e.g. {where.split('.')[-1]} = {_example(t)}")
+    return value
+
+
+def _example(t: Any) -> str:
+    return {int: "4", float: "0.1", bool: "true", str: '"text"'}.get(t, '["a", "b"]')
+
+
+def _build_section(name: str, cls: type, raw: Mapping[str, Any], source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    by_key = {_key(f): f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k not in by_key:
+            raise UsageError(f"unknown key '{name}.{k}' in {source}, expected one of: "
+                             f"{', '.join(sorted(by_key))}", _did_you_mean(k, by_key))
+        f = by_key[k]
+        kwargs[f.name] = _coerce(f"{name}.{k}", v, hints[f.name])
+    return cls(**kwargs)
+
+
+def _did_you_mean(key: str, valid: Sequence[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    return f"did you mean '{close[0]}'?" if close else "check the spelling against the list"
+
+
+def from_dict(raw: Mapping[str, Any], source: str = "the job file") -> JobConfig:
+    """Build and validate a JobConfig from parsed TOML/JSON."""
+    unknown = set(raw) - set(SECTIONS) - {"name"}
+    if unknown:
+        k = sorted(unknown)[0]
+        raise UsageError(f"unknown key '{k}' in {source}, expected one of: name, "
+                         f"{', '.join(SECTIONS)}", _did_you_mean(k, ["name", *SECTIONS]))
+    sections = {}
+    for name, cls in SECTIONS.items():
+        sec = raw.get(name, {})
+        if not isinstance(sec, Mapping):
+            raise UsageError(f"'{name}' in {source} is {type(sec).__name__}, expected a table",
+                             f"write it as a [{name}] section")
+        sections[name] = _build_section(name, cls, sec, source)
+    name = _coerce("name", raw.get("name", "ddpjob"), str)
+    cfg = JobConfig(name=name, **sections)
+    validate(cfg)
+    return cfg
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """`train.lr=0.05` -> raw['train']['lr'] = 0.05; values are TOML literals, bare words strings."""
+    out: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
+    for item in overrides:
+        path, value = parse_override(item)
+        if len(path) == 1:
+            out[path[0]] = value
+        else:
+            out.setdefault(path[0], {})
+            if not isinstance(out[path[0]], dict):
+                raise UsageError(f"override '{item}' targets '{path[0]}', which is not a section",
+                                 "use --set section.key=value")
+            out[path[0]][path[1]] = value
+    return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise UsageError(f"override '{item}' has no '=', expected section.key=value",
+                         "e.g. --set train.lr=0.05")
+    key, text = item.split("=", 1)
+    path = key.strip().split(".")
+    if not (len(path) == 2 and path[0] in SECTIONS or path == ["name"]) or not all(path):
+        raise UsageError(f"override key '{key}' is not section.key, expected a section among "
+                         f"{', '.join(SECTIONS)} (or 'name')", "e.g. --set train.lr=0.05")
+    return path, parse_value(text)
+
+
+def parse_value(text: str) -> Any:
+    """A TOML literal (0.05, true, [1, 2], "x"); anything else is taken as a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_time_s(value: str) -> int:
+    """SLURM time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S -> seconds."""
+    m = _TIME_RE.match(value.strip())
+    if not m:
+        raise ValueError(value)
+    d, a, b, c = m.groups()
+    if d is not None:  # D-H[:M[:S]]
+        return int(d) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    if c is not None:  # H:M:S
+        return int(a) * 3600 + int(b) * 60 + int(c)
+    if b is not None:  # M:S
+        return int(a) * 60 + int(b)
+    return int(a) * 60  # M
+
+
+def _check(ok: bool, message: str, hint: str) -> None:
+    if not ok:
+        raise UsageError(message, hint)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Reject values SLURM or the trainer would fail on later, far from the cause."""
+    s, t, d, c = cfg.slurm, cfg.train, cfg.data, cfg.checkpoint
+    _check(bool(_NAME_RE.match(cfg.name)) and len(cfg.name) <= 100,
+           f"name {cfg.name!r} has characters SLURM or a shell would interpret, expected letters, "
+           "digits and _ . + - (not first)", "e.g. name = \"cifar10-resnet18\"")
+    for key in ("nodes", "tasks_per_node", "cpus_per_task"):
+        v = getattr(s, key)
+        _check(v > 0, f"slurm.{key} is {v}, expected a positive integer", f"set slurm.{key} >= 1")
+    _check(s.gpus_per_node >= 0, f"slurm.gpus_per_node is {s.gpus_per_node}, expected >= 0",
+           "use 0 for a CPU job")
+    for key in ("partition", "account", "qos", "constraint"):
+        v = getattr(s, key)
+        ok = v == "" or bool(re.match(r"^[A-Za-z0-9_][A-Za-z0-9_.,&|\[\]*:-]*$", v) if key == "constraint"
+                             else _NAME_RE.match(v))
+        _check(ok, f"slurm.{key} {v!r} is not a valid SLURM name, expected letters, digits and _ . -",
+               f"check `sinfo`/`sacctmgr` for the {key} names of your cluster")
+    _check(s.mem == "" or bool(re.match(r"^\d+[KMGT]?$", s.mem)),
+           f"slurm.mem {s.mem!r} is not a SLURM memory size, expected e.g. 32G or 4000M",
+           "write mem = \"32G\"")
+    try:
+        secs = parse_time_s(s.time)
+    except ValueError:
+        secs = -1
+    _check(secs > 0, f"slurm.time {s.time!r} is not a SLURM time limit, expected minutes, "
+           "HH:MM:SS or D-HH:MM:SS", "e.g. time = \"04:00:00\"")
+    _check(s.signal.upper().removeprefix("SIG") in SIGNALS,
+           f"slurm.signal {s.signal!r} is not a signal ddpjob handles, expected one of "
+           f"{', '.join(SIGNALS)}", "use USR2 (the default; NCCL may own USR1). "
+           "Do not write B: - ddpjob routes the signal to the tasks itself")
+    _check(0 <= s.signal_lead_s < 65535, f"slurm.signal_lead_s is {s.signal_lead_s}, expected "
+           "0..65534 seconds", "typical: 120")
+    _check(s.signal_lead_s < secs or secs <= 0, f"slurm.signal_lead_s {s.signal_lead_s} is not "
+           f"below the time limit {s.time}", "lower signal_lead_s or raise slurm.time")
+    _check(s.max_requeues >= 0, f"slurm.max_requeues is {s.max_requeues}, expected >= 0", "e.g. 20")
+    for line in s.setup:
+        _check("\n" not in line and "\r" not in line and "\0" not in line,
+               f"slurm.setup line {line!r} contains a newline, expected one shell line per entry",
+               "split it into several list entries")
+    for arg in s.sbatch_extra:
+        _check(bool(_SBATCH_EXTRA_RE.match(arg)) and "\n" not in arg and "\0" not in arg,
+               f"slurm.sbatch_extra entry {arg!r} is not an '--option=value' argument",
+               "e.g. sbatch_extra = [\"--exclusive\", \"--mail-type=END\"]")
+    positive = ("batch_size", "accumulation_steps", "epochs", "log_every", "num_classes",
+                "dist_timeout_s")
+    for key in positive:
+        v = getattr(t, key)
+        _check(v > 0, f"train.{key} is {v}, expected a positive integer", f"set train.{key} >= 1")
+    for key in ("max_steps", "global_batch_size", "warmup_steps", "eval_every", "threads"):
+        v = getattr(t, key)
+        _check(v >= 0, f"train.{key} is {v}, expected >= 0", f"set train.{key} to 0 to disable")
+    _check(t.lr > 0, f"train.lr is {t.lr}, expected > 0", "e.g. lr = 0.1")
+    for key, options in (("optimizer", ("sgd", "adamw")), ("schedule", ("cosine", "step", "constant")),
+                         ("amp", ("auto", "bf16", "fp16", "off")), ("backend", ("auto", "nccl", "gloo"))):
+        v = getattr(t, key)
+        _check(v in options, f"train.{key} is {v!r}, expected one of {', '.join(options)}",
+               f"e.g. {key} = \"{options[0]}\"")
+    for key in ("weight_decay", "grad_clip", "label_smoothing", "warmup_epochs", "momentum"):
+        v = getattr(t, key)
+        _check(v >= 0, f"train.{key} is {v}, expected >= 0", f"set train.{key} = 0 to disable")
+    _check(t.label_smoothing < 1, f"train.label_smoothing is {t.label_smoothing}, expected < 1",
+           "typical: 0.1")
+    if t.global_batch_size:
+        per_step = t.batch_size * s.world_size
+        _check(t.global_batch_size % per_step == 0,
+               f"train.global_batch_size {t.global_batch_size} is not a multiple of batch_size x "
+               f"ranks = {t.batch_size} x {s.world_size}", "change batch_size or global_batch_size")
+    _check(d.dataset in ("cifar10", "synthetic") or ":" in d.dataset,
+           f"data.dataset is {d.dataset!r}, expected cifar10, synthetic or \"package.module:function\"",
+           "e.g. dataset = \"cifar10\"")
+    _check(d.num_workers >= 0, f"data.num_workers is {d.num_workers}, expected >= 0", "use 0")
+    _check(d.synthetic_train > 0 and d.synthetic_test > 0, "data.synthetic_train/test must be "
+           "positive", "e.g. synthetic_train = 4096")
+    _check(c.keep_last >= 1, f"checkpoint.keep_last is {c.keep_last}, expected >= 1",
+           "keep at least one checkpoint")
+    _check(c.every_steps >= 0 and c.every_minutes >= 0, "checkpoint.every_steps/every_minutes "
+           "must be >= 0", "0 disables periodic saves")
+
+
+def accumulation_for(cfg: JobConfig, world_size: int) -> int:
+    """Micro-steps per optimizer step at this world size (global batch wins when set)."""
+    t = cfg.train
+    if not t.global_batch_size:
+        return t.accumulation_steps
+    per_step = t.batch_size * world_size
+    if t.global_batch_size % per_step:
+        raise UsageError(f"global batch {t.global_batch_size} cannot be split over {world_size} "
+                         f"ranks x batch_size {t.batch_size}",
+                         "choose a world size or batch_size that divides the global batch")
+    return t.global_batch_size // per_step
+
+
+def with_cli_flags(cfg_raw: dict[str, Any], flags: Mapping[str, Any]) -> dict[str, Any]:
+    """Map --nodes/--partition/... onto the raw dict before validation (None = not given)."""
+    mapping = {"nodes": "nodes", "tasks_per_node": "tasks_per_node", "gpus_per_node": "gpus_per_node",
+               "partition": "partition", "account": "account", "qos": "qos", "time": "time"}
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in cfg_raw.items()}
+    for flag, key in mapping.items():
+        if flags.get(flag) is not None:
+            out.setdefault("slurm", {})[key] = flags[flag]
+    if flags.get("name") is not None:
+        out["name"] = flags["name"]
+    return out
+
+
+def resolve(job: str | Path, overrides: Sequence[str] = (), flags: Mapping[str, Any] | None = None
+            ) -> JobConfig:
+    """Job file + `--set` overrides + CLI flags -> validated config (flags win)."""
+    p = Path(job)
+    if not p.is_file():
+        raise UsageError(f"job file '{job}' not found, expected a TOML file",
+                         "the examples are in jobs/ (e.g. jobs/smoke.toml)")
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"job file '{job}' is not valid TOML ({exc})",
+                         "check quotes and brackets near the position shown") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read job file '{job}' ({exc.strerror})",
+                         "check the path and its permissions") from None
+    raw = apply_overrides(raw, overrides)
+    raw = with_cli_flags(raw, flags or {})
+    return from_dict(raw, f"'{job}'")
+
+
+def from_json(text: str, source: str = "config.json") -> JobConfig:
+    return from_dict(json.loads(text), source)
+
+
+def read_run_config(run_dir: str | Path) -> JobConfig:
+    p = Path(run_dir) / "config.json"
+    try:
+        return from_json(p.read_text(encoding="utf-8"), str(p))
+    except FileNotFoundError:
+        raise UsageError(f"'{run_dir}' has no config.json, expected a ddpjob run directory",
+                         "pass a job file (TOML) or a run dir made by `ddpjob submit`") from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{p} is not valid JSON ({exc})", "the run dir is damaged; resubmit") from None
