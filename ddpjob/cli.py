@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="where to write the script ('-' = stdout)")
     p.add_argument("--template", help="your own copy of templates/sbatch.sh.tmpl")
     _add_job_overrides(p)
-    p.set_defaults(func=_handler("ddpjob.submit:cmd_sbatch"))
+    p.set_defaults(func=_handler("ddpjob.sbatch:cmd_sbatch"))
 
     p = sub.add_parser("run", help="train on this node (under srun, torchrun, or alone)")
     p.add_argument("target", help="job file (TOML) or an existing run directory")

@@ -32,6 +32,22 @@ _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 # pattern (%j) could interpret.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 _SBATCH_EXTRA_RE = re.compile(r"^--[a-z][a-z0-9-]*(=.*)?$")
+# sbatch options ddpjob derives from the job file or needs for itself (logs, signal routing,
+# the script body): setting them again through sbatch_extra would silently break resume.
+_RESERVED_SBATCH = {
+    **{o: f"set slurm.{o.replace('-', '_')} instead" for o in
+       ("nodes", "gpus-per-node", "cpus-per-task", "mem", "partition", "account", "qos", "time",
+        "constraint")},
+    "job-name": "set name instead", "ntasks-per-node": "set slurm.tasks_per_node instead",
+    "ntasks": "set slurm.nodes and slurm.tasks_per_node instead",
+    "requeue": "set slurm.requeue instead", "no-requeue": "set slurm.requeue = false instead",
+    "signal": "set slurm.signal and slurm.signal_lead_s instead",
+    "output": "ddpjob writes the logs to RUN_DIR/logs; remove it",
+    "error": "ddpjob writes the logs to RUN_DIR/logs; remove it",
+    "open-mode": "ddpjob appends to the logs across requeues; remove it",
+    "wrap": "a job file cannot replace the script; use slurm.setup for shell lines",
+    "array": "use `ddpjob submit --sweep` for job arrays",
+}
 
 
 def _key(f: dataclasses.Field) -> str:  # TOML key of a field ("async" is a Python keyword)
@@ -247,7 +263,8 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
         else:
             out.setdefault(path[0], {})
             if not isinstance(out[path[0]], dict):
-                raise UsageError(f"override '{item}' targets '{path[0]}', which is not a section",
+                raise UsageError(f"override '{item}' targets '{path[0]}', which is not a section, "
+                                 "expected section.key=value",
                                  "use --set section.key=value")
             out[path[0]][path[1]] = value
     return out
@@ -326,16 +343,21 @@ def validate(cfg: JobConfig) -> None:
     _check(0 <= s.signal_lead_s < 65535, f"slurm.signal_lead_s is {s.signal_lead_s}, expected "
            "0..65534 seconds", "typical: 120")
     _check(s.signal_lead_s < secs or secs <= 0, f"slurm.signal_lead_s {s.signal_lead_s} is not "
-           f"below the time limit {s.time}", "lower signal_lead_s or raise slurm.time")
+           f"below the time limit {s.time}, expected fewer than {secs} seconds",
+           "lower signal_lead_s or raise slurm.time")
     _check(s.max_requeues >= 0, f"slurm.max_requeues is {s.max_requeues}, expected >= 0", "e.g. 20")
     for line in s.setup:
         _check("\n" not in line and "\r" not in line and "\0" not in line,
                f"slurm.setup line {line!r} contains a newline, expected one shell line per entry",
                "split it into several list entries")
     for arg in s.sbatch_extra:
-        _check(bool(_SBATCH_EXTRA_RE.match(arg)) and "\n" not in arg and "\0" not in arg,
-               f"slurm.sbatch_extra entry {arg!r} is not an '--option=value' argument",
-               "e.g. sbatch_extra = [\"--exclusive\", \"--mail-type=END\"]")
+        _check(bool(_SBATCH_EXTRA_RE.match(arg)) and not re.search(r"[\x00-\x1f\x7f]", arg),
+               f"slurm.sbatch_extra entry {arg!r} is not one '--option=value' argument, expected "
+               "a long option on one line", "e.g. sbatch_extra = [\"--exclusive\", \"--mail-type=END\"]")
+        option = arg[2:].split("=", 1)[0]
+        _check(option not in _RESERVED_SBATCH, f"slurm.sbatch_extra entry {arg!r} sets --{option}, "
+               "which ddpjob controls, expected other sbatch options",
+               _RESERVED_SBATCH.get(option, ""))
     positive = ("batch_size", "accumulation_steps", "epochs", "log_every", "num_classes",
                 "dist_timeout_s")
     for key in positive:
@@ -359,17 +381,17 @@ def validate(cfg: JobConfig) -> None:
         per_step = t.batch_size * s.world_size
         _check(t.global_batch_size % per_step == 0,
                f"train.global_batch_size {t.global_batch_size} is not a multiple of batch_size x "
-               f"ranks = {t.batch_size} x {s.world_size}", "change batch_size or global_batch_size")
+               f"ranks = {t.batch_size} x {s.world_size}, expected a multiple of {per_step}", "change batch_size or global_batch_size")
     _check(d.dataset in ("cifar10", "synthetic") or ":" in d.dataset,
            f"data.dataset is {d.dataset!r}, expected cifar10, synthetic or \"package.module:function\"",
            "e.g. dataset = \"cifar10\"")
     _check(d.num_workers >= 0, f"data.num_workers is {d.num_workers}, expected >= 0", "use 0")
-    _check(d.synthetic_train > 0 and d.synthetic_test > 0, "data.synthetic_train/test must be "
-           "positive", "e.g. synthetic_train = 4096")
+    _check(d.synthetic_train > 0 and d.synthetic_test > 0, f"data.synthetic_train/test are "
+           f"{d.synthetic_train}/{d.synthetic_test}, expected positive integers", "e.g. synthetic_train = 4096")
     _check(c.keep_last >= 1, f"checkpoint.keep_last is {c.keep_last}, expected >= 1",
            "keep at least one checkpoint")
-    _check(c.every_steps >= 0 and c.every_minutes >= 0, "checkpoint.every_steps/every_minutes "
-           "must be >= 0", "0 disables periodic saves")
+    _check(c.every_steps >= 0 and c.every_minutes >= 0, f"checkpoint.every_steps/every_minutes are "
+           f"{c.every_steps}/{c.every_minutes}, expected >= 0", "0 disables periodic saves")
 
 
 def accumulation_for(cfg: JobConfig, world_size: int) -> int:
@@ -380,7 +402,7 @@ def accumulation_for(cfg: JobConfig, world_size: int) -> int:
     per_step = t.batch_size * world_size
     if t.global_batch_size % per_step:
         raise UsageError(f"global batch {t.global_batch_size} cannot be split over {world_size} "
-                         f"ranks x batch_size {t.batch_size}",
+                         f"ranks x batch_size {t.batch_size}, expected a multiple of {per_step}",
                          "choose a world size or batch_size that divides the global batch")
     return t.global_batch_size // per_step
 
@@ -408,10 +430,11 @@ def resolve(job: str | Path, overrides: Sequence[str] = (), flags: Mapping[str, 
     try:
         raw = tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise UsageError(f"job file '{job}' is not valid TOML ({exc})",
+        raise UsageError(f"job file '{job}' is not valid TOML ({exc}), expected key = value lines "
+                         "under [section] headers",
                          "check quotes and brackets near the position shown") from None
     except OSError as exc:
-        raise UsageError(f"cannot read job file '{job}' ({exc.strerror})",
+        raise UsageError(f"cannot read job file '{job}' ({exc.strerror}), expected a readable file",
                          "check the path and its permissions") from None
     raw = apply_overrides(raw, overrides)
     raw = with_cli_flags(raw, flags or {})
@@ -430,4 +453,4 @@ def read_run_config(run_dir: str | Path) -> JobConfig:
         raise UsageError(f"'{run_dir}' has no config.json, expected a ddpjob run directory",
                          "pass a job file (TOML) or a run dir made by `ddpjob submit`") from None
     except json.JSONDecodeError as exc:
-        raise UsageError(f"{p} is not valid JSON ({exc})", "the run dir is damaged; resubmit") from None
+        raise UsageError(f"{p} is not valid JSON ({exc}), expected the config written by ddpjob", "the run dir is damaged; resubmit") from None

@@ -1,0 +1,221 @@
+"""sbatch script text from templates/sbatch.sh.tmpl: a pure function of the resolved config.
+
+Second step of the flow (config -> render -> run dir -> `sbatch`). `render_sbatch` does no I/O,
+so golden files pin its output; `load_template` reads the template shipped in the package
+(`ddpjob.templates`) or a user's copy. Every value reaching the shell is `shlex.quote`d, every
+`#SBATCH` value is validated or quoted for sbatch's own parser, and anything else is refused.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import importlib.resources
+import re
+import shlex
+import string
+from collections.abc import Mapping
+from pathlib import Path
+
+from ddpjob import __version__
+from ddpjob.config import JobConfig
+from ddpjob.errors import UsageError
+from ddpjob.rundir import LOGS
+
+TEMPLATE_NAME = "sbatch.sh.tmpl"
+# srun turns its own TERM/INT/HUP/QUIT into SIGKILL for the ranks: never forward those.
+_NOT_FORWARDED = {"TERM", "INT", "HUP", "QUIT"}
+# sbatch reads "#SBATCH" lines itself, with its own rules: whitespace splits arguments, quotes
+# group, a backslash escapes, an unquoted '#' starts a comment, and a line containing "hetjob"
+# or "packjob" anywhere starts a new heterogeneous-job component.
+_DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]*$")
+_HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ShellTemplate(string.Template):
+    """`${lower_case}` placeholders only: `$VAR`, `${UPPER}`, `$(...)`, `$?`, `$1` stay shell."""
+
+    flags = 0  # string.Template ignores case by default, which would capture ${UPPER} too
+    pattern = r"""
+        \$(?:
+          (?P<escaped>(?!))                       # no escape sequence: `$$` is the shell's PID
+        | (?P<named>(?!))                         # bare $name is always shell
+        | \{(?P<braced>[a-z][a-z0-9_]*)\}         # ${placeholder}
+        | (?P<invalid>(?!))
+        )
+    """
+
+
+def load_template(path: str | Path | None = None) -> str:
+    """The text of a user's template, or of the one shipped with ddpjob (path None)."""
+    if path is None:
+        return _default_template()
+    p = Path(path)
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"template '{path}' not found, expected a copy of {TEMPLATE_NAME}",
+                         "copy templates/sbatch.sh.tmpl from ddpjob and pass its path") from None
+    except IsADirectoryError:
+        raise UsageError(f"template '{path}' is a directory, expected a file",
+                         f"pass the path of your copy of {TEMPLATE_NAME}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"template '{path}' is not UTF-8 text, expected a shell script template",
+                         f"start again from a copy of {TEMPLATE_NAME}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read template '{path}' ({exc.strerror})",
+                         "check the path and its permissions") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _default_template() -> str:
+    return importlib.resources.files("ddpjob.templates").joinpath(TEMPLATE_NAME).read_text("utf-8")
+
+
+def render_sbatch(cfg: JobConfig, *, run_dir: Path, python: str, template: str | None = None,
+                  extra_env: Mapping[str, str] = {}) -> str:
+    """The sbatch script for `cfg`, training in `run_dir` with interpreter `python`.
+
+    Pure: the same arguments give the same text (template None = the shipped template, read
+    once). Raises UsageError for a string that could not reach the job unchanged.
+    """
+    text = _default_template() if template is None else template
+    values = placeholders(cfg, run_dir=run_dir, python=python, extra_env=extra_env)
+    tmpl = ShellTemplate(text)
+    unknown = sorted(set(tmpl.get_identifiers()) - set(values))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(values), n=1)
+        raise UsageError(f"the template uses the unknown placeholder ${{{unknown[0]}}}, expected "
+                         f"one of: {', '.join(sorted(values))}",
+                         (f"did you mean ${{{close[0]}}}? Shell" if close else "fix its spelling; shell")
+                         + " variables are UPPER_CASE or written $name")
+    return tmpl.substitute(values)
+
+
+def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
+                 extra_env: Mapping[str, str] = {}) -> dict[str, str]:
+    """Every placeholder a template may use, each already quoted for where it appears."""
+    s = cfg.slurm
+    run = _check_run_dir(run_dir)
+    python = _check_python(python)
+    signal = s.signal.upper().removeprefix("SIG")
+    config_json = cfg.to_json().encode()
+    return {
+        "version": __version__,
+        "name": cfg.name,  # validated: letters, digits, _ . + -
+        "nodes": str(s.nodes),
+        "tasks_per_node": str(s.tasks_per_node),
+        "world_size": str(s.world_size),
+        "config_digest": "sha256:" + hashlib.sha256(config_json).hexdigest()[:16],
+        "resume_hash": cfg.hash(),
+        "sbatch_directives": "\n".join(f"#SBATCH {d}" for d in sbatch_directives(cfg, run)),
+        "setup": "\n".join(_check_setup(s.setup)) or "# (none)",
+        "run_dir": shlex.quote(run),
+        "exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in _check_env(extra_env)),
+        "rank_log": shlex.quote(f"{slurm_pattern_escape(run)}/{LOGS}/rank-%t.log"),
+        "python": shlex.quote(python),
+        "signal": shlex.quote(signal),
+        "forward_signal": shlex.quote("" if signal in _NOT_FORWARDED else signal),
+    }
+
+
+def sbatch_directives(cfg: JobConfig, run_dir: str) -> list[str]:
+    """The `#SBATCH` arguments in a fixed order; values are validated by config.validate."""
+    s = cfg.slurm
+    out = [f"--job-name={cfg.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={s.tasks_per_node}"]
+    if s.gpus_per_node > 0:
+        out.append(f"--gpus-per-node={s.gpus_per_node}")
+    out.append(f"--cpus-per-task={s.cpus_per_task}")
+    for key in ("mem", "partition", "account", "qos"):
+        if getattr(s, key):
+            out.append(f"--{key}={getattr(s, key)}")
+    out.append(f"--time={s.time}")
+    if s.constraint:
+        out.append(f"--constraint={s.constraint}")
+    # A requeued run appends to the batch log instead of truncating the first run's.
+    out += ["--requeue" if s.requeue else "--no-requeue", "--open-mode=append"]
+    # No "B:": the warning goes to the ranks (the job steps), which checkpoint on it.
+    out.append(f"--signal={s.signal.upper().removeprefix('SIG')}@{s.signal_lead_s}")
+    log = f"{slurm_pattern_escape(run_dir)}/{LOGS}/batch-%j.out"
+    out += [directive_quote(f"--output={log}"), directive_quote(f"--error={log}")]
+    out += [directive_quote(arg) for arg in s.sbatch_extra]
+    for arg in out:
+        if _HETJOB.search(arg):
+            raise UsageError(f"sbatch option {arg!r} contains 'hetjob'/'packjob', which sbatch "
+                             "reads as a heterogeneous-job separator", "rename that path or value")
+    return out
+
+
+def directive_quote(arg: str) -> str:
+    """One argument for sbatch's `#SBATCH` parser (not a shell): bare if plain, else "...",
+    with backslash and double quote escaped. Control characters cannot be written at all."""
+    if _CONTROL.search(arg):
+        raise UsageError(f"sbatch option {arg!r} contains a newline or control character, "
+                         "expected one line", "remove it")
+    if _DIRECTIVE_SAFE.match(arg):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def slurm_pattern_escape(path: str) -> str:
+    """A literal path inside a SLURM file-name pattern (--output): `%` is written `%%`."""
+    return path.replace("%", "%%")
+
+
+def _check_run_dir(run_dir: Path) -> str:
+    run = str(run_dir)
+    if not run.startswith("/"):  # also rules out a leading '-' read as an option
+        raise UsageError(f"run dir '{run}' is relative, expected an absolute path",
+                         "pass Path.absolute() of the run directory")
+    if _CONTROL.search(run):
+        raise UsageError(f"run dir {run!r} contains a newline or control character, expected a "
+                         "one-line path (sbatch and the logs could not name it)",
+                         "choose a --run-dir without control characters")
+    if "\\" in run:
+        raise UsageError(f"run dir {run!r} contains a backslash, which turns off SLURM's "
+                         "%j/%t log-name patterns", "choose a --run-dir without backslashes")
+    if _HETJOB.search(run):
+        raise UsageError(f"run dir {run!r} contains 'hetjob'/'packjob', which sbatch reads as a "
+                         "heterogeneous-job separator on #SBATCH lines", "choose another --run-dir")
+    _check_utf8(run, "run dir")
+    return run
+
+
+def _check_python(python: str) -> str:
+    if not python or python.startswith("-") or _CONTROL.search(python):
+        raise UsageError(f"python interpreter {python!r} is not a command, expected an absolute "
+                         "path or a program name", "pass sys.executable")
+    _check_utf8(python, "python interpreter")
+    return python
+
+
+def _check_setup(lines: tuple[str, ...]) -> list[str]:
+    for line in lines:  # config.validate rejects these too; the renderer must not rely on it
+        if _CONTROL.search(line.replace("\t", " ")):
+            raise UsageError(f"slurm.setup line {line!r} contains a newline or control "
+                             "character, expected one shell line per entry",
+                             "split it into several list entries")
+        _check_utf8(line, "slurm.setup line")
+    return list(lines)
+
+
+def _check_env(env: Mapping[str, str]) -> list[tuple[str, str]]:
+    for key, value in env.items():
+        if not _ENV_NAME.match(key):
+            raise UsageError(f"environment variable name {key!r} is not a shell name, expected "
+                             "letters, digits and _", "e.g. NCCL_DEBUG")
+        if "\0" in value:
+            raise UsageError(f"environment variable {key} contains a NUL byte", "remove it")
+        _check_utf8(value, f"environment variable {key}")
+    return sorted(env.items())
+
+
+def _check_utf8(value: str, what: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"{what} {value!r} is not valid UTF-8 text, expected a printable path",
+                         "rename it with valid UTF-8 characters") from None

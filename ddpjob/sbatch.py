@@ -1,0 +1,158 @@
+"""`ddpjob sbatch JOB.toml -o FILE`: a standalone sbatch script plus its run directory.
+
+Login node, after config.py and render.py: resolves the job, renders the script (pure), then
+writes RUN_DIR/config.json, RUN_DIR/logs/, RUN_DIR/job.sbatch and FILE. Every check runs before
+the first write, and on a failure nothing half-written is left: no new run dir, FILE untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from ddpjob import config, console, render, rundir
+from ddpjob.errors import DDPJobError
+
+SCRIPT = "job.sbatch"
+_FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
+
+
+def cmd_sbatch(args: argparse.Namespace) -> int:
+    job = locate_job(args.job)
+    flags = {k: getattr(args, k, None) for k in _FLAGS}
+    cfg = config.resolve(job, args.overrides, flags)
+    template = render.load_template(args.template)
+    to_stdout = args.output == "-"
+    out = None if to_stdout else _check_output(Path(args.output))
+    run_dir = Path(args.run_dir or rundir.new_run_dir("runs", cfg.name)).absolute()
+    # The interpreter that runs ddpjob here runs the ranks too (same venv on a shared filesystem).
+    script = render.render_sbatch(cfg, run_dir=run_dir, python=os.path.abspath(sys.executable),
+                                  template=template)
+    reuse = _check_run_dir(run_dir, cfg)
+
+    staged = _stage(out, script) if out is not None else None
+    try:
+        _write_run_dir(run_dir, cfg, script, reuse)
+    except BaseException:
+        if staged is not None:
+            staged.unlink(missing_ok=True)
+        raise
+    if staged is not None and out is not None:
+        os.replace(staged, out)  # the commit point: FILE changes whole, or not at all
+
+    if to_stdout:  # stdout holds the script: the report goes to stderr
+        sys.stdout.write(script)
+        sys.stdout.flush()
+    s = cfg.slurm
+    lines = [f"wrote {out if out is not None else 'the script to stdout'} "
+             f"(copy in {run_dir / SCRIPT})",
+             f"job {cfg.name}: {s.nodes} node(s) x {s.tasks_per_node} task(s), time {s.time}",
+             f"run dir {run_dir}",
+             f"logs {run_dir / rundir.LOGS}/batch-<job id>.out and rank-<R>.log",
+             f"next: sbatch {out if out is not None else run_dir / SCRIPT}"]
+    for line in lines:
+        if to_stdout:
+            print(f"ddpjob: {line}", file=sys.stderr, flush=True)
+        else:
+            console.info(line)
+    return 0
+
+
+def locate_job(job: str) -> Path:
+    """The job file: a path that exists, else one of the examples shipped inside ddpjob, so a
+    non-editable install still has them: `smoke`, `smoke.toml` and `jobs/smoke.toml` all name
+    ddpjob's own jobs/smoke.toml when no such file exists here."""
+    p = Path(job)
+    if p.exists() or p.parent not in (Path("."), Path("jobs")):
+        return p
+    name = p.name if p.suffix == ".toml" else f"{p.name}.toml"
+    bundled = importlib.resources.files("ddpjob.jobs").joinpath(name)
+    if bundled.is_file():
+        return Path(str(bundled))
+    return p  # config.resolve reports it as missing
+
+
+def _check_output(out: Path) -> Path:
+    if out.is_dir():
+        raise DDPJobError(f"-o '{out}' is a directory, expected a file name", "e.g. -o job.sbatch")
+    parent = out.parent
+    if not parent.is_dir():
+        raise DDPJobError(f"cannot write '{out}': folder '{parent}' does not exist, expected an "
+                          "existing folder", "create it first or choose another -o")
+    return out
+
+
+def _check_run_dir(run_dir: Path, cfg: config.JobConfig) -> bool:
+    """True if `run_dir` is an existing run dir of this very config (it is reused as is)."""
+    if not run_dir.exists():
+        return False
+    if not run_dir.is_dir():
+        raise DDPJobError(f"run dir '{run_dir}' exists and is not a folder, expected a new or "
+                          "empty folder", "choose another --run-dir")
+    existing = run_dir / rundir.CONFIG
+    if existing.is_file():
+        if rundir.read_json(existing) != json.loads(cfg.to_json()):
+            raise DDPJobError(f"run dir '{run_dir}' already holds a different {rundir.CONFIG}, "
+                              "expected a new folder or the same job",
+                              "omit --run-dir to get a new one (the config is written once)")
+        return True
+    if any(run_dir.iterdir()):
+        raise DDPJobError(f"run dir '{run_dir}' is not empty and has no {rundir.CONFIG}, "
+                          "expected a new or empty folder", "choose a new --run-dir")
+    return False
+
+
+def _stage(out: Path, text: str) -> Path:
+    """Write FILE's new text next to it; renamed over FILE only once everything else worked."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise DDPJobError(f"cannot write '{out}' ({exc.strerror}), expected a writable folder",
+                          "choose another -o") from None
+    return tmp
+
+
+def _write_run_dir(run_dir: Path, cfg: config.JobConfig, script: str, reuse: bool) -> None:
+    """config.json (once, atomically), logs/, job.sbatch; removes what it created on failure."""
+    top = next((p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None)
+    made: list[Path] = []
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for path in (run_dir / rundir.LOGS,):
+            if not path.exists():
+                path.mkdir()
+                made.append(path)
+        if not reuse:
+            rundir.write_text_atomic(run_dir / rundir.CONFIG, cfg.to_json())
+            made.append(run_dir / rundir.CONFIG)
+        rundir.write_text_atomic(run_dir / SCRIPT, script)
+    except OSError as exc:
+        _undo(top, made)
+        raise DDPJobError(f"cannot create run dir '{run_dir}' ({exc.strerror}), expected a "
+                          "writable folder", "choose a --run-dir on a writable shared filesystem"
+                          ) from None
+    except BaseException:
+        _undo(top, made)
+        raise
+
+
+def _undo(top: Path | None, made: list[Path]) -> None:
+    if top is not None:  # we created the run dir (and maybe parents): remove all of it
+        shutil.rmtree(top, ignore_errors=True)
+        return
+    for path in reversed(made):  # an empty folder the user gave us: leave it empty again
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
