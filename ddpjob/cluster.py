@@ -1,0 +1,384 @@
+"""Where this process sits in the job: `ClusterEnv.from_environ(environ, argv, num_gpus)`.
+
+First step on every node (runner, selftest): the launcher's variables (torchrun, the local
+backend, SLURM, or none) become one frozen ClusterEnv that dist.py and the trainer take as an
+argument. This is the only node-side code that reads os.environ; tests pass plain dicts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ddpjob.errors import DDPJobError
+
+# MASTER_PORT window. Linux hands out ephemeral ports (the local side of every outgoing
+# connection, gloo/NCCL's own included) from net.ipv4.ip_local_port_range, 32768-60999 by
+# default: a fixed port in there can be taken by some unrelated socket on the node and fail
+# with EADDRINUSE at random. Ports below ~15000 hold many well-known services (6817-6819 SLURM,
+# 8080, 8888 Jupyter, 6006 TensorBoard ...). So: 15000 + job_id % 15000, i.e. 15000-29999,
+# the same on every rank without any communication, different for concurrent jobs.
+PORT_BASE = 15000
+PORT_SPAN = 15000
+DEFAULT_PORT = 29500  # torch's default, used when there is no job id to derive one from
+
+_HINT_ENV = "unset the stray variable, or launch with srun / torchrun, which set all of them"
+
+
+# ---------------------------------------------------------------- SLURM hostlists
+def parse_hostlist(s: str) -> list[str]:
+    """Expand a SLURM hostlist (`n[1-2]`, `host[1,5-9]`, `rack[1-2]-node[01-02]`, `a1,b[2-3]`).
+
+    Same expansion and order as `scontrol show hostnames`; zero padding follows the width of
+    the range's lower bound, as in SLURM (`node[008-010]` -> node008, node009, node010).
+    """
+    text = s.strip()
+    if not text:
+        raise DDPJobError("the SLURM hostlist is empty", "expected a form like n[1-2] or n1,n2")
+    hosts: list[str] = []
+    for item in _split_top_level(text, s):
+        hosts.extend(_expand(item, s))
+    return hosts
+
+
+def first_host(s: str) -> str:
+    """The first host of a hostlist: where SLURM starts rank 0, so the MASTER_ADDR."""
+    return parse_hostlist(s)[0]
+
+
+def _bad_hostlist(s: str, why: str) -> DDPJobError:
+    return DDPJobError(f"cannot parse the SLURM hostlist {s!r}: {why}",
+                       "expected forms like n1, n[1-2], host[1,5-9], rack[1-2]-node[01-02], a1,b[2-3]")
+
+
+def _split_top_level(text: str, orig: str) -> list[str]:
+    """Split on the commas that are outside brackets."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise _bad_hostlist(orig, "nested '['")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise _bad_hostlist(orig, "']' without '['")
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise _bad_hostlist(orig, "'[' without ']'")
+    items.append(text[start:])
+    if any(not it.strip() for it in items):
+        raise _bad_hostlist(orig, "empty host name between commas")
+    return [it.strip() for it in items]
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _expand(item: str, orig: str) -> list[str]:
+    """`prefix[ranges]rest` -> prefix+r+each expansion of rest (the first bracket varies slowest)."""
+    open_ = item.find("[")
+    if open_ < 0:
+        return [item]
+    close = item.index("]", open_)  # balanced: checked by _split_top_level
+    prefix, body, rest = item[:open_], item[open_ + 1:close], item[close + 1:]
+    values: list[str] = []
+    for part in body.split(","):
+        m = _RANGE.match(part.strip())
+        if not m:
+            raise _bad_hostlist(orig, f"{part!r} is not a number or a range lo-hi")
+        lo_text, hi_text = m.group(1), m.group(2) or m.group(1)
+        lo, hi = int(lo_text), int(hi_text)
+        if lo > hi:
+            raise _bad_hostlist(orig, f"range {part!r} goes backwards")
+        width = len(lo_text)
+        values.extend(str(n).zfill(width) for n in range(lo, hi + 1))
+    return [prefix + v + tail for v in values for tail in _expand(rest, orig)]
+
+
+def parse_tasks_per_node(s: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE `2(x3),1` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in s.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise DDPJobError(f"SLURM_TASKS_PER_NODE={s!r} is not of the form 2(x3),1",
+                              "this variable is set by SLURM; do not export it yourself")
+        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return counts
+
+
+def port_for_job(job_id: str | None) -> int:
+    """Deterministic MASTER_PORT for a job id (numeric ids map directly, others via crc32)."""
+    if not job_id:
+        return DEFAULT_PORT
+    number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
+    return PORT_BASE + number % PORT_SPAN
+
+
+# ---------------------------------------------------------------- reading variables
+class _Vars:
+    """Typed, error-reporting access to one environment mapping."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.env = environ
+
+    def text(self, *names: str) -> str | None:
+        """The first of `names` that is set to a non-empty value."""
+        for name in names:
+            value = self.env.get(name, "").strip()
+            if value:
+                return value
+        return None
+
+    def integer(self, *names: str, default: int | None = None) -> int | None:
+        for name in names:
+            value = self.env.get(name, "").strip()
+            if value:
+                try:
+                    return int(value)
+                except ValueError:
+                    raise DDPJobError(f"{name}={value!r} is not an integer", _HINT_ENV) from None
+        return default
+
+    def required(self, *names: str, default: int | None = None) -> int:
+        value = self.integer(*names, default=default)
+        if value is None:
+            raise DDPJobError(f"{names[0]} is not set although {self._why()} is",
+                              "launch with torchrun (it sets RANK, LOCAL_RANK, WORLD_SIZE, "
+                              "MASTER_ADDR, MASTER_PORT) or set all of them")
+        return value
+
+    def _why(self) -> str:
+        return "RANK" if "RANK" in self.env else "another launcher variable"
+
+    def number(self, name: str) -> float | None:
+        value = self.env.get(name, "").strip()
+        if not value:
+            return None
+        try:
+            return float(value)
+        except ValueError:
+            raise DDPJobError(f"{name}={value!r} is not a number", _HINT_ENV) from None
+
+
+def _argv_local_rank(argv: Sequence[str]) -> int | None:
+    """The legacy `--local_rank N` / `--local-rank=N` that torch.distributed.launch appends."""
+    for i, arg in enumerate(argv):
+        for flag in ("--local_rank", "--local-rank"):
+            if arg == flag or arg.startswith(flag + "="):
+                value = arg[len(flag) + 1:] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+                try:
+                    return int(value)
+                except ValueError:
+                    raise DDPJobError(f"{flag} {value!r} on the command line is not an integer",
+                                      "torch.distributed.launch passes --local-rank=<int>") from None
+    return None
+
+
+# ---------------------------------------------------------------- the environment
+@dataclass(frozen=True)
+class ClusterEnv:
+    """This process's place in the job. Build it with `ClusterEnv.from_environ()`."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    job_id: str | None = None
+    restart_count: int = 0
+    source: str = "single"  # "torchrun" | "slurm" | "local" | "single"
+    hostname: str = "localhost"  # SLURM's node name inside SLURM (what squeue shows), else the host
+    hosts: tuple[str, ...] = ()  # expanded nodelist of the step (SLURM only)
+    end_time: float | None = None  # SLURM_JOB_END_TIME: epoch seconds when the time limit hits
+    array_job_id: str | None = None
+    array_task_id: int | None = None
+    cpus_per_task: int | None = None
+    gpus: int = 0  # GPUs this process can see (passed in: cluster.py never imports torch)
+    slurm_step: bool = False  # inside an srun step (not the batch shell / an salloc shell)
+    partition: str | None = None
+    submitit_folder: str | None = None
+    ddpjob_vars: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> str:
+        """`cuda:<local_rank>` with GPUs, else `cpu`. Never rank % device_count: with
+        several nodes that picks GPUs already taken by this node's other tasks."""
+        return f"cuda:{self.local_rank}" if self.gpus > 0 else "cpu"
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size} (local {self.local_rank}/{self.local_world_size}, "
+                f"node {self.node_rank}/{self.num_nodes} {self.hostname}) via {self.source}, "
+                f"master {self.master_addr}:{self.master_port}, device {self.device}")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None, argv: Sequence[str] | None = None,
+                     num_gpus: int = 0, *, hostname: str | None = None) -> ClusterEnv:
+        """Precedence: torchrun / torch.distributed.launch (and ddpjob's local backend, which
+        sets the same variables) -> SLURM -> a single process. Raises DDPJobError when the
+        variables contradict each other."""
+        env = os.environ if environ is None else environ
+        args = sys.argv[1:] if argv is None else argv
+        v = _Vars(env)
+        common = dict(
+            hostname=v.text("SLURMD_NODENAME") or hostname or socket.gethostname(),
+            end_time=v.number("SLURM_JOB_END_TIME"),
+            array_job_id=v.text("SLURM_ARRAY_JOB_ID"),
+            array_task_id=v.integer("SLURM_ARRAY_TASK_ID"),
+            cpus_per_task=v.integer("SLURM_CPUS_PER_TASK"),
+            gpus=num_gpus,
+            partition=v.text("SLURM_JOB_PARTITION"),
+            submitit_folder=v.text("SUBMITIT_FOLDER"),
+            ddpjob_vars={k: env[k] for k in sorted(env) if k.startswith("DDPJOB_")},
+        )
+        argv_local_rank = _argv_local_rank(args)
+        if "RANK" in env or argv_local_rank is not None:
+            fields = _from_torchrun(v, argv_local_rank)
+        elif v.text("SLURM_JOB_ID"):
+            fields = _from_slurm(v)
+        else:
+            fields = _single(v)
+        result = cls(**common, **fields)  # type: ignore[arg-type]
+        _check(result)
+        return result
+
+
+def _master(v: _Vars, addr: str, job_id: str | None) -> dict:
+    """An explicitly set MASTER_ADDR / MASTER_PORT always wins over the derived ones."""
+    port = v.integer("MASTER_PORT", default=port_for_job(job_id))
+    assert port is not None
+    if not 0 < port < 65536:
+        raise DDPJobError(f"MASTER_PORT={port} is not a TCP port (1-65535)", "unset it or pick a free port")
+    return dict(master_addr=v.text("MASTER_ADDR") or addr, master_port=port)
+
+
+def _restart_count(v: _Vars, *names: str) -> int:
+    count = v.integer(*names, default=0)
+    assert count is not None
+    return count
+
+
+def _from_torchrun(v: _Vars, argv_local_rank: int | None) -> dict:
+    """torchrun, torch.distributed.launch and ddpjob's local backend."""
+    if "RANK" not in v.env:
+        raise DDPJobError(f"--local-rank {argv_local_rank} is on the command line but RANK and "
+                          "WORLD_SIZE are not set", "launch with torchrun or torch.distributed.launch "
+                          "(they set both), or drop --local-rank")
+    rank = v.required("RANK")
+    world = v.required("WORLD_SIZE")
+    local_rank = v.integer("LOCAL_RANK")
+    if local_rank is None:  # old torch.distributed.launch: only --local_rank in argv
+        local_rank = argv_local_rank if argv_local_rank is not None else rank
+    elif argv_local_rank is not None and argv_local_rank != local_rank:
+        raise DDPJobError(f"LOCAL_RANK={local_rank} but --local-rank={argv_local_rank} on the command line",
+                          "let one launcher start the process, not two nested ones")
+    # Without LOCAL_WORLD_SIZE (very old launchers) assume one node.
+    local_world = v.required("LOCAL_WORLD_SIZE", default=world)
+    node_rank = v.required("GROUP_RANK", default=rank // max(local_world, 1))
+    num_nodes = v.required("GROUP_WORLD_SIZE", default=-(-world // max(local_world, 1)))
+    local = bool(v.text("DDPJOB_JOB_ID"))
+    job_id = v.text("DDPJOB_JOB_ID", "SLURM_JOB_ID")
+    if world > 1 and not v.text("MASTER_ADDR"):
+        raise DDPJobError(f"WORLD_SIZE={world} but MASTER_ADDR is not set",
+                          "launch with torchrun, which sets MASTER_ADDR and MASTER_PORT")
+    restarts = (_restart_count(v, "DDPJOB_RESTART_COUNT") if local else
+                _restart_count(v, "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
+    return dict(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
+                node_rank=node_rank, num_nodes=num_nodes, job_id=job_id, restart_count=restarts,
+                source="local" if local else "torchrun", slurm_step=bool(v.text("SLURM_STEP_ID")),
+                **_master(v, "127.0.0.1", job_id))
+
+
+def _single(v: _Vars) -> dict:
+    job_id = v.text("DDPJOB_JOB_ID")
+    return dict(job_id=job_id, restart_count=_restart_count(v, "DDPJOB_RESTART_COUNT"),
+                source="single", **_master(v, "127.0.0.1", job_id))
+
+
+def _from_slurm(v: _Vars) -> dict:
+    """Inside a SLURM allocation. srun tasks see the step's values (SLURM_STEP_*); the batch
+    shell and an salloc shell see only the job's and are not a rank of anything."""
+    job_id = v.text("SLURM_JOB_ID")
+    in_step = bool(v.text("SLURM_STEP_ID"))
+    ntasks = v.required("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", default=1)
+    if not in_step:
+        if ntasks > 1:
+            raise DDPJobError(
+                f"SLURM_NTASKS={ntasks} but SLURM_STEP_ID is not set: this process runs in the "
+                f"batch script or an salloc shell of job {job_id}, not as one of its {ntasks} srun tasks",
+                "start it with `srun ddpjob ...` (one process per task), or ask for --ntasks=1")
+        return dict(job_id=job_id, restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
+                    source="slurm", **_master(v, "127.0.0.1", job_id))
+    nodelist = v.text("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
+    hosts = tuple(parse_hostlist(nodelist)) if nodelist else ()
+    nodes = v.required("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=len(hosts) or 1)
+    node_rank = v.required("SLURM_NODEID", default=0)
+    rank = v.required("SLURM_PROCID", default=0)
+    local_rank = v.required("SLURM_LOCALID", default=0)
+    if hosts and len(hosts) != nodes:
+        raise DDPJobError(f"SLURM_STEP_NUM_NODES={nodes} but the nodelist {nodelist!r} names "
+                          f"{len(hosts)} nodes", _HINT_ENV)
+    per_node_text = v.text("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    per_node = parse_tasks_per_node(per_node_text) if per_node_text else [-(-ntasks // nodes)] * nodes
+    if per_node_text and (len(per_node) != nodes or sum(per_node) != ntasks):
+        raise DDPJobError(f"SLURM_NTASKS={ntasks} but SLURM_TASKS_PER_NODE={per_node_text!r} "
+                          f"on {nodes} node(s) adds up to {sum(per_node)} task(s)",
+                          "ask for --nodes and --ntasks-per-node and let srun derive the rest "
+                          "(do not also pass a different --ntasks)")
+    fixed = v.integer("SLURM_NTASKS_PER_NODE")
+    if fixed is not None and not per_node_text and fixed * nodes != ntasks:
+        raise DDPJobError(f"SLURM_NTASKS={ntasks} but SLURM_NTASKS_PER_NODE={fixed} x "
+                          f"{nodes} node(s) = {fixed * nodes}",
+                          "ask for --nodes and --ntasks-per-node only, not a different --ntasks")
+    if not 0 <= node_rank < len(per_node):
+        raise DDPJobError(f"SLURM_NODEID={node_rank} but the step has {nodes} node(s)", _HINT_ENV)
+    return dict(rank=rank, local_rank=local_rank, world_size=ntasks,
+                local_world_size=per_node[node_rank], node_rank=node_rank, num_nodes=nodes,
+                job_id=job_id, restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
+                source="slurm", slurm_step=True, hosts=hosts,
+                **_master(v, hosts[0] if hosts else "127.0.0.1", job_id))
+
+
+def _check(e: ClusterEnv) -> None:
+    """Contradictions that would otherwise hang init_process_group or share a GPU."""
+    names = {"torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
+             "local": ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
+             "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "tasks on this node",
+                       "SLURM_NODEID")}.get(e.source, ("rank", "world size", "local rank",
+                                                       "local world size", "node rank"))
+    rank_n, world_n, lrank_n, lworld_n, node_n = names
+    if e.world_size < 1:
+        raise DDPJobError(f"{world_n}={e.world_size} but at least 1 process is needed", _HINT_ENV)
+    if not 0 <= e.rank < e.world_size:
+        raise DDPJobError(f"{rank_n}={e.rank} but {world_n}={e.world_size} (ranks are 0..{e.world_size - 1})",
+                          _HINT_ENV)
+    if not 1 <= e.local_world_size <= e.world_size:
+        raise DDPJobError(f"{lworld_n}={e.local_world_size} but {world_n}={e.world_size}", _HINT_ENV)
+    if not 0 <= e.local_rank < e.local_world_size:
+        raise DDPJobError(f"{lrank_n}={e.local_rank} but {lworld_n}={e.local_world_size}", _HINT_ENV)
+    if not 0 <= e.node_rank < e.num_nodes:
+        raise DDPJobError(f"{node_n}={e.node_rank} but the job has {e.num_nodes} node(s)", _HINT_ENV)
+    if e.gpus > 0 and e.local_world_size > e.gpus:
+        raise DDPJobError(f"{e.local_world_size} tasks on node {e.hostname} but only {e.gpus} GPU(s) "
+                          "visible to each", "ask for --ntasks-per-node equal to --gpus-per-node (one "
+                          "rank per GPU), and do not bind GPUs per task (--gpus-per-task / --gpu-bind): "
+                          "ddpjob picks cuda:<local rank> itself")

@@ -1,0 +1,194 @@
+"""Process group setup and teardown, and the few collectives the trainer needs.
+
+Second step on the nodes: runner.py / selftest.py hand the ClusterEnv from cluster.py to
+`init_process_group`, which picks backend and device and returns a DistContext. The only
+module that sets torch.distributed up. With one process there is no group and the helpers
+below become no-ops, so the trainer has a single code path.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpjob.cluster import ClusterEnv
+from ddpjob.errors import DDPJobError
+
+
+@dataclass
+class DistContext:
+    env: ClusterEnv
+    backend: str  # "nccl" | "gloo" | "none" (single process)
+    device: torch.device
+    initialized: bool
+    timeout_s: float = 300.0
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.env.is_rank0
+
+    def destroy(self, barrier_timeout_s: float = 30.0) -> None:
+        """Best-effort barrier (so no rank tears down while another still sends), then
+        destroy_process_group. Never raises: it runs on the way out, often after an error."""
+        if not self.initialized or not dist.is_initialized():
+            return
+        try:
+            if self.backend == "gloo":
+                # monitored_barrier has its own timeout: a dead peer cannot hang the exit
+                dist.monitored_barrier(timeout=timedelta(seconds=barrier_timeout_s))
+            else:
+                dist.barrier()
+        except Exception:  # a peer already gone: nothing left to synchronise with
+            pass
+        try:
+            dist.destroy_process_group()
+        finally:
+            self.initialized = False
+
+
+def choose_backend(env: ClusterEnv, backend: str = "auto") -> str:
+    """auto = NCCL when every local task has its own GPU (ClusterEnv guarantees
+    gpus >= local_world_size when gpus > 0), gloo otherwise."""
+    if backend == "auto":
+        return "nccl" if env.gpus > 0 else "gloo"
+    if backend == "nccl" and env.gpus == 0:
+        raise DDPJobError(f"backend nccl was asked for but rank {env.rank} on {env.hostname} sees no GPU",
+                          "use --backend gloo (or auto) on CPU nodes, or ask SLURM for GPUs (--gpus-per-node)")
+    if backend not in ("nccl", "gloo"):
+        raise DDPJobError(f"unknown backend {backend!r}, expected auto, nccl or gloo", "pick one of those")
+    return backend
+
+
+def _cpu_threads(env: ClusterEnv, threads: int) -> int:
+    """Threads per CPU rank. torch's default is one per core of the whole node, so N ranks on
+    one node would run N x cores threads and fight for the cores (all-reduce waits on the
+    slowest). Use what SLURM gave the task (--cpus-per-task), else this node's cores shared
+    among its ranks (1 each on the 2-core test nodes with 2 tasks)."""
+    if threads > 0:
+        return threads
+    if env.cpus_per_task:
+        return max(1, env.cpus_per_task)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, env.local_world_size))
+
+
+def _wait_for_master(env: ClusterEnv, timeout_s: float) -> None:
+    """Non-zero ranks: poll rank 0's store port ourselves. torch's own client retries past its
+    timeout (about 2.5x here) and prints C++ stack traces; this fails on time with one line."""
+    addr, port = env.master_addr, env.master_port
+    deadline = time.monotonic() + timeout_s
+    last = "nothing listening"
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
+            return
+        except socket.gaierror as exc:
+            raise DDPJobError(f"rank {env.rank} on {env.hostname}: the master address {addr!r} does not "
+                              f"resolve ({exc.strerror})", "set MASTER_ADDR to a host name or address "
+                              "every node can resolve (SLURM: the first node of the job)") from None
+        except OSError as exc:
+            last = exc.strerror or type(exc).__name__
+        if time.monotonic() + 0.25 >= deadline:
+            raise _unreachable(env, timeout_s, last)
+        time.sleep(0.25)
+
+
+def _unreachable(env: ClusterEnv, timeout_s: float, cause: str) -> DDPJobError:
+    return DDPJobError(
+        f"rank {env.rank} on {env.hostname} could not reach rank 0 at {env.master_addr}:{env.master_port} "
+        f"within {timeout_s:g} s ({cause})",
+        "check that rank 0 started (its log), that MASTER_ADDR/MASTER_PORT are the same on every "
+        "rank and reachable from this node, and that no firewall blocks the port")
+
+
+def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float = 300,
+                       threads: int = 0) -> DistContext:
+    """Join the job's process group (or not, for a single process) and pick this rank's device."""
+    backend = choose_backend(env, backend)
+    if env.gpus > 0:
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)  # before init: NCCL binds its communicator to this GPU
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(_cpu_threads(env, threads))
+    if not env.is_distributed:
+        return DistContext(env, "none", device, initialized=False, timeout_s=timeout_s)
+    if dist.is_initialized():
+        return DistContext(env, dist.get_backend(), device, initialized=True, timeout_s=timeout_s)
+
+    start = time.monotonic()
+    if env.rank != 0:
+        _wait_for_master(env, timeout_s)
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6 literal
+    try:
+        # tcp:// with explicit rank/world, not env://: the values come from ClusterEnv (which may
+        # have derived them), not from whatever MASTER_* this process happens to inherit.
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{env.master_port}", rank=env.rank,
+                                 world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, OSError) as exc:
+        cause = " ".join(str(exc).split("\n")[0].split())[:200]
+        if env.rank == 0 and "in use" in cause.lower():
+            raise DDPJobError(f"rank 0 on {env.hostname} could not listen on port {env.master_port} ({cause})",
+                              "another job uses this port: set MASTER_PORT to a free one") from None
+        if env.rank == 0:
+            raise DDPJobError(f"rank 0 on {env.hostname} waited {time.monotonic() - start:.0f} s at "
+                              f"{env.master_addr}:{env.master_port} but not all {env.world_size} ranks "
+                              f"joined ({cause})", "look at the other ranks' logs: they may have failed "
+                              "to start, or reached another MASTER_ADDR/MASTER_PORT") from None
+        raise _unreachable(env, timeout_s, cause) from None
+    return DistContext(env, backend, device, initialized=True, timeout_s=timeout_s)
+
+
+# ------------------------------------------------------------ helpers on the default group
+def _active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _tensor_device() -> torch.device:
+    # NCCL only moves CUDA tensors; gloo wants CPU ones for these small values.
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if _active():
+        dist.barrier()
+
+
+def all_reduce_max_int(value: int) -> int:
+    """The largest `value` over all ranks (e.g. "does anyone want to stop?")."""
+    if not _active():
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_tensor_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s picklable object, on every rank."""
+    if not _active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable object, in rank order, on every rank."""
+    if not _active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,147 @@
+"""dist.py with real processes on gloo: collectives work, failures are one line and on time."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from ddpjob import dist as ddist
+from ddpjob.cluster import ClusterEnv
+from ddpjob.errors import DDPJobError
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    from ddpjob.cluster import ClusterEnv
+    from ddpjob import dist as d
+    env = ClusterEnv.from_environ(argv=[])
+    ctx = d.init_process_group(env, backend="gloo", timeout_s=60)
+    import torch
+    out = dict(rank=env.rank, backend=ctx.backend, device=str(ctx.device), init=ctx.initialized,
+               threads=torch.get_num_threads(),
+               max=d.all_reduce_max_int(10 * env.rank + 7),
+               bcast=d.broadcast_object({"from": env.rank, "list": [1, 2]}),
+               gathered=d.all_gather_object((env.rank, env.hostname)),
+               rank0=d.is_rank0())
+    d.barrier()
+    ctx.destroy()
+    out["after_destroy"] = ctx.initialized
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_environ(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM", "RANK", "LOCAL_", "WORLD_", "MASTER_", "GROUP_", "DDPJOB_"))}
+    env.update(extra)
+    return env
+
+
+def test_two_processes_all_reduce_broadcast_gather() -> None:
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=clean_environ(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                                           LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                                           MASTER_PORT=str(port)))
+             for r in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.split("RESULT ", 1)[1]))
+    for r, res in enumerate(results):
+        assert res["rank"] == r and res["backend"] == "gloo" and res["device"] == "cpu" and res["init"]
+        assert res["max"] == 17  # max(7, 17)
+        assert res["bcast"] == {"from": 0, "list": [1, 2]}
+        assert [g[0] for g in res["gathered"]] == [0, 1]
+        assert res["rank0"] == (r == 0) and res["after_destroy"] is False
+        # 2 ranks share this machine's cores: each gets its share, at least 1
+        assert res["threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_unreachable_master_fails_within_the_timeout_with_one_line() -> None:
+    port = free_port()  # nothing listens there
+    env = ClusterEnv(rank=1, local_rank=1, world_size=2, local_world_size=2, master_addr="127.0.0.1",
+                     master_port=port, hostname="n2", source="torchrun")
+    start = time.monotonic()
+    with pytest.raises(DDPJobError) as exc:
+        ddist.init_process_group(env, backend="gloo", timeout_s=5)
+    took = time.monotonic() - start
+    assert 4.0 <= took < 9, took
+    line = exc.value.line()
+    assert "\n" not in line
+    assert f"rank 1 on n2 could not reach rank 0 at 127.0.0.1:{port} within 5 s" in line
+    assert "Hint:" in line and "MASTER_ADDR" in line and "firewall" in line and "rank 0 started" in line
+
+
+def test_unresolvable_master_fails_at_once() -> None:
+    env = ClusterEnv(rank=1, local_rank=1, world_size=2, local_world_size=2,
+                     master_addr="no-such-host.invalid", master_port=free_port(), source="torchrun")
+    start = time.monotonic()
+    with pytest.raises(DDPJobError) as exc:
+        ddist.init_process_group(env, backend="gloo", timeout_s=30)
+    assert time.monotonic() - start < 20
+    assert "'no-such-host.invalid' does not resolve" in exc.value.line()
+
+
+def test_rank0_alone_reports_missing_ranks() -> None:
+    env = ClusterEnv(rank=0, world_size=2, local_world_size=2, master_addr="127.0.0.1",
+                     master_port=free_port(), hostname="n1", source="torchrun")
+    start = time.monotonic()
+    with pytest.raises(DDPJobError) as exc:
+        ddist.init_process_group(env, backend="gloo", timeout_s=3)
+    assert time.monotonic() - start < 15
+    line = exc.value.line()
+    assert "rank 0 on n1 waited" in line and "not all 2 ranks joined" in line and "Hint:" in line
+
+
+def test_single_process_needs_no_group_and_helpers_are_no_ops() -> None:
+    threads = torch.get_num_threads()
+    try:
+        ctx = ddist.init_process_group(ClusterEnv(cpus_per_task=1), timeout_s=5)
+        assert (ctx.initialized, ctx.backend, ctx.device) == (False, "none", torch.device("cpu"))
+        assert torch.get_num_threads() == 1  # SLURM's --cpus-per-task decides
+        ddist.init_process_group(ClusterEnv(), threads=2)
+        assert torch.get_num_threads() == 2  # an explicit value wins
+        assert ddist.all_reduce_max_int(5) == 5
+        obj = {"a": 1}
+        assert ddist.broadcast_object(obj) is obj and ddist.all_gather_object(3) == [3]
+        assert ddist.is_rank0()
+        ddist.barrier()
+        ctx.destroy()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_backend_choice() -> None:
+    assert ddist.choose_backend(ClusterEnv(gpus=0)) == "gloo"
+    assert ddist.choose_backend(ClusterEnv(gpus=2, local_world_size=2, world_size=2)) == "nccl"
+    assert ddist.choose_backend(ClusterEnv(gpus=2), "gloo") == "gloo"
+    with pytest.raises(DDPJobError) as exc:
+        ddist.choose_backend(ClusterEnv(gpus=0, hostname="n1"), "nccl")
+    assert "nccl" in exc.value.line() and "sees no GPU" in exc.value.line() and "--backend gloo" in exc.value.line()
+
+
+def test_rank0_port_in_use() -> None:
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = ClusterEnv(rank=0, world_size=2, local_world_size=2, master_port=port, hostname="n1")
+        with pytest.raises(DDPJobError) as exc:
+            ddist.init_process_group(env, backend="gloo", timeout_s=3)
+    line = exc.value.line()
+    assert f"rank 0 on n1 could not listen on port {port}" in line and "MASTER_PORT" in line
