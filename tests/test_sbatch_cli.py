@@ -1,0 +1,174 @@
+"""`ddpjob sbatch` through the real CLI: what it writes where, reuse of a run dir, bundled job
+names, user templates, and (marker `cluster`) the script run by the real `sbatch` to COMPLETED."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpjob import config
+
+REPO = Path(__file__).resolve().parents[1]
+DDPJOB = [str(Path(sys.executable).parent / "ddpjob")]
+if not Path(DDPJOB[0]).exists():
+    DDPJOB = [sys.executable, "-m", "ddpjob"]
+
+
+def sbatch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(DDPJOB + ["sbatch", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_writes_script_and_run_dir(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    r = sbatch(str(REPO / "jobs/smoke.toml"), "--nodes", "2", "--set", "train.max_steps=20",
+               "--run-dir", str(run), "-o", "x.sbatch", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    expected = config.resolve(REPO / "jobs/smoke.toml", ["train.max_steps=20"], {"nodes": 2})
+    assert (run / "config.json").read_text() == expected.to_json()
+    assert config.read_run_config(run) == expected
+    assert (run / "logs").is_dir()
+    script = (tmp_path / "x.sbatch").read_text()
+    assert (run / "job.sbatch").read_text() == script
+    assert "#SBATCH --nodes=2\n" in script and f"export DDPJOB_RUN_DIR={run}\n" in script
+    # the interpreter running ddpjob here (absolute) runs the ranks
+    assert f"    {os.path.abspath(sys.executable)} -u -m ddpjob run {run} &\n" in script
+    assert f"run dir {run}" in r.stdout and r.stdout.rstrip().endswith("next: sbatch x.sbatch")
+    assert subprocess.run(["bash", "-n", str(tmp_path / "x.sbatch")]).returncode == 0
+
+
+def test_default_run_dir_and_stdout(tmp_path: Path) -> None:
+    r = sbatch(str(REPO / "jobs/smoke.toml"), "-o", "-", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    assert run.name.startswith("smoke-")
+    assert r.stdout == (run / "job.sbatch").read_text()  # stdout holds only the script
+    assert r.stdout.startswith("#!/bin/bash\n")
+    assert all(line.startswith("ddpjob: ") and "error" not in line
+               for line in r.stderr.splitlines())
+    assert f"next: sbatch {run}/job.sbatch" in r.stderr
+
+
+def test_same_run_dir_same_config_is_reused_and_config_written_once(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [str(REPO / "jobs/smoke.toml"), "--run-dir", str(run), "-o", "x.sbatch"]
+    assert sbatch(*args, cwd=tmp_path).returncode == 0
+    before = (run / "config.json").stat()
+    (tmp_path / "x.sbatch").write_text("old")
+    assert sbatch(*args, cwd=tmp_path).returncode == 0
+    after = (run / "config.json").stat()
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
+    assert (tmp_path / "x.sbatch").read_text() == (run / "job.sbatch").read_text() != "old"
+    # another config in the same run dir: refused, -o untouched (test_bad_input covers more)
+    (tmp_path / "x.sbatch").write_text("old")
+    r = sbatch(*args, "--set", "train.lr=0.5", cwd=tmp_path)
+    assert r.returncode == 1 and "different config.json" in r.stderr
+    assert (tmp_path / "x.sbatch").read_text() == "old"
+
+
+def test_empty_run_dir_given_by_the_user_is_used(tmp_path: Path) -> None:
+    run = tmp_path / "empty"
+    run.mkdir()
+    assert sbatch(str(REPO / "jobs/smoke.toml"), "--run-dir", str(run), "-o", "x",
+                  cwd=tmp_path).returncode == 0
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "job.sbatch", "logs"]
+
+
+@pytest.mark.parametrize("name", ["smoke", "smoke.toml", "jobs/smoke.toml", "cifar10_resnet18"])
+def test_bundled_job_names_work_from_any_folder(name: str, tmp_path: Path) -> None:
+    r = sbatch(name, "--run-dir", str(tmp_path / "run"), "-o", "x", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    expected = Path(name).stem.replace("_", "-") if "cifar" in name else "smoke"
+    assert json.loads((tmp_path / "run/config.json").read_text())["name"] == expected
+
+
+def test_a_local_job_file_wins_over_the_bundled_one(tmp_path: Path) -> None:
+    (tmp_path / "jobs").mkdir()
+    text = (REPO / "jobs/smoke.toml").read_text().replace('name = "smoke"', 'name = "mine"')
+    (tmp_path / "jobs/smoke.toml").write_text(text)
+    assert sbatch("jobs/smoke.toml", "--run-dir", "run", "-o", "x", cwd=tmp_path).returncode == 0
+    assert json.loads((tmp_path / "run/config.json").read_text())["name"] == "mine"
+    r = sbatch("nosuchjob", "-o", "x", cwd=tmp_path)
+    assert r.returncode == 2 and "job file 'nosuchjob' not found" in r.stderr
+
+
+def test_user_template(tmp_path: Path) -> None:
+    mine = tmp_path / "site.tmpl"
+    default = (REPO / "templates/sbatch.sh.tmpl").read_text()
+    mine.write_text(default.replace("# setup:", "module load site-python  # site tweak\n# setup:"))
+    r = sbatch(str(REPO / "jobs/smoke.toml"), "--template", str(mine), "--run-dir", "run",
+               "-o", "x", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "\nmodule load site-python  # site tweak\n" in (tmp_path / "x").read_text()
+
+
+def test_hostile_run_dir_through_the_cli(tmp_path: Path) -> None:
+    run = tmp_path / "we'ird \"dir\" $(touch PWNED) `touch PWNED`; %j -x"
+    r = sbatch(str(REPO / "jobs/smoke.toml"), "--run-dir", str(run), "-o", "x", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (run / "config.json").is_file() and (run / "logs").is_dir()
+    assert subprocess.run(["bash", "-n", str(tmp_path / "x")]).returncode == 0
+    assert not list(tmp_path.rglob("PWNED"))
+
+
+# ----------------------------------------------------------------------------- real SLURM
+@pytest.mark.cluster
+def test_sbatch_script_trains_on_two_nodes(slurm_cluster, tmp_path: Path) -> None:
+    import slurmtools
+
+    run = tmp_path / "run"
+    r = sbatch(str(REPO / "jobs/smoke.toml"), "--nodes", "2", "--tasks-per-node", "2",
+               "--set", "train.max_steps=20", "--set", "checkpoint.every_steps=10",
+               "--time", "00:10:00", "--run-dir", str(run), "-o", "x.sbatch", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    job_id = slurmtools.submit(tmp_path / "x.sbatch", cwd=tmp_path)
+    state = slurmtools.wait_done(job_id, timeout=300)
+    logs = {p.name: p.read_text(errors="replace")[-2000:] for p in (run / "logs").iterdir()}
+    assert state == "COMPLETED", logs
+    assert (run / "COMPLETED").is_file(), logs
+    assert (run / "final" / "model.pt").is_file()
+    assert {f"rank-{i}.log" for i in range(4)} <= set(logs), sorted(logs)
+    assert f"batch-{job_id}.out" in logs
+    info = slurmtools.job_info(job_id)
+    assert info.get("NumNodes") == "2" and str(info.get("NumTasks", "4")) == "4"
+
+
+# A stand-in for python that records what srun handed it: proves that sbatch's own parsing of
+# the quoted #SBATCH --output line and srun's argv keep a hostile run dir byte-for-byte.
+RECORDER = r"""#!/bin/bash
+printf '%s\0' "$@" > "$DDPJOB_RUN_DIR/argv-$SLURM_PROCID"
+echo "rank $SLURM_PROCID says hello"
+"""
+
+
+@pytest.mark.cluster
+def test_hostile_run_dir_survives_real_sbatch_and_srun(slurm_cluster, tmp_path: Path) -> None:
+    import slurmtools
+
+    from ddpjob import render
+
+    base = tmp_path / "it's \"odd\" $(touch PWNED) `touch PWNED`; #x %j 100%"
+    run = base / "run"
+    run.mkdir(parents=True)
+    (run / "logs").mkdir()
+    python = base / "py thon"
+    python.write_text(RECORDER)
+    python.chmod(0o755)
+    cfg = config.resolve(REPO / "jobs/smoke.toml", [], {"nodes": 2, "tasks_per_node": 1})
+    script = tmp_path / "x.sbatch"
+    script.write_text(render.render_sbatch(cfg, run_dir=run, python=str(python)))
+    job_id = slurmtools.submit(script, cwd=tmp_path)
+    state = slurmtools.wait_done(job_id, timeout=180)
+    assert state == "COMPLETED", sorted(p.name for p in tmp_path.rglob("*"))
+    assert (run / "logs" / f"batch-{job_id}.out").is_file()  # %% kept, %j expanded
+    for rank in (0, 1):
+        argv = (run / f"argv-{rank}").read_bytes().split(b"\0")[:-1]
+        assert argv == [b"-u", b"-m", b"ddpjob", b"run", str(run).encode()]
+        assert f"rank {rank} says hello" in (run / "logs" / f"rank-{rank}.log").read_text()
+    assert not list(tmp_path.rglob("PWNED"))
