@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", required=True, help="data root (the job file's data.root)")
     p.add_argument("--from", dest="from_file", help="an archive fetched by other means")
     p.add_argument("--url", help="download address (default: the official one)")
+    p.add_argument("--md5", help="expected md5 of a custom archive (default: the official archive's)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the checksum of a custom archive (its contents are still validated)")
     p.set_defaults(func=_handler("ddpjob.dataprep:cmd_data"))
 
     p = sub.add_parser("plot", help="plot loss/accuracy/lr/throughput of runs, with restart markers")
