@@ -1,0 +1,384 @@
+"""`ddpjob status / logs / cancel / ls`: what happened to a submitted run.
+
+Login-node side, after submit.py: reads the run dir (job.json, local.json, events.jsonl,
+metrics.jsonl, checkpoints/) and asks the scheduler (sacct/squeue/scancel on SLURM, process state
+for the local backend). Never imports torch, so it answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpjob import console, rundir
+from ddpjob.errors import DDPJobError, UsageError
+
+LOCAL = "local.json"  # written by ddpjob/local.py
+SWEEP = "sweep.json"
+# SLURM states after which nothing more will happen (a requeued job goes back to PENDING).
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT", "LOST"}
+_ARRAY = re.compile(r"^(\d+)_\[([0-9,\-]+)(?:%\d+)?\]$")
+
+
+@dataclass
+class RunInfo:
+    run_dir: Path
+    backend: str = "?"
+    job_id: str = ""
+    state: str = "UNKNOWN"
+    restarts: int = 0
+    reason: str = ""
+    step: int | None = None
+    loss: float | None = None
+    checkpoint: str = ""
+    completed: bool = False
+    point: str = ""  # sweep grid values, "train.lr=0.1 train.batch_size=64"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+
+# ------------------------------------------------------------------ scheduler queries
+def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str] | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _expand_array_id(job_id: str) -> list[str]:
+    """sacct/squeue's `123_[0-2,5%4]` (pending array tasks) -> 123_0 123_1 123_2 123_5."""
+    m = _ARRAY.match(job_id)
+    if not m:
+        return [job_id]
+    out = []
+    for part in m.group(2).split(","):
+        lo, _, hi = part.partition("-")
+        out += [f"{m.group(1)}_{i}" for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def slurm_states(job_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """{job id: {state, restarts, exit, nodes}} for jobs and array tasks, one sacct call.
+
+    `sacct -D` lists every incarnation of a requeued job; the last one is current and the
+    number before it is the restart count. squeue fills in jobs sacct does not know yet."""
+    bases = sorted({j.split("_")[0] for j in job_ids if j})
+    if not bases:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    res = _run(["sacct", "-X", "-D", "-n", "-P", "-o", "JobID,State,ExitCode,NodeList",
+                "-j", ",".join(bases)])
+    for line in (res.stdout.splitlines() if res and res.returncode == 0 else []):
+        parts = line.split("|")
+        if len(parts) < 4:
+            continue
+        for jid in _expand_array_id(parts[0]):
+            prev = out.get(jid)
+            out[jid] = {"state": (parts[1].split() or ["UNKNOWN"])[0], "exit": parts[2],
+                        "nodes": parts[3], "restarts": 0 if prev is None else prev["restarts"] + 1}
+    res = _run(["squeue", "-h", "-o", "%i|%T|%r", "-j", ",".join(bases)])
+    for line in (res.stdout.splitlines() if res and res.returncode == 0 else []):
+        parts = line.split("|")
+        if len(parts) < 3:
+            continue
+        for jid in _expand_array_id(parts[0]):
+            rec = out.setdefault(jid, {"restarts": 0, "exit": "", "nodes": ""})
+            rec["state"], rec["reason"] = parts[1], parts[2]  # the controller is the freshest source
+    return out
+
+
+def _pid_alive(pid: int | None, marker: str = "ddpjob.local") -> bool:
+    """Alive, not a zombie, and still our supervisor (pids are reused)."""
+    if not pid:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and marker in cmdline
+
+
+# ------------------------------------------------------------------ reading a run dir
+def last_metric(run_dir: Path) -> tuple[int | None, float | None]:
+    """(step, loss) of the newest metrics record that has a loss; reads only the file's tail."""
+    path = run_dir / rundir.METRICS
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None, None
+    import json
+
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "loss" in rec:
+            return rec.get("step"), rec.get("loss")
+    return None, None
+
+
+def last_checkpoint(run_dir: Path) -> str:
+    """Newest `checkpoints/step-N` with its manifest (written last, so the save is complete)."""
+    best: tuple[int, str] | None = None
+    for p in (run_dir / rundir.CHECKPOINTS).glob("step-*"):
+        m = re.fullmatch(r"step-(\d+)", p.name)
+        if m and (p / "manifest.json").is_file() and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), p.name)
+    return best[1] if best else ""
+
+
+def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> RunInfo:
+    job = rundir.read_json(run_dir / rundir.JOB, {}) or {}
+    info = RunInfo(run_dir=run_dir, backend=job.get("backend", "?"), job_id=str(job.get("job_id", "")))
+    events = rundir.events(run_dir)
+    info.restarts = max([int(e.get("restart", 0) or 0) for e in events] or [0])
+    if info.backend == "local":
+        rec = rundir.read_json(run_dir / LOCAL)
+        alive = _pid_alive(job.get("pid"))
+        if rec is None:
+            info.state = "PENDING" if alive else "FAILED"
+            info.reason = "" if alive else "the supervisor is gone; see logs/supervisor.log"
+        else:
+            info.state, info.reason = rec.get("state", "UNKNOWN"), rec.get("reason", "")
+            info.restarts = max(info.restarts, int(rec.get("restarts", 0)))
+            if info.state not in TERMINAL and not alive:
+                info.state, info.reason = "FAILED", "the supervisor died; see logs/supervisor.log"
+    elif info.backend == "slurm" and info.job_id:
+        rec = (slurm if slurm is not None else slurm_states([info.job_id])).get(info.job_id)
+        if rec:
+            info.state = rec.get("state", "UNKNOWN")
+            info.reason = rec.get("reason", "") if rec.get("reason") not in ("None", None) else ""
+            info.restarts = max(info.restarts, rec.get("restarts", 0))
+            info.extra = rec
+    elif not job:
+        info.state = "NOT SUBMITTED"
+    info.step, info.loss = last_metric(run_dir)
+    info.checkpoint = last_checkpoint(run_dir)
+    info.completed = rundir.completed(run_dir) is not None
+    return info
+
+
+def sweep_points(sweep_dir: Path) -> list[tuple[Path, str]]:
+    rec = rundir.read_json(sweep_dir / SWEEP, {}) or {}
+    return [(sweep_dir / str(p["id"]), " ".join(f"{k}={v}" for k, v in p["values"].items()))
+            for p in rec.get("points", [])]
+
+
+def runs_under(root: Path) -> list[tuple[Path, str]]:
+    """(run dir, grid point) for every run and sweep point under root, oldest first."""
+    out: list[tuple[Path, str]] = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        if (d / SWEEP).is_file():
+            out += sweep_points(d)
+        elif rundir.is_run_dir(d):
+            out.append((d, ""))
+    return out
+
+
+def infos(runs: list[tuple[Path, str]]) -> list[RunInfo]:
+    """RunInfo for many runs with one sacct/squeue call for all their SLURM jobs."""
+    ids = [str((rundir.read_json(d / rundir.JOB, {}) or {}).get("job_id", "")) for d, _ in runs]
+    slurm = slurm_states([i for i in ids if i and not i.startswith("local-")])
+    out = []
+    for d, point in runs:
+        info = run_info(d, slurm)
+        info.point = point
+        out.append(info)
+    return out
+
+
+def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
+    """A run dir, a sweep dir, or a job id (as job.json records it) -> (path, is_sweep)."""
+    p = Path(target)
+    if (p / SWEEP).is_file():
+        return p, True
+    if rundir.is_run_dir(p):
+        return p, False
+    root = Path(runs_root)
+    if root.is_dir():
+        for d in sorted(root.iterdir()):
+            if (d / SWEEP).is_file() and str((rundir.read_json(d / SWEEP, {}) or {}).get("job_id")) == target:
+                return d, True
+        for d, _ in runs_under(root):
+            if str((rundir.read_json(d / rundir.JOB, {}) or {}).get("job_id", "")) == target:
+                return d, False
+    raise DDPJobError(f"'{target}' is neither a run directory nor a job id of a run under {root}/",
+                      "`ddpjob ls` lists the runs and their job ids")
+
+
+# ------------------------------------------------------------------ commands
+def _fmt_loss(loss: Any) -> str:
+    return f"{loss:.4f}" if isinstance(loss, (int, float)) else ""
+
+
+def print_table(runs: list[RunInfo], title: str = "") -> None:
+    console.table(title, ["run", "backend", "job id", "state", "step", "loss", "restarts", "checkpoint", "point"],
+                  [[str(i.run_dir), i.backend, i.job_id, i.state, "" if i.step is None else i.step,
+                    _fmt_loss(i.loss), i.restarts, i.checkpoint, i.point] for i in runs])
+
+
+def format_status(i: RunInfo) -> str:
+    """The compact per-run summary `ddpjob status RUN` prints."""
+    state = i.state + (f" ({i.reason})" if i.reason else "")
+    lines = [f"run         {i.run_dir}", f"job         {i.job_id or '-'} ({i.backend})",
+             f"state       {state}", f"restarts    {i.restarts}",
+             f"last step   {'-' if i.step is None else i.step}" + (f"  loss {_fmt_loss(i.loss)}" if i.loss is not None else ""),
+             f"checkpoint  {i.checkpoint or '-'}", f"completed   {'yes' if i.completed else 'no'}"]
+    if i.point:
+        lines.insert(1, f"point       {i.point}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if not args.target:
+        runs = runs_under(Path(args.runs_root))
+        if not runs:
+            console.info(f"no runs under {args.runs_root}/ (submit one: ddpjob submit jobs/smoke.toml)")
+            return 0
+        print_table(infos(runs))
+        return 0
+    path, is_sweep = resolve(args.target, args.runs_root)
+    if is_sweep:
+        print_table(infos(sweep_points(path)), title=f"sweep {path}")
+    else:
+        console.info(format_status(infos([(path, "")])[0]))
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = Path(args.runs_root)
+    runs = runs_under(root)
+    if not runs:
+        console.info(f"no runs under {root}/ (submit one: ddpjob submit jobs/smoke.toml)")
+        return 0
+    rows = []
+    for i in infos(runs):
+        rows.append([str(i.run_dir), i.backend, i.job_id, i.state, "" if i.step is None else i.step,
+                     i.restarts, i.point])
+    console.table("", ["run", "backend", "job id", "state", "step", "restarts", "point"], rows)
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    path, is_sweep = resolve(args.run)
+    runs = sweep_points(path) if is_sweep else [(path, "")]
+    live = [i for i in infos(runs) if not i.finished]
+    if not live:
+        raise DDPJobError(f"'{args.run}' has already finished, nothing to cancel",
+                          f"`ddpjob status {args.run}` shows how it ended")
+    for i in live:
+        if i.backend == "slurm":
+            res = _run(["scancel", i.job_id])
+            if res is None or res.returncode != 0:
+                why = " ".join(((res.stderr or res.stdout) if res else "scancel not found").split())
+                raise DDPJobError(f"scancel {i.job_id} failed: {why}", "check `squeue -j "
+                                  f"{i.job_id}`; you may only cancel your own jobs")
+        elif i.backend == "local":
+            job = rundir.read_json(i.run_dir / rundir.JOB, {}) or {}
+            if i.state == "PENDING" and (i.run_dir / LOCAL).is_file():
+                # A sweep point not started yet: the supervisor skips points marked CANCELLED.
+                rec = rundir.read_json(i.run_dir / LOCAL, {}) or {}
+                rundir.write_json_atomic(i.run_dir / LOCAL, {**rec, "state": "CANCELLED",
+                                                             "reason": "cancelled before it started"})
+            elif _pid_alive(job.get("pid")):
+                os.kill(int(job["pid"]), signal.SIGTERM)  # the supervisor forwards it to the ranks
+        rundir.record_event(i.run_dir, "cancel", by="user", job_id=i.job_id, restart=i.restarts)
+        console.info(f"cancelled {i.job_id} ({i.run_dir})")
+    return 0
+
+
+# ------------------------------------------------------------------ logs
+def log_files(run_dir: Path, rank: int) -> list[Path]:
+    """Candidate logs of one rank: logs/rank-R.log (local backend, `ddpjob sbatch`) and
+    submitit's <job id>_<R>_log.out/.err (same names across requeues: --open-mode=append)."""
+    files = [run_dir / rundir.LOGS / f"rank-{rank}.log"]
+    job = rundir.read_json(run_dir / rundir.JOB, {}) or {}
+    if job.get("backend") == "slurm" and job.get("job_id"):
+        folder = Path(job.get("log_folder") or run_dir / rundir.LOGS)
+        files += [folder / f"{job['job_id']}_{rank}_log.{ext}" for ext in ("out", "err")]
+    return files
+
+
+def _check_rank(run_dir: Path, rank: int) -> None:
+    from ddpjob import config
+
+    world = config.read_run_config(run_dir).slurm.world_size
+    if not 0 <= rank < world:
+        raise UsageError(f"rank {rank} does not exist in {run_dir}, which has {world} rank(s)",
+                         f"pass --rank between 0 and {world - 1}")
+
+
+def follow(run_dir: Path, rank: int = 0, poll_s: float = 0.5, state_every_s: float = 2.0,
+           out: Any = None) -> RunInfo:
+    """Print the rank's logs as they grow, across requeues (appended or new files), until the
+    job is finished; then a last read. Returns the final RunInfo."""
+    out = out or sys.stdout
+    offsets: dict[Path, int] = {}
+    next_check, info = 0.0, run_info(run_dir)
+
+    def drain() -> None:
+        for f in log_files(run_dir, rank):
+            try:
+                size = f.stat().st_size
+            except OSError:
+                continue
+            pos = offsets.get(f, 0)
+            if size < pos:  # truncated or replaced: start over
+                pos = 0
+            if size > pos:
+                with open(f, "rb") as fh:
+                    fh.seek(pos)
+                    data = fh.read(size - pos)
+                offsets[f] = pos + len(data)
+                out.write(data.decode(errors="replace"))
+                out.flush()
+
+    while True:
+        drain()
+        if time.monotonic() >= next_check:
+            info = run_info(run_dir)
+            next_check = time.monotonic() + state_every_s
+            if info.finished:
+                time.sleep(poll_s)  # a last flush of the ranks' output
+                drain()
+                return info
+        time.sleep(poll_s)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    path, is_sweep = resolve(args.run)
+    if is_sweep:
+        raise UsageError(f"'{args.run}' is a sweep with several runs",
+                         f"pass one point, e.g. {path / '0'} (`ddpjob status {args.run}` lists them)")
+    _check_rank(path, args.rank)
+    if args.follow:
+        follow(path, args.rank)
+        return 0
+    files = [f for f in log_files(path, args.rank) if f.is_file()]
+    if not files:
+        info = run_info(path)
+        raise DDPJobError(f"no log for rank {args.rank} in {path} yet (state {info.state})",
+                          "it appears when the job starts; `ddpjob logs --follow` waits for it")
+    for f in files:
+        if len(files) > 1 and f.stat().st_size:
+            console.info(f"==> {f} <==")
+        sys.stdout.write(f.read_text(errors="replace"))
+    sys.stdout.flush()
+    return 0

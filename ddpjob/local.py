@@ -1,0 +1,239 @@
+"""The local backend's supervisor: `python -m ddpjob.local RUN_DIR [RUN_DIR ...]`.
+
+Started detached by `ddpjob submit --backend local`; plays SLURM's part on one machine. It starts
+nodes x tasks_per_node rank processes (`ddpjob run RUN_DIR`) with the torchrun variables, forwards
+SIGUSR2 (preemption: ranks checkpoint, exit 3, get restarted) and SIGTERM/SIGINT (cancel: ranks
+checkpoint and stop for good), kills the rest when one rank fails (like srun --kill-on-bad-exit),
+and keeps its state in RUN_DIR/local.json for `status`/`logs`/`cancel`. Several run dirs (a sweep)
+run one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ddpjob import config, rundir
+
+LOCAL = "local.json"
+EXIT_REQUEUE = 3  # `ddpjob run`: stopped for a requeue, checkpoint written (docs/design.md)
+POLL_S = 0.1
+CANCEL_GRACE_S = 60.0  # after a cancel, ranks may checkpoint this long before SIGKILL
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
+
+
+def rank_command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-u", "-m", "ddpjob", "run", str(run_dir)]
+
+
+def free_port() -> int:
+    """A port the kernel just handed out, chosen again at every (re)start: a previous
+    incarnation's port may still be in TIME_WAIT."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_env(base: dict[str, str], rank: int, nodes: int, tasks_per_node: int, port: int,
+             job_id: str, restart: int) -> dict[str, str]:
+    """What torchrun would set, plus ddpjob's job id and restart count (docs/design.md)."""
+    env = dict(base)
+    env.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank % tasks_per_node),
+        "WORLD_SIZE": str(nodes * tasks_per_node), "LOCAL_WORLD_SIZE": str(tasks_per_node),
+        "GROUP_RANK": str(rank // tasks_per_node), "GROUP_WORLD_SIZE": str(nodes),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "DDPJOB_JOB_ID": job_id, "DDPJOB_RESTART_COUNT": str(restart),
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] supervisor: {message}", flush=True)
+
+
+class Supervisor:
+    """Runs one run dir to its end (COMPLETED / FAILED / CANCELLED), restarting on exit 3."""
+
+    def __init__(self, run_dir: Path, job_id: str, command: list[str] | None = None) -> None:
+        self.run_dir = run_dir
+        self.job_id = job_id
+        self.cfg = config.read_run_config(run_dir)
+        self.command = command or rank_command(run_dir)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.restarts = 0
+        self.cancelled = False
+        self.history: list[dict[str, Any]] = []
+        self.pending: list[int] = []  # signals received, not yet forwarded
+
+    def write(self, state: str, **extra: Any) -> None:
+        rundir.write_json_atomic(self.run_dir / LOCAL, {
+            "pid": os.getpid(), "job_id": self.job_id, "state": state, "restarts": self.restarts,
+            "world_size": self.cfg.slurm.world_size, "rank_pids": [p.pid for p in self.procs],
+            "history": self.history, "updated_at": time.time(), **extra})
+
+    def signal_ranks(self, signum: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def kill_ranks(self) -> None:
+        """SIGKILL to each rank's process group (its own children included)."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def on_signal(self, signum: int) -> None:
+        """The handler only records (printing inside a handler can hit a reentrant write);
+        the wait loop forwards, once every rank of this start exists."""
+        if signum != signal.SIGUSR2:
+            self.cancelled = True  # TERM/INT: like scancel, the job ends after the ranks stop
+        self.pending.append(signum)
+
+    def forward_pending(self) -> None:
+        while self.pending:
+            signum = self.pending.pop(0)
+            name = signal.Signals(signum).name
+            log(f"got {name}, forwarding it to {sum(p.poll() is None for p in self.procs)} rank(s)")
+            rundir.record_event(self.run_dir, "signal", signal=name, source="local-supervisor",
+                                job_id=self.job_id, restart=self.restarts)
+            self.signal_ranks(signum)
+
+    def start(self) -> None:
+        s = self.cfg.slurm
+        port = free_port()
+        logs = self.run_dir / rundir.LOGS
+        logs.mkdir(parents=True, exist_ok=True)
+        self.procs = []
+        for rank in range(s.world_size):
+            env = rank_env(dict(os.environ), rank, s.nodes, s.tasks_per_node, port, self.job_id,
+                           self.restarts)
+            with open(logs / f"rank-{rank}.log", "ab") as out:
+                # Own session per rank: a kill reaches the rank's children, and a Ctrl-C in the
+                # submitting terminal never reaches the ranks behind the supervisor's back.
+                self.procs.append(subprocess.Popen(self.command, env=env, stdout=out,
+                                                   stderr=subprocess.STDOUT, start_new_session=True))
+        log(f"started {s.world_size} rank(s) (restart {self.restarts}, MASTER_PORT {port}): "
+            + ", ".join(str(p.pid) for p in self.procs))
+        rundir.record_event(self.run_dir, "local_start", source="local-supervisor", job_id=self.job_id,
+                            restart=self.restarts, world_size=s.world_size, master_port=port)
+        self.write("RUNNING")
+
+    def wait_ranks(self) -> list[int]:
+        """Wait for every rank. One bad exit (not 0, not 3) gets the others SIGKILLed at once, like
+        srun --kill-on-bad-exit: they would only hang in their next collective, and a failed
+        run must not write a checkpoint. After a cancel, ranks get CANCEL_GRACE_S to save."""
+        killed = False
+        cancel_deadline: float | None = None
+        while True:
+            codes = [p.poll() for p in self.procs]  # every one, each time (no any() short-cut)
+            if None not in codes:
+                break
+            self.forward_pending()
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0, EXIT_REQUEUE)]
+            if bad and not killed:
+                log(f"rank {bad[0]} exited with {codes[bad[0]]}: killing the other ranks")
+                self.kill_ranks()
+                killed = True
+            if self.cancelled and cancel_deadline is None:
+                cancel_deadline = time.monotonic() + CANCEL_GRACE_S
+            if cancel_deadline is not None and time.monotonic() > cancel_deadline and not killed:
+                log(f"ranks still running {CANCEL_GRACE_S:.0f}s after the cancel: SIGKILL")
+                self.kill_ranks()
+                killed = True
+            time.sleep(POLL_S)
+        self.pending.clear()  # like SLURM: a signal to ranks that are gone is lost
+        return [int(p.returncode) for p in self.procs]
+
+    def run(self) -> str:
+        """Start, wait, restart on a collective exit 3; returns the final state."""
+        max_requeues = self.cfg.slurm.max_requeues
+        while True:
+            self.start()
+            codes = self.wait_ranks()
+            self.history.append({"restart": self.restarts, "exit_codes": codes, "time": time.time()})
+            log(f"ranks exited with {codes}")
+            if all(c == 0 for c in codes):
+                state, reason = "COMPLETED", "all ranks exited 0"
+            elif self.cancelled:
+                state, reason = "CANCELLED", "cancelled by a signal"
+            elif all(c == EXIT_REQUEUE for c in codes):
+                if self.restarts < max_requeues:
+                    self.restarts += 1
+                    log(f"all ranks stopped for a requeue: restart {self.restarts}/{max_requeues}")
+                    rundir.record_event(self.run_dir, "local_requeue", source="local-supervisor",
+                                        job_id=self.job_id, restart=self.restarts)
+                    self.write("REQUEUED")
+                    continue
+                state, reason = "FAILED", f"stopped for a requeue but max_requeues={max_requeues} is used up"
+            else:
+                state, reason = "FAILED", f"exit codes {codes}"
+            self.write(state, reason=reason, exit_codes=codes)
+            rundir.record_event(self.run_dir, "local_end", source="local-supervisor", job_id=self.job_id,
+                                restart=self.restarts, state=state, reason=reason)
+            log(f"{state}: {reason}")
+            return state
+
+
+def supervise(run_dirs: Sequence[Path], command: list[str] | None = None) -> int:
+    """Each run dir in turn (a sweep's points run one after another); 0 iff all completed.
+
+    SIGTERM (`ddpjob cancel`) cancels the point that runs, like scancel of one array task;
+    SIGINT cancels it and every point not started yet. A point whose local.json a cancel
+    marked CANCELLED before it started is skipped."""
+    base_id = f"local-{os.getpid()}"
+    sups = [Supervisor(d, base_id if len(run_dirs) == 1 else f"{base_id}_{i}",
+                       command and [*command, str(d)]) for i, d in enumerate(run_dirs)]
+    current: list[Supervisor] = []
+    stop_all = [False]
+
+    def handler(signum: int, _frame: Any) -> None:
+        if current:
+            current[0].on_signal(signum)
+        if signum == signal.SIGINT:
+            stop_all[0] = True
+
+    for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    for s in sups:
+        s.write("PENDING")
+    ok = True
+    for s in sups:
+        marked = (rundir.read_json(s.run_dir / LOCAL, {}) or {}).get("state") == "CANCELLED"
+        if stop_all[0] or marked:
+            s.write("CANCELLED", reason="cancelled before it started")
+            ok = False
+            continue
+        current[:] = [s]
+        ok = s.run() == "COMPLETED" and ok
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddpjob.local", description=__doc__)
+    p.add_argument("run_dirs", nargs="+", type=Path)
+    # Internal (tests): run this instead of `ddpjob run`; the run dir is appended.
+    p.add_argument("--rank-command", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    command = shlex.split(args.rank_command) if args.rank_command else None
+    return supervise([d.resolve() for d in args.run_dirs], command)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,398 @@
+"""`ddpjob submit JOB.toml`: resolved config -> run dir(s) -> submitit on SLURM, or local processes.
+
+Login-node side, after config.py: writes RUN_DIR/config.json once, then hands the run dir to
+the scheduler: a submitit SlurmExecutor job (a job array for a sweep) whose callable is
+`NodeTask(run_dir)`, or the detached local supervisor (ddpjob/local.py). Writes job.json and
+job.sbatch; status/logs/cancel (control.py) read them back.
+
+Requeue contract on SLURM. `NodeTask` is stateless (a run dir path): every incarnation resumes
+from the newest checkpoint in the run dir, so submitit may pickle it once and rerun it. On the
+node, `ddpjob.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
+stop it checkpoints on all ranks and returns 3, having asked `scontrol requeue` itself for a
+USR2 stop (a TERM stop is SLURM's preemption or scancel: SLURM requeues or ends the job). On 3,
+`NodeTask` ends the task with SystemExit(3) and no result pickle, as submitit's own handler does
+after requeueing (sys.exit(-1)), so a submitit Job waits for the next incarnation. 0 returns 0;
+any other code raises, so submitit records the failure and the job ends FAILED. Should a signal
+reach submitit's handler before ours is installed, `checkpoint()` hands submitit the same task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpjob import config, console, rundir
+from ddpjob.config import JobConfig
+from ddpjob.errors import DDPJobError, UsageError
+
+EXIT_REQUEUE = 3
+FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
+MAX_POINTS = 1000  # SLURM's default MaxArraySize is 1001
+
+
+# ------------------------------------------------------------------ node side
+class NodeTask:
+    """The callable submitit pickles and runs once per task (= rank) and per incarnation."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = str(run_dir)
+
+    def __call__(self) -> int:
+        from ddpjob.runner import run_node  # imported on the node: torch stays off the login node
+
+        code = int(run_node(self.run_dir))
+        if code == 0:
+            return 0
+        if code == EXIT_REQUEUE:
+            raise SystemExit(EXIT_REQUEUE)  # checkpoint written, requeue asked: no result pickle
+        raise RuntimeError(f"ddpjob run {self.run_dir} exited with {code}; see the rank logs "
+                           f"(`ddpjob logs {self.run_dir} --rank R`)")
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"NodeTask({self.run_dir!r})"
+
+
+# ------------------------------------------------------------------ sweeps
+@dataclass(frozen=True)
+class SweepPoint:
+    index: int
+    values: dict[str, Any]  # "train.lr" -> 0.1 (typed like --set)
+    overrides: tuple[str, ...]  # ("train.lr=0.1", ...)
+
+    @property
+    def id(self) -> str:  # the point's folder name, = its SLURM array index
+        return str(self.index)
+
+
+def split_values(text: str) -> list[str]:
+    """`0.1,0.05` -> ['0.1', '0.05']; commas inside [...] or quotes do not split."""
+    items, depth, quote, cur = [], 0, "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    items.append(cur.strip())
+    return items
+
+
+def expand_sweep(specs: list[str]) -> list[SweepPoint]:
+    """The cartesian product of `--sweep KEY=V1,V2` axes, first axis varying slowest
+    ([] without axes: not a sweep)."""
+    if not specs:
+        return []
+    axes: list[tuple[str, list[tuple[str, Any]]]] = []
+    for spec in specs:
+        if "=" not in spec:
+            raise UsageError(f"--sweep '{spec}' has no '=', expected section.key=v1,v2",
+                             "e.g. --sweep train.lr=0.1,0.05")
+        key, text = (s.strip() for s in spec.split("=", 1))
+        values = split_values(text)
+        if not text.strip() or any(v == "" for v in values):
+            raise UsageError(f"--sweep '{spec}' has an empty value, expected v1,v2,...",
+                             "e.g. --sweep train.lr=0.1,0.05")
+        if key in [k for k, _ in axes]:
+            raise UsageError(f"--sweep key '{key}' is given twice", "list all its values in one --sweep")
+        axes.append((key, [(v, config.parse_override(f"{key}={v}")[1]) for v in values]))
+    points = []
+    for i, combo in enumerate(itertools.product(*[vals for _, vals in axes])):
+        keys = [k for k, _ in axes]
+        points.append(SweepPoint(i, {k: typed for k, (_, typed) in zip(keys, combo)},
+                                 tuple(f"{k}={raw}" for k, (raw, _) in zip(keys, combo))))
+    if len(points) > MAX_POINTS:
+        raise UsageError(f"the sweep has {len(points)} points, expected at most {MAX_POINTS}",
+                         "split it into several sweeps (SLURM limits job arrays)")
+    return points
+
+
+# ------------------------------------------------------------------ SLURM via submitit
+def slurm_parameters(cfg: JobConfig) -> dict[str, Any]:
+    """SlurmExecutor.update_parameters(...) for a job: the pure mapping from [slurm]."""
+    s = cfg.slurm
+    secs = config.parse_time_s(s.time)
+    params: dict[str, Any] = {
+        "job_name": cfg.name, "nodes": s.nodes, "ntasks_per_node": s.tasks_per_node,
+        "cpus_per_task": s.cpus_per_task,
+        # submitit wants whole minutes (it also times its own timeout logic with them); the
+        # exact limit still reaches sbatch through additional_parameters below.
+        "time": max(1, math.ceil(secs / 60)),
+        "signal_delay_s": s.signal_lead_s,
+    }
+    if s.setup:
+        params["setup"] = list(s.setup)
+    if s.gpus_per_node > 0:
+        params["gpus_per_node"] = s.gpus_per_node
+    for key in ("mem", "partition", "account", "qos", "constraint"):
+        if getattr(s, key):
+            params[key] = getattr(s, key)
+    extra: dict[str, Any] = {"time": s.time, "open-mode": "append"}
+    extra["requeue" if s.requeue else "no-requeue"] = True
+    sig = s.signal.upper().removeprefix("SIG")
+    if sig != "USR2":  # submitit writes USR2@delay; any other signal replaces that line
+        extra["signal"] = f"{sig}@{s.signal_lead_s}"
+    for arg in s.sbatch_extra:  # "--exclusive", "--mail-type=END"
+        key, eq, value = arg[2:].partition("=")
+        extra[key] = value if eq else True
+    params["additional_parameters"] = extra
+    return params
+
+
+def submitit_command(folder: Path) -> str:
+    """What submitit runs under srun (SlurmExecutor._submitit_command_str)."""
+    return f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+
+
+def sbatch_text(cfg: JobConfig, folder: Path, array: int | None = None) -> str:
+    """The script submitit would submit, without submitting (for --dry-run)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return _make_sbatch_string(command=submitit_command(folder), folder=folder, map_count=array,
+                               **slurm_parameters(cfg))
+
+
+def preflight_slurm(cfg: JobConfig) -> None:
+    """Fail in one line before anything is written: no sbatch/srun, unknown partition."""
+    for tool in ("sbatch", "srun"):
+        if shutil.which(tool) is None:
+            raise DDPJobError(f"--backend slurm needs `{tool}`, which is not on PATH",
+                              "run on a SLURM login node, or use --backend local")
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DDPJobError(f"sinfo did not answer ({exc})", "is the SLURM controller up? try `sinfo`") from None
+    if out.returncode != 0:
+        raise DDPJobError(f"sinfo failed: {' '.join(out.stderr.split())[:200]}",
+                          "is the SLURM controller up? try `sinfo`")
+    parts = sorted(set(out.stdout.split()))
+    if cfg.slurm.partition and cfg.slurm.partition not in parts:
+        raise DDPJobError(f"partition '{cfg.slurm.partition}' does not exist on this cluster "
+                          f"(sinfo lists: {', '.join(parts) or 'none'})",
+                          "set slurm.partition (or --partition) to one of them")
+
+
+def submit_slurm(cfgs: list[JobConfig], run_dirs: list[Path], log_folder: Path,
+                 command: list[str]) -> list[dict[str, Any]]:
+    """One job, or one job array for a sweep. Returns the job.json records (one per run dir)."""
+    import submitit
+    from submitit.core.utils import FailedJobError
+
+    cfg = cfgs[0]  # resources are the same for every point; a sweep varies the training
+    ex = submitit.SlurmExecutor(folder=log_folder, max_num_timeout=cfg.slurm.max_requeues)
+    ex.update_parameters(**slurm_parameters(cfg))
+    try:
+        if len(run_dirs) == 1:
+            jobs = [ex.submit(NodeTask(run_dirs[0]))]
+        else:
+            jobs = ex.submit_array([NodeTask(d) for d in run_dirs])
+    except FailedJobError as exc:
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        why = " ".join((lines[-1] if lines else str(exc)).split())
+        hint = ("check slurm.partition against `sinfo`" if "partition" in why.lower() else
+                "check the [slurm] section; `ddpjob submit --dry-run` prints the script")
+        raise DDPJobError(f"sbatch refused the job: {why}", hint) from None
+    script = Path(jobs[0].paths.submission_file).read_text()
+    records = []
+    for i, (job, d) in enumerate(zip(jobs, run_dirs)):
+        rundir.write_text_atomic(d / "job.sbatch", script)
+        rec = {"backend": "slurm", "job_id": job.job_id, "submitted_at": time.time(),
+               "command": command, "log_folder": str(log_folder), "array": None}
+        if len(run_dirs) > 1:
+            rec["array"] = {"job_id": job.job_id.split("_")[0], "index": i, "count": len(run_dirs)}
+        records.append(rec)
+    return records
+
+
+# ------------------------------------------------------------------ local backend
+def submit_local(run_dirs: list[Path], log_dir: Path, command: list[str],
+                 rank_command: str | None = None) -> list[dict[str, Any]]:
+    """Start the supervisor in its own session (it outlives this command) and return.
+    `rank_command` replaces `ddpjob run` (tests drive the supervisor with fake ranks)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "ddpjob.local", *[str(d.resolve()) for d in run_dirs]]
+    if rank_command:
+        argv += ["--rank-command", rank_command]
+    with open(log_dir / "supervisor.log", "ab") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base = f"local-{proc.pid}"
+    return [{"backend": "local", "job_id": base if len(run_dirs) == 1 else f"{base}_{i}",
+             "pid": proc.pid, "submitted_at": time.time(), "command": command,
+             "supervisor_log": str(log_dir / "supervisor.log"),
+             "array": None if len(run_dirs) == 1 else {"job_id": base, "index": i, "count": len(run_dirs)}}
+            for i, _ in enumerate(run_dirs)]
+
+
+# ------------------------------------------------------------------ views
+def choose_backend(requested: str) -> str:
+    if requested == "auto":
+        return "slurm" if shutil.which("sbatch") else "local"
+    if requested == "slurm" and shutil.which("sbatch") is None:
+        raise DDPJobError("--backend slurm needs `sbatch`, which is not on PATH",
+                          "run on a SLURM login node, or use --backend local")
+    return requested
+
+
+def rank_rows(cfg: JobConfig, backend: str) -> list[list[Any]]:
+    """Per-rank view: where each rank runs and what batch it trains with."""
+    s, t = cfg.slurm, cfg.train
+    accum = config.accumulation_for(cfg, s.world_size)
+    master = ("127.0.0.1:<free port at start>" if backend == "local"
+              else "<first node>:<15000 + job id % 15000>")
+    rows = []
+    for rank in range(s.world_size):
+        node, local = divmod(rank, s.tasks_per_node)
+        device = f"cuda:{local}" if s.gpus_per_node > 0 else "cpu"
+        rows.append([rank, f"node {node}" if backend == "slurm" else "localhost", local, device,
+                     master, t.batch_size, accum, t.batch_size * accum * s.world_size])
+    return rows
+
+
+RANK_COLUMNS = ["rank", "node", "local rank", "device", "MASTER_ADDR:PORT", "batch/rank",
+                "accumulation", "global batch"]
+
+
+def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, job: str,
+            run_dir: str | None) -> int:
+    cfg = cfgs[0]
+    where = Path(run_dir or Path("runs") / f"{cfg.name}{'-sweep' if points else ''}-<time>").absolute()
+    if backend == "slurm":
+        console.info(f"# sbatch script submitit would submit for {job} (nothing submitted)")
+        console.info(sbatch_text(cfg, where / rundir.LOGS, len(points) if len(points) > 1 else None))
+    else:
+        console.info(f"# local backend: a supervisor would start {cfg.slurm.world_size} rank(s), each:")
+        console.info(shlex.join([sys.executable, "-u", "-m", "ddpjob", "run", str(where)]))
+    console.table("per-rank view", RANK_COLUMNS, rank_rows(cfg, backend))
+    if points:
+        console.table("sweep points", ["point", "values"],
+                      [[p.id, " ".join(p.overrides)] for p in points])
+    return 0
+
+
+def _make_root(path: Path) -> bool:
+    """Create the run (or sweep) dir; True if we created it (and so may remove it on failure)."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise DDPJobError(f"run directory '{path}' already exists and is not empty",
+                          "pass a new --run-dir, or leave it out for a fresh one under runs/")
+    existed = path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise DDPJobError(f"cannot create run directory '{path}' ({exc.strerror})",
+                          "pass a writable --run-dir") from None
+    return not existed
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    flags = {k: getattr(args, k, None) for k in FLAGS}
+    points = expand_sweep(list(args.sweep))
+    # Every point is validated before anything is written or submitted.
+    cfgs = [config.resolve(args.job, [*args.overrides, *p.overrides], flags) for p in points] or \
+        [config.resolve(args.job, args.overrides, flags)]
+    if any(c.slurm != cfgs[0].slurm for c in cfgs):
+        raise UsageError("the sweep varies [slurm] settings, but one job array shares one set of "
+                         "resources", "sweep [train]/[data]/[checkpoint] keys; submit separate jobs "
+                         "for different resources")
+    backend = choose_backend(args.backend)
+    if args.dry_run:
+        return dry_run(cfgs, points, backend, args.job, args.run_dir)
+    if backend == "slurm":
+        preflight_slurm(cfgs[0])
+    name = cfgs[0].name + ("-sweep" if points else "")
+    root = Path(args.run_dir) if args.run_dir else rundir.new_run_dir("runs", name)
+    created = _make_root(root)
+    command = _command(args, backend)
+    try:
+        run_dirs = [root / p.id for p in points] if points else [root]
+        for d, cfg in zip(run_dirs, cfgs):
+            (d / rundir.LOGS).mkdir(parents=True, exist_ok=True)
+            rundir.write_text_atomic(d / rundir.CONFIG, cfg.to_json())
+        log_dir = root / rundir.LOGS
+        records = (submit_slurm(cfgs, run_dirs, log_dir.resolve(), command) if backend == "slurm"
+                   else submit_local(run_dirs, log_dir, command))
+        for d, rec in zip(run_dirs, records):
+            rundir.write_json_atomic(d / rundir.JOB, rec)
+        if points:
+            rundir.write_json_atomic(root / "sweep.json", {
+                "job": str(args.job), "backend": backend,
+                "job_id": (records[0]["array"] or records[0])["job_id"],
+                "axes": {k: [p.values[k] for p in points] for k in points[0].values},
+                "points": [{"id": p.id, "index": p.index, "values": p.values} for p in points]})
+    except BaseException:
+        if created:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    _print_submitted(cfgs[0], backend, run_dirs, records)
+    if args.wait:
+        return wait(run_dirs)
+    return 0
+
+
+def _command(args: argparse.Namespace, backend: str) -> list[str]:
+    """The submit command line, for job.json (what to rerun to get the same job)."""
+    cmd = ["ddpjob", "submit", str(args.job), "--backend", backend]
+    for flag in FLAGS:
+        if getattr(args, flag, None) is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    for item in args.overrides:
+        cmd += ["--set", item]
+    for item in args.sweep:
+        cmd += ["--sweep", item]
+    return cmd
+
+
+def _print_submitted(cfg: JobConfig, backend: str, run_dirs: list[Path], records: list[dict]) -> None:
+    s = cfg.slurm
+    rows = []
+    for d, rec in zip(run_dirs, records):
+        if backend == "slurm":
+            logs = f"{rec['log_folder']}/{rec['job_id']}_<rank>_log.out"
+        else:
+            logs = f"{d / rundir.LOGS}/rank-<rank>.log"
+        rows.append([rec["job_id"], str(d), logs, f"{s.nodes} x {s.tasks_per_node}",
+                     s.partition or ("(default)" if backend == "slurm" else "-")])
+    console.table(f"submitted ({backend})", ["job id", "run dir", "logs", "nodes x tasks", "partition"], rows)
+
+
+def wait(run_dirs: list[Path]) -> int:
+    """--wait: stream rank 0's log of each run until it ends; 0 only if every run completed."""
+    from ddpjob import control
+
+    ok = True
+    for d in run_dirs:
+        info = control.follow(d, rank=0)
+        console.info(f"ddpjob: {d}: {info.state}" + (f" ({info.reason})" if info.reason else ""))
+        ok = ok and info.state == "COMPLETED"
+    return 0 if ok else 1
+
+
+def cmd_sbatch(args: argparse.Namespace) -> int:
+    """`ddpjob sbatch` lives with the renderer (ddpjob/render.py)."""
+    from ddpjob import render
+
+    return int(render.cmd_sbatch(args))  # type: ignore[attr-defined]

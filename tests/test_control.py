@@ -1,0 +1,189 @@
+"""`ddpjob status / logs / cancel / ls` on local runs (real supervisor, fake ranks), the parsing
+of sacct/squeue output (fake binaries on PATH), and on real SLURM jobs (test cluster)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_local_backend import fake_command, local_state, make_run, wait_for
+
+from ddpjob import control, rundir, submit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ddpjob(*argv: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+_started: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    """A failed test must not leave a supervisor and its fake ranks behind."""
+    yield
+    while _started:
+        run = _started.pop()
+        pids = [(rundir.read_json(run / "job.json") or {}).get("pid")]
+        pids += (rundir.read_json(run / "local.json") or {}).get("rank_pids", [])
+        for pid in filter(None, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def submit_fake(tmp_path: Path, mode: str, name: str = "run", **kw) -> Path:
+    """A local run as `ddpjob submit` makes it, with fake ranks instead of `ddpjob run`."""
+    run = make_run(tmp_path / "runs", mode, name=name, **kw)
+    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))[0]
+    rundir.write_json_atomic(run / "job.json", rec)
+    _started.append(run)
+    return run
+
+
+# ------------------------------------------------------------------ pure parts
+def test_format_status_is_a_compact_summary(tmp_path):
+    info = control.RunInfo(run_dir=Path("runs/smoke-1"), backend="slurm", job_id="123", state="RUNNING",
+                           restarts=2, step=150, loss=1.23456, checkpoint="step-000000100")
+    assert control.format_status(info).splitlines() == [
+        "run         runs/smoke-1", "job         123 (slurm)", "state       RUNNING", "restarts    2",
+        "last step   150  loss 1.2346", "checkpoint  step-000000100", "completed   no"]
+
+
+def test_last_checkpoint_skips_unfinished_saves_and_last_metric_skips_torn_lines(tmp_path):
+    for step, manifest in ((5, True), (12, True), (20, False)):
+        d = tmp_path / "checkpoints" / f"step-{step:09d}"
+        d.mkdir(parents=True)
+        if manifest:
+            (d / "manifest.json").write_text("{}")
+    assert control.last_checkpoint(tmp_path) == "step-000000012"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 2.5}\n{"step": 20, "eval_acc": 0.1}\n'
+                                            '{"step": 30, "loss": 1.5}\n{"step": 40, "lo')
+    assert control.last_metric(tmp_path) == (30, 1.5)
+
+
+def test_array_ids_expand():
+    assert control._expand_array_id("77_[0-2,5%2]") == ["77_0", "77_1", "77_2", "77_5"]
+    assert control._expand_array_id("77_3") == ["77_3"] and control._expand_array_id("78") == ["78"]
+
+
+def test_slurm_states_counts_requeues_and_prefers_squeue(tmp_path, monkeypatch):
+    """sacct -D lists each incarnation of a requeued job; squeue knows the live state first."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho \"$@\" > %s/sacct.args\ncat <<'EOF'\n"
+                                   "100|REQUEUED|0:0|n[1-2]\n100|PREEMPTED|0:0|n[1-2]\n100|RUNNING|0:0|n[1-2]\n"
+                                   "200_0|COMPLETED|0:0|n1\n200_1|CANCELLED by 0|0:15|n2\nEOF\n" % tmp_path)
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho '200_[2-3]|PENDING|Priority'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    states = control.slurm_states(["100", "200_0", "200_1", "200_2"])
+    assert states["100"]["state"] == "RUNNING" and states["100"]["restarts"] == 2
+    assert states["200_0"]["state"] == "COMPLETED" and states["200_1"]["state"] == "CANCELLED"
+    assert states["200_2"]["state"] == "PENDING" and states["200_3"]["reason"] == "Priority"
+    assert "-j 100,200" in (tmp_path / "sacct.args").read_text()  # one call for all jobs
+
+
+# ------------------------------------------------------------------ local runs
+def test_status_ls_logs_cancel_on_a_local_run(tmp_path):
+    run = submit_fake(tmp_path, "wait")
+    wait_for(lambda: local_state(run).get("state") == "RUNNING", what="RUNNING")
+    wait_for(lambda: "mode wait" in (run / "logs" / "rank-1.log").read_text(), what="rank 1 log")
+    job_id = rundir.read_json(run / "job.json")["job_id"]
+
+    out = ddpjob("status", str(run), cwd=tmp_path)
+    assert out.returncode == 0 and "state       RUNNING" in out.stdout and job_id in out.stdout
+    out = ddpjob("status", job_id, cwd=tmp_path)  # by job id, found under ./runs
+    assert out.returncode == 0 and "run         runs/run\n" in out.stdout
+    out = ddpjob("ls", cwd=tmp_path)
+    row = next(ln.split() for ln in out.stdout.splitlines() if job_id in ln)
+    assert row[1:4] == ["local", job_id, "RUNNING"]
+    out = ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path)
+    assert out.returncode == 0 and "fake rank 1 restart 0 mode wait" in out.stdout
+    assert "fake rank 0" not in out.stdout
+
+    out = ddpjob("cancel", str(run), cwd=tmp_path)
+    assert out.returncode == 0 and f"cancelled {job_id}" in out.stdout
+    wait_for(lambda: local_state(run).get("state") == "CANCELLED", what="CANCELLED")
+    assert any(e["event"] == "cancel" and e["by"] == "user" for e in rundir.events(run))
+    out = ddpjob("status", str(run), cwd=tmp_path)
+    assert "state       CANCELLED" in out.stdout and "completed   no" in out.stdout
+    out = ddpjob("cancel", str(run), cwd=tmp_path)  # twice: nothing left to cancel
+    assert out.returncode == 1 and out.stderr.startswith("ddpjob: error: ") and "already finished" in out.stderr
+
+
+def test_logs_follow_keeps_going_across_a_restart_until_the_end(tmp_path):
+    run = submit_fake(tmp_path, "wait")
+    pid = rundir.read_json(run / "job.json")["pid"]
+    follower = subprocess.Popen([sys.executable, "-m", "ddpjob", "logs", str(run), "--follow"],
+                                stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: (run / "fake-r1-s0.json").is_file(), what="ranks to start")
+    os.kill(pid, signal.SIGUSR2)  # ranks exit 3, the supervisor restarts them, they finish
+    out, _ = follower.communicate(timeout=60)
+    assert follower.returncode == 0
+    assert "fake rank 0 restart 0 mode wait" in out and "fake rank 0 restart 1 mode wait" in out
+    assert local_state(run)["state"] == "COMPLETED"
+
+
+def test_a_dead_supervisor_is_reported_not_trusted(tmp_path):
+    run = submit_fake(tmp_path, "wait")
+    pid = rundir.read_json(run / "job.json")["pid"]
+    wait_for(lambda: local_state(run).get("state") == "RUNNING", what="RUNNING")
+    os.kill(pid, 9)  # no chance to write its final state
+    os.waitpid(pid, 0)
+    info = control.run_info(run)
+    assert info.state == "FAILED" and "supervisor died" in info.reason
+    for rec in rundir.read_json(run / "local.json")["rank_pids"]:  # clean up the orphaned ranks
+        try:
+            os.kill(rec, 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_unknown_run_and_bad_rank_are_one_line_errors(tmp_path):
+    out = ddpjob("status", "nope", cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert "neither a run directory nor a job id" in out.stderr and "Hint: `ddpjob ls`" in out.stderr
+    run = make_run(tmp_path, "ok")
+    out = ddpjob("logs", str(run), "--rank", "2", cwd=tmp_path)
+    assert out.returncode == 2 and "rank 2 does not exist" in out.stderr and "between 0 and 1" in out.stderr
+    out = ddpjob("logs", str(run), cwd=tmp_path)
+    assert out.returncode == 1 and "no log for rank 0" in out.stderr
+    out = ddpjob("ls", cwd=tmp_path)
+    assert out.returncode == 0 and "no runs under runs/" in out.stdout
+
+
+# ------------------------------------------------------------------ real SLURM jobs
+@pytest.mark.cluster
+def test_status_logs_cancel_ls_on_a_real_slurm_job(slurm_cluster, tmp_path):
+    from slurmtools import wait_done, wait_state
+
+    run = tmp_path / "runs" / "long"
+    out = ddpjob("submit", str(ROOT / "jobs" / "smoke.toml"), "--backend", "slurm", "--run-dir", str(run),
+                 "--nodes", "2", "--set", "train.max_steps=100000", "--set", "train.eval_every=0",
+                 cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job_id = rundir.read_json(run / "job.json")["job_id"]
+    wait_state(job_id, ("RUNNING",), timeout=120)
+    wait_for(lambda: ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path).returncode == 0, timeout=60,
+             what="rank 1's log")
+    out = ddpjob("status", job_id, cwd=tmp_path)
+    assert "state       RUNNING" in out.stdout and f"job         {job_id} (slurm)" in out.stdout
+    out = ddpjob("ls", cwd=tmp_path)
+    assert any(ln.split()[1:4] == ["slurm", job_id, "RUNNING"] for ln in out.stdout.splitlines()[1:])
+    out = ddpjob("cancel", str(run), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert wait_done(job_id, timeout=120) == "CANCELLED"
+    wait_for(lambda: "CANCELLED" in ddpjob("status", str(run), cwd=tmp_path).stdout, timeout=30,
+             what="status CANCELLED")
+    assert any(e["event"] == "cancel" for e in rundir.events(run))

@@ -1,0 +1,103 @@
+"""Sweeps: `--sweep KEY=V1,V2` -> the cartesian product, one run dir per point, sweep.json;
+points run one after another on the local backend and as one job array on SLURM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpjob import config, rundir, submit
+from ddpjob.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "jobs" / "smoke.toml")
+
+
+def ddpjob(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+def test_expand_is_the_cartesian_product_typed_like_set():
+    pts = submit.expand_sweep(["train.lr=0.1,0.05", "train.batch_size=64,128", "train.amp=off"])
+    assert [p.values for p in pts] == [
+        {"train.lr": 0.1, "train.batch_size": 64, "train.amp": "off"},
+        {"train.lr": 0.1, "train.batch_size": 128, "train.amp": "off"},
+        {"train.lr": 0.05, "train.batch_size": 64, "train.amp": "off"},
+        {"train.lr": 0.05, "train.batch_size": 128, "train.amp": "off"}]
+    assert [p.id for p in pts] == ["0", "1", "2", "3"]
+    assert pts[1].overrides == ("train.lr=0.1", "train.batch_size=128", "train.amp=off")
+    assert submit.expand_sweep([]) == []
+
+
+def test_values_with_commas_inside_lists_or_quotes_stay_whole():
+    assert submit.split_values('[1, 2],"a,b",3') == ["[1, 2]", '"a,b"', "3"]
+    pts = submit.expand_sweep(['slurm.setup=["a", "b"],"c,d"'])
+    assert [p.values["slurm.setup"] for p in pts] == [["a", "b"], "c,d"]
+
+
+def test_each_point_resolves_to_a_valid_config_and_bad_points_are_caught():
+    for p in submit.expand_sweep(["train.lr=0.1,0.05"]):
+        cfg = config.resolve(SMOKE, list(p.overrides))
+        assert cfg.train.lr == p.values["train.lr"]
+    with pytest.raises(UsageError, match="given twice"):
+        submit.expand_sweep(["train.lr=0.1", "train.lr=0.2"])
+    with pytest.raises(UsageError, match="not section.key"):
+        submit.expand_sweep(["lr=0.1,0.2"])
+    with pytest.raises(UsageError, match="at most 1000"):
+        submit.expand_sweep([f"train.seed={','.join(map(str, range(40)))}",
+                             f"train.epochs={','.join(map(str, range(1, 40)))}"])
+
+
+@pytest.mark.slow
+def test_local_sweep_runs_each_point_and_ls_status_show_the_grid(tmp_path):
+    t0 = time.monotonic()
+    out = ddpjob("submit", SMOKE, "--backend", "local", "--wait", "--sweep", "train.lr=0.1,0.05",
+                 "--set", "train.max_steps=2", "--set", "train.eval_every=0", "--set", "train.log_every=1",
+                 cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    [sweep] = list((tmp_path / "runs").iterdir())
+    assert sweep.name.startswith("smoke-sweep-")
+    rec = rundir.read_json(sweep / "sweep.json")
+    assert rec["axes"] == {"train.lr": [0.1, 0.05]} and [p["id"] for p in rec["points"]] == ["0", "1"]
+    for i, lr in enumerate((0.1, 0.05)):
+        point = sweep / str(i)
+        assert config.read_run_config(point).train.lr == lr
+        job = rundir.read_json(point / "job.json")
+        assert job["job_id"] == f"{rec['job_id']}_{i}" and job["array"]["index"] == i
+        assert rundir.completed(point) is not None
+    ls = ddpjob("ls", cwd=tmp_path)
+    rows = [ln for ln in ls.stdout.splitlines() if "/smoke-sweep-" in ln]
+    assert len(rows) == 2 and rows[0].rstrip().endswith("train.lr=0.1") and rows[1].rstrip().endswith("train.lr=0.05")
+    assert all(" COMPLETED " in r for r in rows)
+    status = ddpjob("status", str(sweep), cwd=tmp_path)
+    assert status.returncode == 0 and status.stdout.startswith(f"sweep {sweep}")
+    assert status.stdout.count("COMPLETED") == 2
+    print(f"local sweep of 2 points x 2 ranks x 2 steps: {time.monotonic() - t0:.1f}s")
+
+
+@pytest.mark.cluster
+def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
+    from slurmtools import wait_done
+
+    sweep = tmp_path / "sweep"
+    out = ddpjob("submit", SMOKE, "--backend", "slurm", "--run-dir", str(sweep), "--sweep", "train.lr=0.1,0.05",
+                 "--set", "train.max_steps=2", "--set", "train.eval_every=0", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    base = rundir.read_json(sweep / "sweep.json")["job_id"]
+    ids = [rundir.read_json(sweep / str(i) / "job.json")["job_id"] for i in range(2)]
+    assert ids == [f"{base}_0", f"{base}_1"]
+    assert "#SBATCH --array=0-1%2" in (sweep / "0" / "job.sbatch").read_text()
+    for jid in ids:
+        assert wait_done(jid, timeout=300) == "COMPLETED"
+    acct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", base],
+                          capture_output=True, text=True, timeout=30).stdout.split()
+    assert f"{base}_0|COMPLETED" in acct and f"{base}_1|COMPLETED" in acct
+    for i in range(2):
+        assert rundir.completed(sweep / str(i)) is not None
+    status = ddpjob("status", base, cwd=tmp_path)  # the array id finds the sweep
+    assert status.returncode == 0 and status.stdout.count("COMPLETED") == 2
