@@ -1,0 +1,506 @@
+"""Datasets and loaders: what the trainer iterates over.
+
+build_datasets -> (CIFAR-10 pickle reader | synthetic set | "pkg.mod:fn" plugin) -> TensorLoader
+(whole set on the device as uint8, airbench-style) or PluginLoader (DataLoader) -> lists of
+`accumulation` normalized micro-batches per optimizer step. The data order depends only on
+(seed, epoch, step), never on the world size, so a job can resume bit-exactly at another size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import pickle
+import re
+import shlex
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ddpjob.errors import DDPJobError, UsageError
+
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+PAD = 4  # random-crop padding, as in the standard CIFAR recipe
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ArrayDataset:
+    """A whole image set in memory: uint8 [N, C, H, W] images, int64 [N] labels."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        # A plugin may return an ArrayDataset to get the fast path: check what it built.
+        if self.images.dtype != torch.uint8 or self.images.dim() != 4:
+            raise DDPJobError(f"dataset images are {self.images.dtype} of shape "
+                              f"{tuple(self.images.shape)}, expected uint8 [N, C, H, W]")
+        if self.labels.dtype != torch.int64 or self.labels.shape != (len(self.images),):
+            raise DDPJobError(f"dataset labels are {self.labels.dtype} of shape "
+                              f"{tuple(self.labels.shape)}, expected int64 [{len(self.images)}]")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def _mix(*parts: int | str) -> int:
+    """A 63-bit seed from several values; stable across processes, runs and platforms."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+# ---------------------------------------------------------------- CIFAR-10 python-pickle reader
+def _numpy_globals() -> dict[tuple[str, str], Any]:
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core -> numpy._core
+    import codecs
+
+    allowed: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray,
+                                           ("numpy", "dtype"): np.dtype,
+                                           ("_codecs", "encode"): codecs.encode}
+    for mod in ("numpy.core", "numpy._core"):  # py2 files say numpy.core; numpy 2 writes _core
+        allowed[(f"{mod}.multiarray", "_reconstruct")] = core.multiarray._reconstruct
+        allowed[(f"{mod}.numeric", "_frombuffer")] = core.numeric._frombuffer
+    return allowed
+
+
+class _DataUnpickler(pickle.Unpickler):
+    """Only plain containers and numpy arrays: a data file cannot name any other callable."""
+
+    _allowed = _numpy_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"it references {module}.{name}, which a CIFAR-10 "
+                                         "data file never does") from None
+
+
+def _cifar_hint(root: Path) -> str:
+    return f"run `ddpjob data cifar10 --root {shlex.quote(str(root))}` on the login node"
+
+
+def _read_pickle(path: Path, root: Path) -> dict[Any, Any]:
+    if not path.is_file():
+        raise DDPJobError(f"CIFAR-10 file {path} is missing", _cifar_hint(root))
+    try:
+        # Why pickle at all: CIFAR-10 ships only as pickles (from a trusted, checksum-verified
+        # archive); still, the restricted unpickler refuses anything but containers and numpy
+        # arrays. encoding="bytes": the files were written by Python 2 (keys are byte strings).
+        with open(path, "rb") as f:
+            obj = _DataUnpickler(f, encoding="bytes").load()
+    except Exception as exc:  # any failure while unpickling means a truncated or foreign file
+        raise DDPJobError(f"{path} is not a readable CIFAR-10 pickle ({type(exc).__name__}: {exc})",
+                          f"the file is truncated or corrupt: delete {path.parent} and "
+                          + _cifar_hint(root)) from None
+    if not isinstance(obj, dict):
+        raise DDPJobError(f"{path} holds a {type(obj).__name__}, expected a dict", _cifar_hint(root))
+    return {(k.decode("latin1") if isinstance(k, bytes) else k): v for k, v in obj.items()}
+
+
+def _field(d: dict[Any, Any], key: str, path: Path, root: Path) -> Any:
+    if key not in d:
+        keys = ", ".join(sorted(map(str, d)))[:200]
+        raise DDPJobError(f"{path} has no '{key}' entry (found: {keys})",
+                          "this is not a CIFAR-10 python-version file; " + _cifar_hint(root))
+    return d[key]
+
+
+def _find_folder(root: Path) -> Path:
+    for candidate in (root / "cifar-10-batches-py", root):
+        if (candidate / "batches.meta").is_file() or candidate.name == "cifar-10-batches-py" \
+                and candidate.is_dir():
+            return candidate
+    found = "does not exist" if not root.exists() else "has no cifar-10-batches-py folder"
+    hint = _cifar_hint(root)
+    if (root / "cifar-10-python.tar.gz").is_file():
+        hint += " (it verifies and extracts the archive that is already there)"
+    raise DDPJobError(f"CIFAR-10 data root {root} {found}", hint)
+
+
+def load_cifar10(root: str | Path, train: bool) -> ArrayDataset:
+    """Read the official python-version CIFAR-10 files (`root` or `root/cifar-10-batches-py`)."""
+    root = Path(root)
+    folder = _find_folder(root)
+    meta = _read_pickle(folder / "batches.meta", root)
+    names = tuple(n.decode() if isinstance(n, bytes) else str(n)
+                  for n in _field(meta, "label_names", folder / "batches.meta", root))
+    files = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+    datas, labels = [], []
+    for name in files:
+        path = folder / name
+        d = _read_pickle(path, root)
+        data, lab = _field(d, "data", path, root), _field(d, "labels", path, root)
+        if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2
+                and data.shape[1] == 3 * 32 * 32):
+            what = (f"{data.dtype} array of shape {data.shape}" if isinstance(data, np.ndarray)
+                    else type(data).__name__)
+            raise DDPJobError(f"{path}: 'data' is a {what}, expected uint8 of shape (N, 3072)",
+                              "the file is corrupt; " + _cifar_hint(root))
+        lab = np.asarray(lab)
+        if lab.ndim != 1 or (lab.size and lab.dtype.kind not in "iu"):
+            raise DDPJobError(f"{path}: 'labels' is {lab.dtype} of shape {lab.shape}, expected a "
+                              "list of integers", "the file is corrupt; " + _cifar_hint(root))
+        if len(lab) != len(data):
+            raise DDPJobError(f"{path}: {len(lab)} labels for {len(data)} images, expected one "
+                              "label per image", "the file is truncated; " + _cifar_hint(root))
+        if lab.size and (lab.min() < 0 or lab.max() >= len(names)):
+            raise DDPJobError(f"{path}: labels range over [{lab.min()}, {lab.max()}], expected "
+                              f"0..{len(names) - 1} ({len(names)} label_names in batches.meta)",
+                              "the file is corrupt; " + _cifar_hint(root))
+        datas.append(data)
+        labels.append(lab.astype(np.int64))
+    images = torch.from_numpy(np.concatenate(datas)).view(-1, 3, 32, 32)  # R, G, B planes
+    return ArrayDataset(images, torch.from_numpy(np.concatenate(labels)), names)
+
+
+# --------------------------------------------------------------------------- synthetic set
+def make_synthetic(n: int, seed: int, num_classes: int = 10, image_size: int = 32, *,
+                   split: str = "train") -> ArrayDataset:
+    """A learnable CIFAR-shaped set without files: each class is a colour texture.
+
+    Every class has a random 8x8 colour motif (from `seed` only, so "train" and "test" share
+    them) tiled over the image; a sample is the tiling at a random phase with random contrast,
+    a weaker second class's texture mixed in, a colour cast and pixel noise. Class averages
+    are nearly flat, so pixel templates fail (nearest class mean ~30% on 10 classes), while
+    cnn_tiny reaches ~90% test accuracy in 300 steps of batch 128. Labels are balanced
+    (class counts differ by at most one).
+    """
+    if n < 1 or num_classes < 2 or image_size < 8:
+        raise UsageError(f"synthetic set of n={n}, num_classes={num_classes}, image_size="
+                         f"{image_size}, expected n >= 1, num_classes >= 2, image_size >= 8",
+                         "e.g. synthetic_train = 4096")
+    if split not in ("train", "test"):
+        raise UsageError(f"synthetic split {split!r}, expected 'train' or 'test'")
+    g = torch.Generator().manual_seed(_mix(seed, "synthetic-prototypes", num_classes, image_size))
+    period = 8
+    coarse = torch.randn(num_classes, 3, 4, 4, generator=g)
+    motif = F.interpolate(coarse, size=(period, period), mode="bicubic", align_corners=False)
+    reps = (image_size + period) // period + 1
+    canvas = motif.repeat(1, 1, reps, reps)[:, :, :image_size + period, :image_size + period]
+    canvas = canvas / canvas.std(dim=(1, 2, 3), keepdim=True) * 40.0
+    windows = canvas.unfold(2, image_size, 1).unfold(3, image_size, 1)  # [K, 3, p+1, p+1, S, S]
+    g = torch.Generator().manual_seed(_mix(seed, "synthetic-samples", split, num_classes, image_size))
+    labels = (torch.arange(n) % num_classes)[torch.randperm(n, generator=g)]
+    images = torch.empty(n, 3, image_size, image_size, dtype=torch.uint8)
+    for lo in range(0, n, 2048):  # chunks bound the float working memory
+        y = labels[lo:lo + 2048]
+        b = len(y)
+        shift = torch.randint(0, period, (4, b), generator=g)
+        other = (y + torch.randint(1, num_classes, (b,), generator=g)) % num_classes
+        x = windows[y, :, shift[0], shift[1]] * (0.6 + 0.8 * torch.rand(b, 1, 1, 1, generator=g))
+        x += 0.6 * windows[other, :, shift[2], shift[3]]
+        x += 128 + 20 * torch.randn(b, 3, 1, 1, generator=g)
+        x += 40 * torch.randn(b, 3, image_size, image_size, generator=g)
+        images[lo:lo + b] = x.round_().clamp_(0, 255).to(torch.uint8)
+    return ArrayDataset(images, labels, tuple(f"class{k}" for k in range(num_classes)))
+
+
+# ------------------------------------------------------------------------ on-device loader
+class _Normalizer:
+    """uint8 [B, C, H, W] -> (x/255 - mean)/std as `dtype`, in one float conversion.
+
+    The per-channel constants are expanded to whole-image maps in storage order, so the
+    multiply-add runs over contiguous rows: broadcasting a [1, C, 1, 1] operand over a
+    channels_last tensor (innermost dimension C = 3) measured 7x slower on a CPU.
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float], channels: int,
+                 device: torch.device, dtype: torch.dtype, channels_last: bool) -> None:
+        if len(mean) != channels or len(std) != channels:
+            raise UsageError(f"mean/std have {len(mean)}/{len(std)} values, expected {channels} "
+                             "(one per image channel)")
+        m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+        s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self._scale, self._bias = 1 / (255 * s), -m / s  # (x/255 - m)/s == x*scale + bias
+        self.device, self.dtype, self.channels_last = device, dtype, channels_last
+        self._maps: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _flat(self, x: torch.Tensor) -> torch.Tensor:  # a [B, C*H*W] view in storage order
+        return (x.permute(0, 2, 3, 1) if self.channels_last else x).reshape(len(x), -1)
+
+    def __call__(self, u: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = u.shape
+        if (h, w) not in self._maps:
+            self._maps[(h, w)] = tuple(  # type: ignore[assignment]
+                self._flat(t.expand(1, c, h, w)).contiguous().to(self.device)
+                for t in (self._scale, self._bias))
+        scale, bias = self._maps[(h, w)]
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        x = torch.empty(u.shape, dtype=torch.float32, device=u.device, memory_format=fmt)
+        x.copy_(u)
+        # In-place mul_ + add_: ~4x faster on a CPU than torch.addcmul; equal on a GPU.
+        self._flat(x).mul_(scale).add_(bias)
+        return x if self.dtype == torch.float32 else x.to(self.dtype)
+
+
+class TensorLoader:
+    """The whole set lives on `device` as uint8; a step is index arithmetic plus one gather.
+
+    Step s of epoch e uses the global batch perm(seed, e)[s*G:(s+1)*G], G = micro_batch *
+    world_size * accumulation, viewed as [accumulation, world_size, micro_batch]: micro-step k
+    of rank r is [k, r]. Crop offsets and flips are drawn for the whole global batch from a
+    generator seeded by (seed, e, s), so a sample is augmented identically at any world size.
+    """
+
+    def __init__(self, ds: ArrayDataset, *, micro_batch: int, accumulation: int, rank: int,
+                 world_size: int, seed: int, augment: bool, device: torch.device | str = "cpu",
+                 channels_last: bool = False, mean: Sequence[float] = CIFAR10_MEAN,
+                 std: Sequence[float] = CIFAR10_STD, dtype: torch.dtype = torch.float32) -> None:
+        if micro_batch < 1 or accumulation < 1 or not 0 <= rank < world_size:
+            raise UsageError(f"micro_batch={micro_batch}, accumulation={accumulation}, rank={rank}"
+                             f", world_size={world_size}: expected positive sizes, 0 <= rank < world")
+        self.micro_batch, self.accumulation = micro_batch, accumulation
+        self.rank, self.world_size, self.seed, self.augment = rank, world_size, seed, augment
+        self.global_batch = micro_batch * world_size * accumulation
+        self.steps_per_epoch = len(ds) // self.global_batch  # drop_last: equal steps on all ranks
+        if self.steps_per_epoch == 0:
+            raise DDPJobError(f"the training set has {len(ds)} samples, fewer than one global batch "
+                              f"of {self.global_batch} (batch_size {micro_batch} x world size "
+                              f"{world_size} x accumulation {accumulation})",
+                              "lower train.batch_size or the accumulation, or use more data")
+        self.device = torch.device(device)
+        self.channels_last, self.dtype = channels_last, dtype
+        _, c, h, w = ds.images.shape
+        self._shape = (c, h, w)
+        images = F.pad(ds.images, (PAD,) * 4) if augment else ds.images  # pad once, on the host
+        if channels_last:  # store NHWC: batches come out channels_last with no permuting copy
+            images = images.permute(0, 2, 3, 1)
+        self._images = images.contiguous().to(self.device)  # the one host->device copy
+        self._labels = ds.labels.to(self.device)
+        self._normalize = _Normalizer(mean, std, c, self.device, dtype, channels_last)
+        hp, wp = h + 2 * PAD, w + 2 * PAD
+        self._sample_stride = c * hp * wp
+        # Every crop row is a run of pixels starting somewhere in the flat padded set (w values
+        # of one channel, or w*c interleaved values when NHWC). This overlapping view has one
+        # row per start, so a whole augmented batch is ONE index_select: a memcpy per row,
+        # ~10x faster on a CPU than advanced indexing or a per-element gather.
+        if channels_last:
+            run, self._pitch, self._px = w * c, wp * c, c
+            offsets = torch.arange(h) * wp * c
+        else:
+            run, self._pitch, self._px = w, wp, 1
+            offsets = ((torch.arange(c) * hp * wp).view(c, 1) + (torch.arange(h) * wp)).view(-1)
+        flat = self._images.view(-1)
+        self._runs = flat.as_strided((flat.numel() - run + 1, run), (1, 1))
+        self._row_offsets = offsets.view(1, -1).to(self.device)
+        self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def _epoch_perm(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(_mix(self.seed, "perm", epoch))
+            self._perm, self._perm_epoch = torch.randperm(len(self._labels), generator=g), epoch
+        return self._perm
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        """[G, ...] global-batch tensor -> [accumulation, micro_batch, ...] for this rank."""
+        return t.view(self.accumulation, self.world_size, self.micro_batch, *t.shape[1:])[:, self.rank]
+
+    def sample_ids(self, epoch: int, step: int) -> torch.Tensor:
+        """Global indices of the samples this rank uses at `step`, in micro-batch order."""
+        g = self.global_batch
+        return self._split(self._epoch_perm(epoch)[step * g:(step + 1) * g]).reshape(-1).clone()
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[list[Batch]]:
+        """For each optimizer step from `start_step`: `accumulation` (images, labels) pairs."""
+        perm, g = self._epoch_perm(epoch), self.global_batch
+        for step in range(start_step, self.steps_per_epoch):
+            ids = self._split(perm[step * g:(step + 1) * g])
+            if self.augment:  # all of this is host-side arithmetic on small CPU tensors
+                gen = torch.Generator().manual_seed(_mix(self.seed, "augment", epoch, step))
+                shift = self._split(torch.randint(0, 2 * PAD + 1, (g, 2), generator=gen))
+                flip = self._split(torch.randint(0, 2, (g,), generator=gen, dtype=torch.bool))
+                yield [self._augmented(ids[k], shift[k], flip[k]) for k in range(self.accumulation)]
+            else:
+                yield [self._plain(ids[k]) for k in range(self.accumulation)]
+
+    def _stored(self, u: torch.Tensor) -> torch.Tensor:
+        """Flat rows of a batch -> [B, C, H, W], or [B, H, W, C] when stored NHWC."""
+        c, h, w = self._shape
+        return u.view(-1, h, w, c) if self.channels_last else u.view(-1, c, h, w)
+
+    def _nchw(self, u: torch.Tensor) -> torch.Tensor:
+        """Stored layout -> logical [B, C, H, W] (a free permute: channels_last strides)."""
+        return u.permute(0, 3, 1, 2) if self.channels_last else u
+
+    def _plain(self, ids: torch.Tensor) -> Batch:
+        ids = ids.to(self.device, non_blocking=True)
+        u = self._nchw(self._stored(self._images.index_select(0, ids)))
+        return (self._normalize(u),
+                self._labels.index_select(0, ids))
+
+    def _augmented(self, ids: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor) -> Batch:
+        starts = ids * self._sample_stride + shift[:, 0] * self._pitch + shift[:, 1] * self._px
+        starts = starts.to(self.device, non_blocking=True)
+        u = self._stored(self._runs.index_select(0, (starts.view(-1, 1) + self._row_offsets).view(-1)))
+        flipped = flip.nonzero().view(-1)  # a CPU tensor: no device sync
+        if len(flipped):
+            flipped = flipped.to(self.device, non_blocking=True)
+            width_dim = 2 if self.channels_last else 3
+            u.index_copy_(0, flipped, u.index_select(0, flipped).flip(width_dim))
+        u = self._nchw(u)
+        ids = ids.to(self.device, non_blocking=True)
+        return (self._normalize(u),
+                self._labels.index_select(0, ids))
+
+
+def eval_batches(ds: Any, *, batch_size: int, rank: int, world_size: int,
+                 device: torch.device | str, channels_last: bool = False,
+                 mean: Sequence[float] = CIFAR10_MEAN, std: Sequence[float] = CIFAR10_STD,
+                 dtype: torch.dtype = torch.float32) -> Iterator[Batch]:
+    """This rank's contiguous share [r*N//W, (r+1)*N//W) of an eval set: no padding, no
+    duplicates, so all-reduced correct/total counts equal a one-process evaluation exactly."""
+    n, device = len(ds), torch.device(device)
+    lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+    if isinstance(ds, ArrayDataset):
+        normalize = _Normalizer(mean, std, ds.images.shape[1], device, dtype, channels_last)
+        for i in range(lo, hi, batch_size):
+            j = min(i + batch_size, hi)
+            u = ds.images[i:j].to(device, non_blocking=True)
+            yield (normalize(u),
+                   ds.labels[i:j].to(device, non_blocking=True))
+        return
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, range(lo, hi)),
+                                         batch_size=batch_size, shuffle=False)
+    for x, y in loader:
+        yield _plugin_batch(x, y, device, channels_last, mean, std, dtype)
+
+
+# --------------------------------------------------------------------------------- plugins
+_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def load_plugin(spec: str) -> Callable[..., Any]:
+    """Resolve "package.module:function" (the attribute may be dotted) to a callable."""
+    if not _SPEC.match(spec):
+        raise UsageError(f"plugin {spec!r} is not of the form \"package.module:function\"",
+                         "e.g. \"mypkg.datasets:build\"")
+    mod_name, attr = spec.split(":")
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        raise DDPJobError(f"plugin {spec!r}: cannot import {mod_name} ({exc})",
+                          "install the package in the job's environment or add its folder to "
+                          "PYTHONPATH") from None
+    except Exception as exc:  # the plugin's own import-time failure: show it in one line
+        raise DDPJobError(f"plugin {spec!r}: importing {mod_name} failed with "
+                          f"{type(exc).__name__}: {exc}", "fix the module (try `python -c "
+                          f"'import {mod_name}'`)") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise DDPJobError(f"plugin {spec!r}: {mod_name} has no attribute {attr!r}",
+                              "check the name after the colon")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise DDPJobError(f"plugin {spec!r}: {attr} is a {type(obj).__name__}, expected a function",
+                          "point at a function (or class) that builds the object")
+    return obj
+
+
+def _ignore_preemption_signals(_worker_id: int) -> None:
+    # Workers inherit the trainer's flag-only handlers; only the main process may react to
+    # SLURM's requeue/stop signals (it checkpoints, then shuts the workers down itself).
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _plugin_batch(x: torch.Tensor, y: torch.Tensor, device: torch.device, channels_last: bool,
+                  mean: Sequence[float], std: Sequence[float], dtype: torch.dtype) -> Batch:
+    x = x.to(device, non_blocking=True)
+    if x.dtype == torch.uint8:  # raw pixels: normalize like the fast path
+        x = _Normalizer(mean, std, x.shape[1], device, dtype, channels_last)(x)
+    else:  # the plugin's transforms already produced float tensors
+        x = x.to(dtype=dtype, memory_format=torch.channels_last if channels_last
+                 else torch.contiguous_format)
+    return x, torch.as_tensor(y).to(device, torch.int64, non_blocking=True)
+
+
+class PluginLoader:
+    """DataLoader + DistributedSampler for plugin datasets, with TensorLoader's interface.
+
+    The plugin's own transforms do augmentation (`augment` is ignored). Unlike TensorLoader,
+    the sample order depends on the world size (DistributedSampler interleaves by rank).
+    """
+
+    def __init__(self, ds: torch.utils.data.Dataset, *, micro_batch: int, accumulation: int,
+                 rank: int, world_size: int, seed: int, augment: bool = False,
+                 device: torch.device | str = "cpu", channels_last: bool = False,
+                 mean: Sequence[float] = CIFAR10_MEAN, std: Sequence[float] = CIFAR10_STD,
+                 dtype: torch.dtype = torch.float32, num_workers: int = 0) -> None:
+        from torch.utils.data.distributed import DistributedSampler
+
+        self.ds, self.micro_batch, self.accumulation = ds, micro_batch, accumulation
+        self.device = torch.device(device)
+        self.num_workers, self.channels_last, self.dtype = num_workers, channels_last, dtype
+        self.mean, self.std = mean, std
+        self.global_batch = micro_batch * world_size * accumulation
+        self.sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True,
+                                          seed=seed, drop_last=True)
+        self.steps_per_epoch = len(self.sampler) // (micro_batch * accumulation)
+        if self.steps_per_epoch == 0:
+            raise DDPJobError(f"the training set has {len(ds)} samples, fewer than one global "  # type: ignore[arg-type]
+                              f"batch of {self.global_batch}", "lower train.batch_size or the "
+                              "accumulation, or use more data")
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[list[Batch]]:
+        self.sampler.set_epoch(epoch)
+        per_step = self.micro_batch * self.accumulation
+        # Resume skips indices, not loaded batches: nothing before start_step is read.
+        order = list(self.sampler)[start_step * per_step:self.steps_per_epoch * per_step]
+        loader = torch.utils.data.DataLoader(
+            self.ds, batch_size=self.micro_batch, sampler=order, drop_last=True,
+            num_workers=self.num_workers, worker_init_fn=_ignore_preemption_signals,
+            pin_memory=self.device.type == "cuda")
+        it = iter(loader)
+        for _ in range(start_step, self.steps_per_epoch):
+            yield [_plugin_batch(*next(it), self.device, self.channels_last, self.mean, self.std,
+                                 self.dtype) for _ in range(self.accumulation)]
+
+
+def make_train_loader(ds: Any, *, num_workers: int = 0, **kwargs: Any) -> TensorLoader | PluginLoader:
+    """TensorLoader for in-memory sets (cifar10, synthetic, ArrayDataset plugins), else PluginLoader."""
+    if isinstance(ds, ArrayDataset):
+        return TensorLoader(ds, **kwargs)
+    return PluginLoader(ds, num_workers=num_workers, **kwargs)
+
+
+def build_datasets(dataset: str, root: str, seed: int, synthetic_train: int,
+                   synthetic_test: int) -> tuple[Any, Any]:
+    """(train, test) for `data.dataset`: "cifar10", "synthetic" or "pkg.mod:fn".
+
+    A plugin is called as fn(root=root, train=True|False) and returns an ArrayDataset (fast
+    path) or a torch Dataset of (image tensor, label) pairs.
+    """
+    if dataset == "cifar10":
+        return load_cifar10(root, train=True), load_cifar10(root, train=False)
+    if dataset == "synthetic":
+        return (make_synthetic(synthetic_train, seed, split="train"),
+                make_synthetic(synthetic_test, seed, split="test"))
+    if ":" not in dataset:
+        raise UsageError(f"data.dataset is {dataset!r}, expected cifar10, synthetic or "
+                         "\"package.module:function\"", "e.g. dataset = \"cifar10\"")
+    fn = load_plugin(dataset)
+    sets = []
+    for train in (True, False):
+        ds = fn(root=root, train=train)
+        if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__") or isinstance(ds, ArrayDataset)):
+            raise DDPJobError(f"dataset plugin {dataset!r} returned a {type(ds).__name__}, expected "
+                              "a torch Dataset of (image, label) or an ArrayDataset",
+                              "return e.g. a torchvision dataset with ToTensor()")
+        sets.append(ds)
+    return sets[0], sets[1]
