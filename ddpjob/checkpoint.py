@@ -379,9 +379,9 @@ class _SnapshotPool:
     resnet18 + SGD momentum: 100-1000 ms on a busy VM); reused memory costs none (~10 ms).
     A buffer set goes out again only when nothing but the pool holds any of its storages (the
     write finished and the caller dropped the snapshot). At most 2 sets per layout (shapes and
-    dtypes) and 4 layouts are kept. Pinned copies are left to torch's caching host allocator."""
+    dtypes) and 8 layouts are kept. Pinned copies are left to torch's caching host allocator."""
 
-    SETS_PER_LAYOUT, LAYOUTS = 2, 4
+    SETS_PER_LAYOUT, LAYOUTS = 2, 8  # layouts: e.g. model.pt, optimizer.pt, trainer.pt, rank-R.pt
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
