@@ -1,0 +1,242 @@
+"""`ddpjob plot RUN [RUN...] -o curves.png` and `summary(run_dir)`: a run's history at a glance.
+
+Last step of the flow, on the login node: reads only what the ranks appended to the run dir
+(metrics.jsonl, events.jsonl, COMPLETED, checkpoints/), never SLURM. Each restart becomes a
+marker at the step it resumed from, labelled with the reason of the stop before it.
+matplotlib is an optional extra (`pip install 'ddpjob[plot]'`); `summary` needs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpjob import console, rundir
+from ddpjob.errors import DDPJobError
+
+# (metrics key, panel title): the four panels, in reading order.
+PANELS = (("loss", "train loss"), ("eval_acc", "eval accuracy"), ("lr", "learning rate"),
+          ("img_s", "images/s"))
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A restart: training resumed at `step` after a stop for `reason`."""
+
+    step: int
+    reason: str
+    restart: int  # 1 for the first restart of this run dir, 2 for the second ...
+
+    @property
+    def label(self) -> str:
+        return f"restart {self.restart}: {self.reason}"
+
+
+@dataclass
+class History:
+    name: str
+    train: list[dict[str, Any]]  # one record per step (a re-run step keeps its latest record)
+    evals: list[dict[str, Any]]
+    markers: list[Marker]
+    events: list[dict[str, Any]]
+
+
+@dataclass
+class PlotRecord:
+    """What plot_runs drew, for tests and for the command's message."""
+
+    output: Path
+    series: dict[str, list[str]] = field(default_factory=dict)  # panel key -> runs with data
+    markers: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # run -> (step, label)
+
+
+def _num(v: Any) -> float:
+    """Metrics values: numbers, or "nan"/"inf" strings (JSON has no NaN)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def restart_markers(events: list[dict[str, Any]]) -> list[Marker]:
+    """Every "start" after the first one is a restart; its reason is the last stop before it."""
+    markers: list[Marker] = []
+    started = False
+    reason: str | None = None
+    for e in events:
+        kind = e.get("event")
+        if kind == "stop":
+            reason = str(e.get("reason") or "stopped")
+        elif kind == "cancel" and reason is None:
+            reason = "cancelled"
+        elif kind == "start":
+            if started:
+                step = e.get("resumed_step")
+                markers.append(Marker(int(step) if isinstance(step, int) else 0,
+                                      reason or "killed (no stop recorded)", len(markers) + 1))
+            started, reason = True, None
+    return markers
+
+
+def load_history(run_dir: str | Path, name: str | None = None) -> History:
+    run = Path(run_dir)
+    train: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
+    for rec in rundir.read_jsonl(run / rundir.METRICS):
+        if not isinstance(rec.get("step"), int):
+            continue
+        is_eval = rec.get("kind") == "eval" or (rec.get("kind") is None and "eval_acc" in rec)
+        (evals if is_eval else train)[rec["step"]] = rec  # later (re-run) records win
+    events = rundir.events(run)
+    return History(name or run.name, [train[s] for s in sorted(train)],
+                   [evals[s] for s in sorted(evals)], restart_markers(events), events)
+
+
+def _names(run_dirs: list[Path]) -> list[str]:
+    """Folder names, or parent/name where two runs share a folder name."""
+    names = [p.name for p in run_dirs]
+    return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name
+            for p in run_dirs]
+
+
+def plot_runs(run_dirs: list[str | Path], output: str | Path) -> PlotRecord:
+    """Draw the four panels for all runs into one PNG; returns what was drawn."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas for PNG
+    from matplotlib.lines import Line2D
+
+    paths = [Path(p) for p in run_dirs]
+    histories = [load_history(p, n) for p, n in zip(paths, _names(paths))]
+    empty = [h.name for h in histories if not h.train and not h.evals]
+    if len(empty) == len(histories):
+        raise DDPJobError(f"no metrics in {', '.join(map(str, paths))} (metrics.jsonl is missing "
+                          "or empty)", "the job has not logged a step yet: wait, or read "
+                          "`ddpjob logs RUN`")
+    for name in empty:
+        console.warn(f"{name} has no metrics yet; it is left out of the curves")
+
+    fig = Figure(figsize=(13, 8.5), layout="constrained")
+    axes = fig.subplots(2, 2, sharex=True).ravel()
+    record = PlotRecord(Path(output), {key: [] for key, _ in PANELS})
+    colors = [f"C{i % 10}" for i in range(len(histories))]
+    for h, color in zip(histories, colors):
+        for ax, (key, _) in zip(axes, PANELS):
+            recs = h.evals if key == "eval_acc" else h.train
+            pts = [(r["step"], _num(r[key])) for r in recs if key in r]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, color=color, label=h.name, lw=1.4,
+                    marker="o" if key == "eval_acc" else None, ms=3)
+            record.series[key].append(h.name)
+        record.markers[h.name] = [(m.step, m.label) for m in h.markers]
+        for m in h.markers:
+            for ax in axes:
+                ax.axvline(m.step, color=color, ls="--", lw=1, alpha=0.8)
+            axes[0].annotate(m.label, xy=(m.step, 0.98), xycoords=("data", "axes fraction"),
+                             rotation=90, va="top", ha="right", fontsize=8, color=color,
+                             bbox=dict(fc="white", ec="none", alpha=0.7, pad=1))
+    for ax, (key, title) in zip(axes, PANELS):
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if not record.series[key]:
+            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="gray")
+    axes[2].set_xlabel("optimizer step")
+    axes[3].set_xlabel("optimizer step")
+    axes[2].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    handles, labels = axes[0].get_legend_handles_labels()
+    if any(h.markers for h in histories):
+        handles.append(Line2D([], [], color="gray", ls="--", lw=1))
+        labels.append("restart (resumed step, stop reason)")
+    if handles:  # below the panels: never on top of a curve or a marker label
+        fig.legend(handles, labels, fontsize=8, loc="outside lower center",
+                   ncols=min(len(handles), 4))
+    fig.suptitle("ddpjob: " + (histories[0].name if len(histories) == 1
+                               else f"{len(histories)} runs"))
+    out = Path(output)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format="png", dpi=110)
+        os.replace(tmp, out)  # a viewer never sees half a PNG
+    except OSError as exc:
+        raise DDPJobError(f"cannot write {out} ({exc.strerror})",
+                          "choose an -o path in a folder you can write to") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return record
+
+
+# ------------------------------------------------------------------------- text summary
+def _last_checkpoint(run: Path) -> str | None:
+    """The newest committed checkpoint folder (manifest.json is written last)."""
+    root = run / rundir.CHECKPOINTS
+    steps = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
+                   if (m := _STEP_DIR.match(p.name)) and (p / "manifest.json").is_file())
+    return f"step {steps[-1][0]} ({steps[-1][1].relative_to(run)})" if steps else None
+
+
+def _state(run: Path, h: History) -> str:
+    done = rundir.completed(run)
+    if done is not None:
+        acc = done.get("accuracy")
+        return f"completed at step {done.get('step')}" + (
+            f" (accuracy {acc:.4f})" if isinstance(acc, (int, float)) else "")
+    for e in reversed(h.events):
+        kind = e.get("event")
+        if kind == "start":
+            return f"running (restart {e.get('restart', 0)})"
+        if kind == "cancel":
+            return "cancelled"
+        if kind == "stop":
+            reason = e.get("reason") or "stopped"
+            if reason == "failed":
+                return "failed" + (f": {e['error']}" if e.get("error") else "")
+            requeued = ", requeued" if e.get("requeued") else ""
+            return f"stopped ({reason}) at step {e.get('step')}{requeued}"
+    return "not started"
+
+
+def summary(run_dir: str | Path) -> list[str]:
+    """A few lines about a run from its run dir alone: state, progress, restarts, checkpoint."""
+    run = Path(run_dir)
+    h = load_history(run)
+    lines = [f"state       {_state(run, h)}"]
+    if h.train:
+        r = h.train[-1]
+        lines.append(f"progress    step {r['step']}, epoch {r.get('epoch', '?')}, loss "
+                     f"{_num(r.get('loss')):.4f}, lr {_num(r.get('lr')):.3g}, "
+                     f"{_num(r.get('img_s')):.0f} img/s")
+    if h.evals:
+        accs = [(a, r) for r in h.evals if not math.isnan(a := _num(r.get("eval_acc")))]
+        best = max(accs, key=lambda ar: ar[0])[1] if accs else h.evals[-1]
+        lines.append(f"best acc    {_num(best.get('eval_acc')):.4f} at step {best['step']} "
+                     f"(last {_num(h.evals[-1].get('eval_acc')):.4f} at step {h.evals[-1]['step']})")
+    if h.markers:
+        lines.append(f"restarts    {len(h.markers)}: " + "; ".join(
+            f"resumed at step {m.step} after {m.reason}" for m in h.markers))
+    else:
+        lines.append("restarts    0")
+    lines.append(f"checkpoint  {_last_checkpoint(run) or 'none yet'}")
+    return lines
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    for run in args.runs:
+        rundir.require_run_dir(run)
+    try:
+        import matplotlib  # noqa: F401  (optional extra)
+    except ImportError:
+        raise DDPJobError("matplotlib is not installed, and `ddpjob plot` needs it",
+                          "pip install 'ddpjob[plot]' (or pip install matplotlib)") from None
+    record = plot_runs(args.runs, args.output)
+    n = sum(len(m) for m in record.markers.values())
+    console.info(f"wrote {record.output}: {len(args.runs)} run(s), {n} restart marker(s)")
+    for run, marks in record.markers.items():
+        for step, label in marks:
+            console.info(f"  {run}: step {step}  {label}")
+    return 0

@@ -1,0 +1,149 @@
+"""`ddpjob plot` and `plot.summary`: a real training run, interrupted twice and resumed, drawn as
+a PNG whose restart markers sit at the resumed steps with the stop reasons; a sweep overlaid;
+the one-line message when matplotlib is missing."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpjob import plot
+from ddpjob.cli import main
+from ranks import Ranks, events, run, send_at_step, write_job
+
+pytest.importorskip("matplotlib")  # the `plot` extra; in the `test` extra too
+
+TRAIN = dict(model="cnn_tiny", batch_size=32, lr=0.05, warmup_steps=2, max_steps=24, log_every=1,
+             eval_every=6, amp="off", channels_last=False, threads=1, seed=3)
+DATA = dict(dataset="synthetic", synthetic_train=256, synthetic_test=64, augment=False)
+
+
+@pytest.fixture(scope="module")
+def requeued_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One rank trains 24 steps; SIGUSR2 near step 7 (requeue), SIGTERM near step 15
+    (preemption: what SLURM sends), each followed by a restart that resumes from the
+    checkpoint written at the stop."""
+    tmp = tmp_path_factory.mktemp("plotrun")
+    job = write_job(tmp / "job.toml", train=TRAIN, data=DATA,
+                    checkpoint=dict(every_steps=0, keep_last=2), slurm=dict(max_requeues=3))
+    out = tmp / "run"
+    for restart, (at, sig) in enumerate([(7, signal.SIGUSR2), (15, signal.SIGTERM)]):
+        args = [str(job), "--run-dir", str(out)] if restart == 0 else [str(out)]
+        ranks = Ranks(args, 1, tmp / "logs", restart=restart)
+        send_at_step(ranks, out, at, sig)
+        assert ranks.wait(120) == [3], ranks.output()
+    codes, r = run([str(out)], 1, tmp / "logs", restart=2)
+    assert codes == [0], r.output()
+    return out
+
+
+def _stops_and_starts(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    ev = events(run_dir)
+    return [e for e in ev if e["event"] == "stop"], [e for e in ev if e["event"] == "start"]
+
+
+@pytest.mark.slow
+def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    stops, starts = _stops_and_starts(requeued_run)
+    assert [s["reason"] for s in stops] == ["requeue", "preempted", "finished"]
+    resumed = [s["resumed_step"] for s in starts[1:]]
+    assert resumed == [stops[0]["step"], stops[1]["step"]] and 7 <= resumed[0] < resumed[1] < 24
+
+    png = tmp_path / "curves.png"
+    record = plot.plot_runs([requeued_run], png)
+    assert record.markers == {"run": [(resumed[0], "restart 1: requeue"),
+                                      (resumed[1], "restart 2: preempted")]}
+    assert all(record.series[key] == ["run"] for key, _ in plot.PANELS)
+
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    from PIL import Image
+
+    with Image.open(png) as im:
+        im.verify()
+    with Image.open(png) as im:
+        assert im.size[0] > 1000 and im.size[1] > 700
+        # not a blank canvas: many distinct colours (curves, text, markers)
+        assert len(im.convert("RGB").getcolors(maxcolors=1 << 20) or []) > 50
+
+    # The CLI: same markers, listed in its message.
+    code = main(["plot", str(requeued_run), "-o", str(tmp_path / "cli.png")])
+    out = capsys.readouterr().out
+    assert code == 0 and (tmp_path / "cli.png").stat().st_size > 20_000
+    assert f"step {resumed[0]}  restart 1: requeue" in out and "2 restart marker(s)" in out
+
+
+@pytest.mark.slow
+def test_summary_of_a_requeued_run(requeued_run: Path) -> None:
+    stops, _ = _stops_and_starts(requeued_run)
+    lines = plot.summary(requeued_run)
+    text = "\n".join(lines)
+    assert lines[0].startswith("state       completed at step 24")
+    assert "progress    step 24," in text
+    assert f"restarts    2: resumed at step {stops[0]['step']} after requeue; resumed at step " \
+           f"{stops[1]['step']} after preempted" in text
+    assert "checkpoint  step 24 (checkpoints/step-000000024)" in text
+    assert "best acc    " in text
+    assert len(lines) <= 6 and all(len(line) < 200 for line in lines)
+
+
+def _fake_run(root: Path, name: str, lr: float, steps: int, stop_at: int | None) -> Path:
+    """A run dir written the way the ranks write it (used for the sweep overlay and states)."""
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    lines = []
+    ev = [{"event": "start", "restart": 0, "resumed_step": None}]
+    for s in range(1, steps + 1):
+        lines.append({"kind": "train", "step": s, "epoch": s // 10, "loss": 2.3 / s ** (lr * 3),
+                      "lr": lr, "img_s": 1000.0 + 2000 * lr, "restart": 0})
+        if s % 5 == 0:
+            lines.append({"kind": "eval", "step": s, "epoch": s // 10, "eval_acc": s / steps * lr * 3,
+                          "eval_loss": 1.0, "restart": 0})
+    if stop_at is not None:
+        ev += [{"event": "stop", "reason": "deadline", "step": stop_at, "requeued": True},
+               {"event": "start", "restart": 1, "resumed_step": stop_at}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (d / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in ev))
+    return d
+
+
+def test_sweep_overlay_and_states(tmp_path: Path) -> None:
+    runs = [_fake_run(tmp_path / "sweep", f"lr-{lr}", lr, 30, 12 if lr == 0.1 else None)
+            for lr in (0.05, 0.1, 0.2)]
+    record = plot.plot_runs(runs, tmp_path / "sweep.png")
+    assert record.series["loss"] == ["lr-0.05", "lr-0.1", "lr-0.2"]
+    assert record.markers == {"lr-0.05": [], "lr-0.1": [(12, "restart 1: deadline")], "lr-0.2": []}
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert plot.summary(runs[1])[0] == "state       running (restart 1)"
+    assert plot.summary(runs[0])[-2:] == ["restarts    0", "checkpoint  none yet"]
+
+
+def test_restart_without_a_stop_record_is_a_kill() -> None:
+    ev = [{"event": "start", "restart": 0}, {"event": "start", "restart": 1, "resumed_step": 40}]
+    assert plot.restart_markers(ev) == [plot.Marker(40, "killed (no stop recorded)", 1)]
+
+
+def test_empty_run_and_missing_matplotlib_are_one_line(tmp_path: Path, capsys,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    assert main(["plot", str(empty), "-o", str(tmp_path / "x.png")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ddpjob: error: no metrics in") and len(err.splitlines()) == 1
+
+    assert main(["plot", str(tmp_path / "nope"), "-o", str(tmp_path / "x.png")]) == 1
+    assert "not a ddpjob run directory" in capsys.readouterr().err
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert main(["plot", str(empty), "-o", str(tmp_path / "x.png")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "matplotlib is not installed" in err
+    assert "pip install 'ddpjob[plot]'" in err
+    assert not (tmp_path / "x.png").exists()
