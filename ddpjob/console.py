@@ -47,12 +47,13 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
     if is_terminal(stream):
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
         t = Table(title=title)
         for col in columns:
             t.add_column(col)
         for row in cells:
-            t.add_row(*row)
+            t.add_row(*(Text(c) for c in row))  # Text: no markup, "n[1-2]" stays as written
         Console(file=stream).print(t)
         return
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
