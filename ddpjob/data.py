@@ -446,13 +446,15 @@ class PluginLoader:
         self.num_workers, self.channels_last, self.dtype = num_workers, channels_last, dtype
         self.mean, self.std = mean, std
         self.global_batch = micro_batch * world_size * accumulation
-        self.sampler = DistributedSampler(ds, num_replicas=world_size, rank=rank, shuffle=True,
-                                          seed=seed, drop_last=True)
+        # drop_last: every rank gets len(ds) // world_size samples, so all do the same steps
+        self.sampler: DistributedSampler = DistributedSampler(
+            ds, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.steps_per_epoch = len(self.sampler) // (micro_batch * accumulation)
         if self.steps_per_epoch == 0:
-            raise DDPJobError(f"the training set has {len(ds)} samples, fewer than one global "  # type: ignore[arg-type]
-                              f"batch of {self.global_batch}", "lower train.batch_size or the "
-                              "accumulation, or use more data")
+            n = len(ds)  # type: ignore[arg-type]
+            raise DDPJobError(f"the training set has {n} samples, fewer than one global batch of "
+                              f"{self.global_batch}", "lower train.batch_size or the accumulation, "
+                              "or use more data")
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -462,14 +464,18 @@ class PluginLoader:
         per_step = self.micro_batch * self.accumulation
         # Resume skips indices, not loaded batches: nothing before start_step is read.
         order = list(self.sampler)[start_step * per_step:self.steps_per_epoch * per_step]
-        loader = torch.utils.data.DataLoader(
+        loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
             self.ds, batch_size=self.micro_batch, sampler=order, drop_last=True,
             num_workers=self.num_workers, worker_init_fn=_ignore_preemption_signals,
             pin_memory=self.device.type == "cuda")
         it = iter(loader)
         for _ in range(start_step, self.steps_per_epoch):
-            yield [_plugin_batch(*next(it), self.device, self.channels_last, self.mean, self.std,
-                                 self.dtype) for _ in range(self.accumulation)]
+            step = []
+            for _ in range(self.accumulation):
+                x, y = next(it)
+                step.append(_plugin_batch(x, y, self.device, self.channels_last, self.mean,
+                                          self.std, self.dtype))
+            yield step
 
 
 def make_train_loader(ds: Any, *, num_workers: int = 0, **kwargs: Any) -> TensorLoader | PluginLoader:

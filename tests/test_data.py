@@ -361,6 +361,8 @@ def test_plugin_loader_shards_resumes_and_normalizes():
         other_epoch = [y for s in ld.batches(1) for _, y in s]
         assert not torch.equal(torch.cat(other_epoch), torch.cat([y for s in steps for _, y in s]))
     assert len(seen) == len(set(seen)) == 48
+    with pytest.raises(DDPJobError, match="fewer than one global batch of 64"):
+        PluginLoader(uint8_set(50), micro_batch=8, accumulation=2, rank=0, world_size=4, seed=0)
 
 
 class SignalProbe(torch.utils.data.Dataset):
