@@ -2,8 +2,9 @@
 
 build_datasets -> (CIFAR-10 pickle reader | synthetic set | "pkg.mod:fn" plugin) -> TensorLoader
 (whole set on the device as uint8, airbench-style) or PluginLoader (DataLoader) -> lists of
-`accumulation` normalized micro-batches per optimizer step. The data order depends only on
-(seed, epoch, step), never on the world size, so a job can resume bit-exactly at another size.
+`accumulation` normalized micro-batches per optimizer step. For a given global batch size the
+data (order and augmentation) depends only on (seed, epoch, step), never on how it is split
+over ranks and accumulation, so a job resumes bit-exactly in data at another world size.
 """
 
 from __future__ import annotations
@@ -338,8 +339,7 @@ class TensorLoader:
     def _plain(self, ids: torch.Tensor) -> Batch:
         ids = ids.to(self.device, non_blocking=True)
         u = self._nchw(self._stored(self._images.index_select(0, ids)))
-        return (self._normalize(u),
-                self._labels.index_select(0, ids))
+        return self._normalize(u), self._labels.index_select(0, ids)
 
     def _augmented(self, ids: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor) -> Batch:
         starts = ids * self._sample_stride + shift[:, 0] * self._pitch + shift[:, 1] * self._px
@@ -352,8 +352,7 @@ class TensorLoader:
             u.index_copy_(0, flipped, u.index_select(0, flipped).flip(width_dim))
         u = self._nchw(u)
         ids = ids.to(self.device, non_blocking=True)
-        return (self._normalize(u),
-                self._labels.index_select(0, ids))
+        return self._normalize(u), self._labels.index_select(0, ids)
 
 
 def eval_batches(ds: Any, *, batch_size: int, rank: int, world_size: int,
