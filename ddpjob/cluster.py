@@ -16,103 +16,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ddpjob.errors import DDPJobError
+from ddpjob.hostlist import first_host, parse_hostlist, parse_tasks_per_node
+
+__all__ = ["ClusterEnv", "first_host", "parse_hostlist", "port_for_job"]
 
 # MASTER_PORT window. Linux hands out ephemeral ports (the local side of every outgoing
 # connection, gloo/NCCL's own included) from net.ipv4.ip_local_port_range, 32768-60999 by
 # default: a fixed port in there can be taken by some unrelated socket on the node and fail
 # with EADDRINUSE at random. Ports below ~15000 hold many well-known services (6817-6819 SLURM,
 # 8080, 8888 Jupyter, 6006 TensorBoard ...). So: 15000 + job_id % 15000, i.e. 15000-29999,
-# the same on every rank without any communication, different for concurrent jobs.
+# the same on every rank without any communication, different for jobs whose ids are less
+# than 15000 apart (a collision only matters if both jobs put rank 0 on the same node).
 PORT_BASE = 15000
 PORT_SPAN = 15000
 DEFAULT_PORT = 29500  # torch's default, used when there is no job id to derive one from
 
 _HINT_ENV = "unset the stray variable, or launch with srun / torchrun, which set all of them"
-
-
-# ---------------------------------------------------------------- SLURM hostlists
-def parse_hostlist(s: str) -> list[str]:
-    """Expand a SLURM hostlist (`n[1-2]`, `host[1,5-9]`, `rack[1-2]-node[01-02]`, `a1,b[2-3]`).
-
-    Same expansion and order as `scontrol show hostnames`; zero padding follows the width of
-    the range's lower bound, as in SLURM (`node[008-010]` -> node008, node009, node010).
-    """
-    text = s.strip()
-    if not text:
-        raise DDPJobError("the SLURM hostlist is empty", "expected a form like n[1-2] or n1,n2")
-    hosts: list[str] = []
-    for item in _split_top_level(text, s):
-        hosts.extend(_expand(item, s))
-    return hosts
-
-
-def first_host(s: str) -> str:
-    """The first host of a hostlist: where SLURM starts rank 0, so the MASTER_ADDR."""
-    return parse_hostlist(s)[0]
-
-
-def _bad_hostlist(s: str, why: str) -> DDPJobError:
-    return DDPJobError(f"cannot parse the SLURM hostlist {s!r}: {why}",
-                       "expected forms like n1, n[1-2], host[1,5-9], rack[1-2]-node[01-02], a1,b[2-3]")
-
-
-def _split_top_level(text: str, orig: str) -> list[str]:
-    """Split on the commas that are outside brackets."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-            if depth > 1:
-                raise _bad_hostlist(orig, "nested '['")
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise _bad_hostlist(orig, "']' without '['")
-        elif ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    if depth != 0:
-        raise _bad_hostlist(orig, "'[' without ']'")
-    items.append(text[start:])
-    if any(not it.strip() for it in items):
-        raise _bad_hostlist(orig, "empty host name between commas")
-    return [it.strip() for it in items]
-
-
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
-
-
-def _expand(item: str, orig: str) -> list[str]:
-    """`prefix[ranges]rest` -> prefix+r+each expansion of rest (the first bracket varies slowest)."""
-    open_ = item.find("[")
-    if open_ < 0:
-        return [item]
-    close = item.index("]", open_)  # balanced: checked by _split_top_level
-    prefix, body, rest = item[:open_], item[open_ + 1:close], item[close + 1:]
-    values: list[str] = []
-    for part in body.split(","):
-        m = _RANGE.match(part.strip())
-        if not m:
-            raise _bad_hostlist(orig, f"{part!r} is not a number or a range lo-hi")
-        lo_text, hi_text = m.group(1), m.group(2) or m.group(1)
-        lo, hi = int(lo_text), int(hi_text)
-        if lo > hi:
-            raise _bad_hostlist(orig, f"range {part!r} goes backwards")
-        width = len(lo_text)
-        values.extend(str(n).zfill(width) for n in range(lo, hi + 1))
-    return [prefix + v + tail for v in values for tail in _expand(rest, orig)]
-
-
-def parse_tasks_per_node(s: str) -> list[int]:
-    """SLURM_TASKS_PER_NODE `2(x3),1` -> [2, 2, 2, 1]."""
-    counts: list[int] = []
-    for part in s.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if not m:
-            raise DDPJobError(f"SLURM_TASKS_PER_NODE={s!r} is not of the form 2(x3),1",
-                              "this variable is set by SLURM; do not export it yourself")
-        counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-    return counts
 
 
 def port_for_job(job_id: str | None) -> int:
@@ -201,7 +120,7 @@ class ClusterEnv:
     source: str = "single"  # "torchrun" | "slurm" | "local" | "single"
     hostname: str = "localhost"  # SLURM's node name inside SLURM (what squeue shows), else the host
     hosts: tuple[str, ...] = ()  # expanded nodelist of the step (SLURM only)
-    end_time: float | None = None  # SLURM_JOB_END_TIME: epoch seconds when the time limit hits
+    end_time: float | None = None  # SLURM_JOB_END_TIME (epoch s; SLURM >= 23.02, absent on 22.05)
     array_job_id: str | None = None
     array_task_id: int | None = None
     cpus_per_task: int | None = None
@@ -321,13 +240,24 @@ def _from_slurm(v: _Vars) -> dict:
     in_step = bool(v.text("SLURM_STEP_ID"))
     ntasks = v.required("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", default=1)
     if not in_step:
+        # Seen on SLURM 22.05: the batch shell of `sbatch --nodes=2 --ntasks-per-node=2` has
+        # SLURM_NTASKS=4 and SLURM_PROCID=0 (it looks like rank 0, and would wait forever for
+        # ranks 1-3); an salloc shell has SLURM_NTASKS=4 and no SLURM_PROCID. Only srun tasks
+        # have SLURM_STEP_ID (and SLURM_STEP_NUM_TASKS ...).
         if ntasks > 1:
+            where = "the sbatch batch script" if "SLURM_PROCID" in v.env else "an salloc shell"
             raise DDPJobError(
-                f"SLURM_NTASKS={ntasks} but SLURM_STEP_ID is not set: this process runs in the "
-                f"batch script or an salloc shell of job {job_id}, not as one of its {ntasks} srun tasks",
+                f"SLURM_NTASKS={ntasks} but SLURM_STEP_ID is not set: this process runs in {where} "
+                f"of job {job_id}, not as one of its {ntasks} srun tasks",
                 "start it with `srun ddpjob ...` (one process per task), or ask for --ntasks=1")
         return dict(job_id=job_id, restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
                     source="slurm", **_master(v, "127.0.0.1", job_id))
+    job_ntasks = v.integer("SLURM_NTASKS")  # srun sets it to the step's count, like STEP_NUM_TASKS
+    if job_ntasks is not None and job_ntasks != ntasks:
+        raise DDPJobError(f"SLURM_NTASKS={job_ntasks} but SLURM_STEP_NUM_TASKS={ntasks} in this srun step",
+                          "do not export SLURM_NTASKS yourself: srun sets it for every task")
+    # The step's nodelist, not the job's: `srun -n1 -w n2` inside a job on n[1-2] gets
+    # SLURM_NODELIST=n[1-2] but SLURM_STEP_NODELIST=n2, and rank 0 runs on n2.
     nodelist = v.text("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
     hosts = tuple(parse_hostlist(nodelist)) if nodelist else ()
     nodes = v.required("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES", default=len(hosts) or 1)

@@ -155,6 +155,76 @@ def test_reads_os_environ_and_argv_by_default(monkeypatch: pytest.MonkeyPatch) -
     assert (env.rank, env.local_rank, env.hostname) == (3, 1, "n2")
 
 
+# ---------------------------------------------- what SLURM 22.05.8 really exports (test cluster)
+# Captured with `env | grep SLURM` in job 3 (`sbatch --nodes=2 --ntasks-per-node=2`): its batch
+# shell, `srun` task 3, `srun -n1 -N1 -w n2` and `srun -n3`; and in an `salloc -N2
+# --ntasks-per-node=2` shell. Site-specific variables (uid, cluster name, ports) left out.
+CAPTURED = {
+    "batch": "SLURMD_NODENAME=n1 SLURM_GTIDS=0 SLURM_JOBID=3 SLURM_JOB_ID=3 SLURM_JOB_NODELIST=n[1-2] "
+             "SLURM_JOB_NUM_NODES=2 SLURM_JOB_PARTITION=low SLURM_LOCALID=0 SLURM_NNODES=2 SLURM_NODEID=0 "
+             "SLURM_NODELIST=n[1-2] SLURM_NPROCS=4 SLURM_NTASKS=4 SLURM_NTASKS_PER_NODE=2 SLURM_PROCID=0 "
+             "SLURM_TASKS_PER_NODE=2(x2)",
+    "salloc": "SLURM_JOBID=4 SLURM_JOB_ID=4 SLURM_JOB_NODELIST=n[1-2] SLURM_JOB_NUM_NODES=2 "
+              "SLURM_JOB_PARTITION=low SLURM_NNODES=2 SLURM_NODELIST=n[1-2] SLURM_NPROCS=4 SLURM_NTASKS=4 "
+              "SLURM_NTASKS_PER_NODE=2 SLURM_TASKS_PER_NODE=2(x2)",
+    "task3": "SLURMD_NODENAME=n2 SLURM_GTIDS=2,3 SLURM_JOBID=3 SLURM_JOB_ID=3 SLURM_JOB_NODELIST=n[1-2] "
+             "SLURM_JOB_NUM_NODES=2 SLURM_JOB_PARTITION=low SLURM_LOCALID=1 SLURM_NNODES=2 SLURM_NODEID=1 "
+             "SLURM_NODELIST=n[1-2] SLURM_NPROCS=4 SLURM_NTASKS=4 SLURM_NTASKS_PER_NODE=2 SLURM_PROCID=3 "
+             "SLURM_STEPID=0 SLURM_STEP_ID=0 SLURM_STEP_NODELIST=n[1-2] SLURM_STEP_NUM_NODES=2 "
+             "SLURM_STEP_NUM_TASKS=4 SLURM_STEP_TASKS_PER_NODE=2(x2) SLURM_TASKS_PER_NODE=2(x2)",
+    "one_task_on_n2": "SLURMD_NODENAME=n2 SLURM_GTIDS=0 SLURM_JOBID=3 SLURM_JOB_ID=3 "
+                      "SLURM_JOB_NODELIST=n[1-2] SLURM_JOB_NUM_NODES=2 SLURM_JOB_PARTITION=low SLURM_LOCALID=0 "
+                      "SLURM_NNODES=1 SLURM_NODEID=0 SLURM_NODELIST=n[1-2] SLURM_NPROCS=1 SLURM_NTASKS=1 "
+                      "SLURM_NTASKS_PER_NODE=2 SLURM_PROCID=0 SLURM_STEPID=1 SLURM_STEP_ID=1 "
+                      "SLURM_STEP_NODELIST=n2 SLURM_STEP_NUM_NODES=1 SLURM_STEP_NUM_TASKS=1 "
+                      "SLURM_STEP_TASKS_PER_NODE=1 SLURM_TASKS_PER_NODE=1",
+    "three_tasks_rank2": "SLURMD_NODENAME=n2 SLURM_GTIDS=2 SLURM_JOBID=3 SLURM_JOB_ID=3 "
+                         "SLURM_JOB_NODELIST=n[1-2] SLURM_JOB_NUM_NODES=2 SLURM_JOB_PARTITION=low "
+                         "SLURM_LOCALID=0 SLURM_NNODES=2 SLURM_NODEID=1 SLURM_NODELIST=n[1-2] SLURM_NPROCS=3 "
+                         "SLURM_NTASKS=3 SLURM_NTASKS_PER_NODE=2 SLURM_PROCID=2 SLURM_STEPID=2 SLURM_STEP_ID=2 "
+                         "SLURM_STEP_NODELIST=n[1-2] SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=3 "
+                         "SLURM_STEP_TASKS_PER_NODE=2,1 SLURM_TASKS_PER_NODE=2,1",
+}
+
+
+def captured(name: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in CAPTURED[name].split())
+
+
+def test_captured_srun_task() -> None:
+    env = ClusterEnv.from_environ(captured("task3"), [])
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (3, 1, 4, 2)
+    assert (env.node_rank, env.num_nodes, env.hostname, env.master_addr) == (1, 2, "n2", "n1")
+    assert env.master_port == 15003 and env.job_id == "3"
+
+
+def test_captured_batch_shell_looks_like_rank0_but_is_refused() -> None:
+    line = error_line(captured("batch"))
+    assert "SLURM_NTASKS=4 but SLURM_STEP_ID is not set" in line
+    assert "the sbatch batch script of job 3" in line and "srun" in line
+
+
+def test_captured_salloc_shell_is_refused() -> None:
+    line = error_line(captured("salloc"))
+    assert "SLURM_NTASKS=4" in line and "an salloc shell of job 4" in line and "srun" in line
+
+
+def test_captured_single_task_step_on_the_second_node_uses_the_step_nodelist() -> None:
+    env = ClusterEnv.from_environ(captured("one_task_on_n2"), [])
+    assert (env.rank, env.world_size, env.num_nodes) == (0, 1, 1)
+    assert env.master_addr == "n2"  # SLURM_NODELIST (n[1-2]) would say n1, where no rank runs
+
+
+def test_captured_three_tasks_on_two_nodes() -> None:
+    env = ClusterEnv.from_environ(captured("three_tasks_rank2"), [])
+    assert (env.rank, env.world_size, env.local_world_size, env.node_rank) == (2, 3, 1, 1)
+
+
+def test_ntasks_disagrees_with_step_num_tasks() -> None:
+    line = error_line(dict(captured("task3"), SLURM_NTASKS="8"))
+    assert "SLURM_NTASKS=8" in line and "SLURM_STEP_NUM_TASKS=4" in line
+
+
 # ------------------------------------------------------------------- port and device
 def test_port_window_is_below_the_ephemeral_range_and_deterministic() -> None:
     ports = [port_for_job(str(j)) for j in (1, 14999, 15000, 29999, 123456789, 2**40)]
@@ -207,7 +277,7 @@ def test_more_local_tasks_than_gpus() -> None:
     assert "2 tasks" in line and "1 GPU" in line and "--ntasks-per-node" in line
 
 
-@pytest.mark.parametrize("key,value", [("SLURM_PROCID", "zero"), ("SLURM_STEP_NUM_TASKS", "4.0"),
+@pytest.mark.parametrize("key,value", [("SLURM_PROCID", "zero"), ("SLURM_NTASKS", "4.0"),
                                        ("SLURM_RESTART_COUNT", "x"), ("SLURM_JOB_END_TIME", "soon")])
 def test_non_integer_slurm_values(key: str, value: str) -> None:
     assert f"{key}={value!r}" in error_line(slurm_task(1, **{key: value}))
@@ -229,3 +299,47 @@ def test_master_port_out_of_range() -> None:
 def test_nodelist_and_node_count_disagree() -> None:
     line = error_line(slurm_task(0, SLURM_STEP_NUM_NODES="3"))
     assert "3" in line and "n[1-2]" in line
+
+
+# ------------------------------------------------------------------- on the real cluster
+PROBE = ("from ddpjob.cluster import ClusterEnv\n"
+         "e = ClusterEnv.from_environ()\n"
+         "print('ENV', e.rank, e.local_rank, e.world_size, e.local_world_size, e.node_rank, "
+         "e.num_nodes, e.hostname, e.master_addr, e.master_port, e.job_id, e.slurm_step, flush=True)\n")
+
+
+@pytest.mark.cluster
+def test_real_sbatch_batch_shell_srun_tasks_and_a_sub_step(slurm_cluster, tmp_path) -> None:
+    """What the real SLURM exports, read by the real from_environ: the batch shell is refused,
+    the 4 srun tasks get ranks 0-3 on n1/n2, a one-task step on n2 gets MASTER_ADDR n2."""
+    import sys
+
+    from slurmtools import submit, wait_done
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    out = tmp_path / "out.txt"
+    py = sys.executable
+    script = f"""#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=2
+#SBATCH --time=00:05:00
+#SBATCH --output={out}
+{py} -m ddpjob selftest >/dev/null 2>{tmp_path}/batch.err; echo "batch rc=$?"
+srun {py} {probe}
+srun -n1 -N1 -w n2 {py} {probe}
+"""
+    job_id = submit(script, cwd=tmp_path)
+    assert wait_done(job_id, timeout=240) == "COMPLETED", out.read_text()
+    text = out.read_text()
+    assert "batch rc=1" in text
+    assert "SLURM_NTASKS=4 but SLURM_STEP_ID is not set" in (tmp_path / "batch.err").read_text()
+    rows = sorted(line.split()[1:] for line in text.splitlines() if line.startswith("ENV "))
+    port = str(PORT_BASE + int(job_id) % PORT_SPAN)
+    assert rows == sorted([
+        ["0", "0", "4", "2", "0", "2", "n1", "n1", port, job_id, "True"],
+        ["1", "1", "4", "2", "0", "2", "n1", "n1", port, job_id, "True"],
+        ["2", "0", "4", "2", "1", "2", "n2", "n1", port, job_id, "True"],
+        ["3", "1", "4", "2", "1", "2", "n2", "n1", port, job_id, "True"],
+        ["0", "0", "1", "1", "0", "1", "n2", "n2", port, job_id, "True"],
+    ])
