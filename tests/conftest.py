@@ -1,0 +1,123 @@
+"""Shared pytest plumbing: the real SLURM test cluster for tests marked `cluster`.
+
+`slurm_cluster` (session) checks that tests/cluster/start.sh's cluster answers; tests marked
+`cluster` get it automatically. Without the cluster they skip, except under CI=true, where a
+missing cluster fails them and any skipped `cluster` test is reported as a failure, so CI can
+never go green without having really run against SLURM.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+import slurmtools
+
+ON_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+NODES = ("n1", "n2")
+USABLE = ("idle", "mixed", "allocated", "completing")
+START_HINT = "start it with: sudo bash tests/cluster/start.sh"
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """What tests may rely on about the test cluster."""
+
+    nodes: tuple[str, ...] = NODES
+    cpus_per_node: int = 2
+    default_partition: str = "low"   # preemptible, jobs with --requeue are requeued
+    high_partition: str = "high"     # preempts `low`
+
+
+def _cmd(args: list[str], timeout: float = 20) -> tuple[int, str]:
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return 127, f"{args[0]} is not installed"
+    except subprocess.TimeoutExpired:
+        return 124, f"{' '.join(args)} did not answer within {timeout:.0f} s"
+    return proc.returncode, (proc.stdout + proc.stderr).strip()
+
+
+def _node_states() -> tuple[dict[str, str], str]:
+    rc, out = _cmd(["sinfo", "-h", "-N", "-o", "%N %T"])
+    if rc != 0:
+        return {}, f"sinfo failed: {out}"
+    return dict(line.split(None, 1) for line in out.splitlines() if " " in line), ""
+
+
+def _cluster_problem() -> str | None:
+    """None when n1 and n2 are usable and sacct answers; otherwise what is wrong."""
+    states, err = _node_states()
+    if err:
+        return err
+    if any(n not in states for n in NODES):
+        return f"sinfo shows nodes {sorted(states)}, expected {list(NODES)}"
+    # Nodes left down/drained by an earlier crash (a slurmd killed mid-test) come back with
+    # `resume` once their slurmd answers; give them a moment.
+    deadline = time.monotonic() + 30
+    resumed = False
+    while any(states.get(n) not in USABLE for n in NODES):
+        if not resumed:
+            bad = [n for n in NODES if states.get(n, "").rstrip("*~#!%$@^-+")
+                   in ("down", "drained", "draining", "drain")]
+            for n in bad:
+                _cmd(["scontrol", "update", f"nodename={n}", "state=resume"])
+            resumed = bool(bad)
+        if time.monotonic() > deadline:
+            return f"nodes not usable: {states} (expected each of {USABLE})"
+        time.sleep(1)
+        states, err = _node_states()
+        if err:
+            return err
+    rc, out = _cmd(["sacct", "-n", "-X", "-S", "now"])
+    if rc != 0:
+        return f"sacct failed (accounting is needed): {out}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> SlurmCluster:
+    """The real SLURM test cluster; fails under CI=true, skips otherwise, when it is down."""
+    problem = _cluster_problem()
+    if problem:
+        reason = f"SLURM test cluster unavailable: {problem}; {START_HINT}"
+        if ON_CI:
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    return SlurmCluster()
+
+
+@pytest.fixture(autouse=True)
+def _cluster_marker(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked `cluster` get the cluster check, and their leftover jobs are cancelled."""
+    if request.node.get_closest_marker("cluster") is None:
+        yield
+        return
+    request.getfixturevalue("slurm_cluster")
+    first = len(slurmtools.submitted)
+    yield
+    # A test that failed half-way must not leave jobs that hold CPUs for the next test.
+    for job_id in slurmtools.submitted[first:]:
+        try:
+            if slurmtools.active(job_id):
+                slurmtools.cancel(job_id)
+        except slurmtools.SlurmError:
+            pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Under CI=true a skipped `cluster` test is a failure: CI must really exercise SLURM."""
+    outcome = yield
+    report = outcome.get_result()
+    if (ON_CI and report.skipped and not hasattr(report, "wasxfail")
+            and item.get_closest_marker("cluster") is not None):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"cluster test skipped under CI=true (a skip counts as a failure): {reason}"
