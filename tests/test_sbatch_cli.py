@@ -128,7 +128,7 @@ def test_sbatch_script_trains_on_two_nodes(slurm_cluster, tmp_path: Path) -> Non
                "--time", "00:10:00", "--run-dir", str(run), "-o", "x.sbatch", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     job_id = slurmtools.submit(tmp_path / "x.sbatch", cwd=tmp_path)
-    state = slurmtools.wait_done(job_id, timeout=300)
+    state = slurmtools.wait_done(job_id, timeout=600)
     logs = {p.name: p.read_text(errors="replace")[-2000:] for p in (run / "logs").iterdir()}
     assert state == "COMPLETED", logs
     assert (run / "COMPLETED").is_file(), logs
@@ -164,7 +164,7 @@ def test_hostile_run_dir_survives_real_sbatch_and_srun(slurm_cluster, tmp_path: 
     script = tmp_path / "x.sbatch"
     script.write_text(render.render_sbatch(cfg, run_dir=run, python=str(python)))
     job_id = slurmtools.submit(script, cwd=tmp_path)
-    state = slurmtools.wait_done(job_id, timeout=180)
+    state = slurmtools.wait_done(job_id, timeout=600)
     assert state == "COMPLETED", sorted(p.name for p in tmp_path.rglob("*"))
     assert (run / "logs" / f"batch-{job_id}.out").is_file()  # %% kept, %j expanded
     for rank in (0, 1):
