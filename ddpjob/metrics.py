@@ -1,0 +1,137 @@
+"""Step timing and the training record: data time vs compute time, images/s, metrics.jsonl.
+
+trainer.py wraps its batch iterator in `Meter.timed()` and, at each logging step, turns the
+window into one record for `RUN_DIR/metrics.jsonl` (rank 0) and one progress update: a rich bar
+on a terminal, fixed-width lines in batch logs (console.is_terminal).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ddpjob import console, rundir
+
+T = TypeVar("T")
+
+
+class Meter:
+    """Wall time per optimizer step, split into waiting for data and everything else.
+
+    Host-side clocks only: nothing here synchronises the device. On a GPU the split is only
+    meaningful over a logging window (the `.item()` at the logging step waits for the queue),
+    which is why records report window averages, not single steps.
+    """
+
+    def __init__(self, images_per_step: int) -> None:
+        self.images_per_step = images_per_step
+        self._start = time.perf_counter()
+        self._data = 0.0
+        self._steps = 0
+        self.last_step_s = 0.0  # for the deadline watch
+        self._step_start = self._start
+
+    def timed(self, batches: Iterable[T]) -> Iterator[T]:
+        """Yield from `batches`, timing each fetch (data) and each fetch-to-fetch interval (step)."""
+        it = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            self._data += time.perf_counter() - t0
+            self._step_start = t0
+            yield item
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        self.last_step_s = now - self._step_start
+        self._steps += 1
+
+    def pause(self) -> None:
+        """Exclude eval/checkpoint time from the next window (call after them)."""
+        self._start = time.perf_counter()
+        self._data = 0.0
+        self._steps = 0
+
+    def window(self) -> dict[str, float]:
+        """Averages since the last window; resets it."""
+        now = time.perf_counter()
+        n = max(self._steps, 1)
+        wall = max(now - self._start, 1e-9)
+        out = {"img_s": round(self._steps * self.images_per_step / wall, 1),
+               "data_ms": round(1000 * self._data / n, 3),
+               "step_ms": round(1000 * wall / n, 3)}
+        self._start, self._data, self._steps = now, 0.0, 0
+        return out
+
+
+class MetricsLog:
+    """Appends records to RUN_DIR/metrics.jsonl; only rank 0 writes (one O_APPEND line each)."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool, restart: int) -> None:
+        self.path = Path(run_dir) / rundir.METRICS
+        self.enabled = enabled
+        self.restart = restart
+
+    def step(self, *, step: int, epoch: int, loss: float, lr: float, **timing: float) -> None:
+        if self.enabled:
+            rundir.append_jsonl(self.path, {"kind": "train", "time": time.time(), "step": step,
+                                            "epoch": epoch, "loss": _num(loss), "lr": lr,
+                                            "restart": self.restart, **timing})
+
+    def eval(self, *, step: int, epoch: int, eval_acc: float, eval_loss: float) -> None:
+        if self.enabled:
+            rundir.append_jsonl(self.path, {"kind": "eval", "time": time.time(), "step": step,
+                                            "epoch": epoch, "eval_acc": eval_acc,
+                                            "eval_loss": _num(eval_loss), "restart": self.restart})
+
+
+def _num(x: float) -> float | str:
+    return x if math.isfinite(x) else str(x)  # JSON has no NaN/inf; keep the line parseable
+
+
+class Progress:
+    """Rank 0's view: a rich progress bar on a terminal, else one fixed-width line per log step."""
+
+    def __init__(self, total: int, start: int, *, enabled: bool, terminal: bool | None = None) -> None:
+        self.total, self.enabled = total, enabled
+        self.terminal = console.is_terminal() if terminal is None else terminal
+        self._bar: Any = None
+        if enabled and self.terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
+            from rich.progress import TextColumn, TimeRemainingColumn
+
+            self._bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+            self._task = self._bar.add_task("train", total=total, completed=start, info="")
+            self._bar.start()
+
+    def update(self, step: int, epoch: int, loss: float, lr: float, timing: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            info = f"loss {loss:.4f} lr {lr:.4g} {timing['img_s']:.0f} img/s"
+            self._bar.update(self._task, completed=step, info=info)
+            return
+        width = len(str(self.total))
+        console.print0(f"step {step:>{width}}/{self.total} ep {epoch:>3} loss {loss:8.4f} "
+                       f"lr {lr:9.3e} img/s {timing['img_s']:9.1f} data {timing['data_ms']:8.2f}ms "
+                       f"step {timing['step_ms']:8.2f}ms")
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
+            console.print0(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

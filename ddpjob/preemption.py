@@ -1,0 +1,191 @@
+"""Preemption mechanics on the nodes: flag-only signal handlers, the collective stop decision,
+the requeue, and the deadline watch.
+
+runner.py installs the StopFlag and turns a stop into an exit code (and `scontrol requeue`);
+trainer.py calls `agree()` once per optimizer step so that every rank stops at the same step.
+Nothing here saves or exits inside a signal handler (that is how Lightning hangs, #21406).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# Stop codes, ordered by precedence: the ranks all-reduce MAX, so the strongest reason wins.
+NONE, DEADLINE, REQUEUE, PREEMPTED = 0, 1, 2, 3
+REASONS = {NONE: "", DEADLINE: "deadline", REQUEUE: "requeue", PREEMPTED: "preempted"}
+
+
+def signal_number(name: str | int) -> int:
+    """'USR2' / 'SIGUSR2' / 12 -> 12."""
+    if isinstance(name, int):
+        return name
+    return int(getattr(signal, "SIG" + name.upper().removeprefix("SIG")))
+
+
+def stop_code_for(signum: int) -> int:
+    """SIGTERM = preemption or scancel: SLURM requeues (PreemptMode=REQUEUE) or ends the job by
+    itself, so requeueing too would requeue twice. Any other handled signal (USR2: the time-limit
+    warning or `scancel --signal=USR2`) asks us to checkpoint and requeue ourselves."""
+    return PREEMPTED if signum == signal.SIGTERM else REQUEUE
+
+
+_child_ignores: tuple[int, ...] = ()
+
+
+def _ignore_in_child() -> None:
+    # Runs in forked children (DataLoader workers): they must not react to SLURM's signals; the
+    # main process stops them itself. A Python handler inherited through fork would only set a
+    # flag nobody reads, but SIG_IGN also covers signals that arrive before the child's code runs.
+    for signum in _child_ignores:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def ignore_signals(signals: Sequence[str | int] = ("USR2", "TERM")) -> None:
+    """For `worker_init_fn` of spawned (not forked) workers: ignore the stop signals."""
+    for s in signals:
+        signal.signal(signal_number(s), signal.SIG_IGN)
+
+
+class StopFlag:
+    """Signal handlers that only record (signal, time). `code` is read at step boundaries."""
+
+    def __init__(self) -> None:
+        self.code = NONE
+        self.signum: int | None = None
+        self.time: float | None = None
+        self.current_step = 0  # kept up to date by the trainer: where the signal found us
+        self.signal_step: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @classmethod
+    def install(cls, signals: Sequence[str | int] = ("USR2", "TERM")) -> StopFlag:
+        """Replace whatever handlers were there (submitit's included) with flag-only ones."""
+        global _child_ignores
+        flag = cls()
+        numbers = tuple(dict.fromkeys(signal_number(s) for s in signals))
+        for signum in numbers:
+            flag._previous[signum] = signal.signal(signum, flag._handle)
+        if not _child_ignores:
+            os.register_at_fork(after_in_child=_ignore_in_child)
+        _child_ignores = numbers
+        return flag
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # Only assignments: safe at any bytecode boundary, never blocks, never re-enters torch.
+        code = stop_code_for(signum)
+        if code > self.code:
+            self.code, self.signum, self.time = code, signum, time.time()
+            self.signal_step = self.current_step
+
+    def request(self, code: int) -> None:
+        """A stop from inside the process (the deadline watch)."""
+        if code > self.code:
+            self.code, self.time = code, time.time()
+
+    def uninstall(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def describe(self) -> str:
+        if self.signum is not None:
+            return f"{signal.Signals(self.signum).name} received"
+        return REASONS[self.code] or "no stop requested"
+
+
+def agree(values: Sequence[int], *, group: Any = None, device: Any = "cpu") -> list[int]:
+    """Element-wise MAX of small integers over all ranks: one all-reduce of a few int64s.
+
+    Called at every optimizer-step boundary with [stop code, save due, async write busy], so
+    every rank takes the same decision at the same step (a signal may reach the ranks at
+    different moments, or only one of them)."""
+    import torch
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+_JOB_ID = re.compile(r"^\d+(_\d+)?$")
+
+
+def requeue(job_id: str, *, run: Callable[..., Any] = subprocess.run) -> str | None:
+    """`scontrol requeue JOB`; None on success, else a one-line reason (printed by the caller)."""
+    if not _JOB_ID.match(job_id):
+        return f"job id {job_id!r} is not a SLURM job id"
+    try:
+        out = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"scontrol requeue {job_id} failed: {exc}"
+    if out.returncode != 0:
+        why = " ".join((out.stderr or out.stdout or "").split()) or f"exit code {out.returncode}"
+        return f"scontrol requeue {job_id} failed: {why}"
+    return None
+
+
+def query_end_time(job_id: str | None, *, run: Callable[..., Any] = subprocess.run) -> float | None:
+    """The job's end time (epoch seconds) from `squeue -h -j JOB -o %e`, None if unknown."""
+    if not job_id or not _JOB_ID.match(job_id):
+        return None
+    try:
+        out = run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_slurm_time(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def parse_slurm_time(text: str) -> float | None:
+    """'2026-05-09T12:34:56' (the controller's local time) -> epoch seconds; None for N/A etc."""
+    try:
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+@dataclass
+class DeadlineWatch:
+    """Stop before the time limit even if no warning signal comes (no --signal, or it was lost).
+
+    Stop when the remaining time falls below (step + eval + checkpoint time) x safety + margin:
+    the step in flight must finish, then the checkpoint must be written, before SLURM's SIGKILL.
+    Times are measured as the job runs; the checkpoint time starts from a guess until a save
+    has been timed.
+    """
+
+    end_time: float | None
+    safety: float = 1.5
+    margin_s: float = 30.0
+    step_s: float = 0.0
+    eval_s: float = 0.0
+    checkpoint_s: float = 10.0
+    clock: Callable[[], float] = time.time
+
+    def observe_step(self, seconds: float) -> None:
+        # Slow-moving max-biased average: one slow step (eval, GC) should raise the estimate.
+        self.step_s = max(seconds, 0.9 * self.step_s + 0.1 * seconds)
+
+    def observe_eval(self, seconds: float) -> None:
+        self.eval_s = max(self.eval_s, seconds)
+
+    def observe_checkpoint(self, seconds: float) -> None:
+        self.checkpoint_s = seconds
+
+    def needed_s(self) -> float:
+        return (self.step_s + self.eval_s + self.checkpoint_s) * self.safety + self.margin_s
+
+    def remaining_s(self) -> float | None:
+        return None if self.end_time is None else self.end_time - self.clock()
+
+    def expired(self) -> bool:
+        left = self.remaining_s()
+        return left is not None and left < self.needed_s()
