@@ -153,7 +153,7 @@ def _partition_checks(cfg: JobConfig) -> list[Check]:
         fit = [n for n, g in gres.items() if g >= s.gpus_per_node]
         if not any(gres.values()):
             out.append(Check("gpus", FAIL, f"slurm.gpus_per_node = {s.gpus_per_node}, but the "
-                             f"nodes of '{name}' have no GPUs (Gres of {', '.join(gres) or 'none'})",
+                             f"nodes of '{name}' ({', '.join(gres) or 'none'}) have no GPUs in their Gres",
                              "use a GPU partition (`sinfo -o '%P %G'`) or set slurm.gpus_per_node = 0"))
         elif len(fit) < s.nodes:
             out.append(Check("gpus", FAIL, f"{s.nodes} node(s) x {s.gpus_per_node} GPUs wanted, "
