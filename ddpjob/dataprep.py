@@ -99,10 +99,12 @@ def _reporter(total: int | None, label: str) -> tuple[Callable[[int], None], Cal
 
     def advance(n: int) -> None:
         done[0] += n
-        tenth = done[0] * 10 // total if total else -1
-        if tenth > shown[0]:
-            shown[0] = tenth
-            console.info(f"{label}: {done[0] / 1e6:.1f} of {total / 1e6:.1f} MB ({tenth * 10}%)")
+        # a line per 10 %, or per 16 MB when the server sends no Content-Length
+        mark = done[0] * 10 // total if total else done[0] >> 24
+        if mark > shown[0]:
+            shown[0] = mark
+            of = f" of {total / 1e6:.1f} MB ({mark * 10}%)" if total else " MB so far"
+            console.info(f"{label}: {done[0] / 1e6:.1f}{of}")
 
     return advance, lambda: None
 
