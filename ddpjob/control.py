@@ -166,9 +166,15 @@ def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> R
             info.state = rec.get("state", "UNKNOWN")
             info.reason = rec.get("reason", "") if rec.get("reason") not in ("None", None) else ""
             info.restarts = max(info.restarts, rec.get("restarts", 0))
+            if info.state in TERMINAL and info.state != "COMPLETED" and rec.get("exit"):
+                info.reason = info.reason or f"exit code {rec['exit']}"
             info.extra = rec
     elif not job:
         info.state = "NOT SUBMITTED"
+    if events:
+        last = events[-1]
+        why = last.get("error") or last.get("note") or last.get("reason") or ""
+        info.extra["last_event"] = f"{last.get('event')}" + (f": {why}" if why else "")
     info.step, info.loss = last_metric(run_dir)
     info.checkpoint = last_checkpoint(run_dir)
     info.completed = rundir.completed(run_dir) is not None
@@ -241,6 +247,8 @@ def format_status(i: RunInfo) -> str:
              f"state       {state}", f"restarts    {i.restarts}",
              f"last step   {'-' if i.step is None else i.step}" + (f"  loss {_fmt_loss(i.loss)}" if i.loss is not None else ""),
              f"checkpoint  {i.checkpoint or '-'}", f"completed   {'yes' if i.completed else 'no'}"]
+    if i.extra.get("last_event"):
+        lines.append(f"last event  {i.extra['last_event'][:200]}")
     if i.point:
         lines.insert(1, f"point       {i.point}")
     return "\n".join(lines)

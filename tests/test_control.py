@@ -166,14 +166,16 @@ def test_unknown_run_and_bad_rank_are_one_line_errors(tmp_path):
 # ------------------------------------------------------------------ real SLURM jobs
 @pytest.mark.cluster
 def test_status_logs_cancel_ls_on_a_real_slurm_job(slurm_cluster, tmp_path):
+    import slurmtools
     from slurmtools import wait_done, wait_state
 
     run = tmp_path / "runs" / "long"
     out = ddpjob("submit", str(ROOT / "jobs" / "smoke.toml"), "--backend", "slurm", "--run-dir", str(run),
-                 "--nodes", "2", "--set", "train.max_steps=100000", "--set", "train.eval_every=0",
+                 "--set", "train.max_steps=100000", "--set", "train.eval_every=0",
                  cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     job_id = rundir.read_json(run / "job.json")["job_id"]
+    slurmtools.submitted.append(job_id)
     wait_state(job_id, ("RUNNING",), timeout=120)
     wait_for(lambda: ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path).returncode == 0, timeout=60,
              what="rank 1's log")

@@ -82,22 +82,27 @@ def test_local_sweep_runs_each_point_and_ls_status_show_the_grid(tmp_path):
 
 @pytest.mark.cluster
 def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
-    from slurmtools import wait_done
+    import slurmtools
+
+    from ddpjob import control
 
     sweep = tmp_path / "sweep"
     out = ddpjob("submit", SMOKE, "--backend", "slurm", "--run-dir", str(sweep), "--sweep", "train.lr=0.1,0.05",
                  "--set", "train.max_steps=2", "--set", "train.eval_every=0", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     base = rundir.read_json(sweep / "sweep.json")["job_id"]
+    slurmtools.submitted.append(base)
     ids = [rundir.read_json(sweep / str(i) / "job.json")["job_id"] for i in range(2)]
     assert ids == [f"{base}_0", f"{base}_1"]
     assert "#SBATCH --array=0-1%2" in (sweep / "0" / "job.sbatch").read_text()
-    for jid in ids:
-        assert wait_done(jid, timeout=300) == "COMPLETED"
+    deadline = time.monotonic() + 300  # (slurmtools.wait_done takes plain job ids, not A_i)
+    while not all(control.slurm_states(ids).get(j, {}).get("state") in control.TERMINAL for j in ids):
+        assert time.monotonic() < deadline, control.slurm_states(ids)
+        time.sleep(1)
     acct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", base],
                           capture_output=True, text=True, timeout=30).stdout.split()
     assert f"{base}_0|COMPLETED" in acct and f"{base}_1|COMPLETED" in acct
     for i in range(2):
         assert rundir.completed(sweep / str(i)) is not None
-    status = ddpjob("status", base, cwd=tmp_path)  # the array id finds the sweep
+    status = ddpjob("status", base, "--runs-root", ".", cwd=tmp_path)  # the array id finds the sweep
     assert status.returncode == 0 and status.stdout.count("COMPLETED") == 2
