@@ -49,8 +49,9 @@ class DistContext:
             pass
         try:
             dist.destroy_process_group()
-        finally:
-            self.initialized = False
+        except Exception:  # already torn down by a failed collective: nothing to free
+            pass
+        self.initialized = False
 
 
 def choose_backend(env: ClusterEnv, backend: str = "auto") -> str:
@@ -130,10 +131,12 @@ def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float 
     try:
         # tcp:// with explicit rank/world, not env://: the values come from ClusterEnv (which may
         # have derived them), not from whatever MASTER_* this process happens to inherit.
+        # device_id binds NCCL to this rank's GPU up front (no guessing in the first barrier).
         dist.init_process_group(backend, init_method=f"tcp://{host}:{env.master_port}", rank=env.rank,
-                                 world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+                                 world_size=env.world_size, timeout=timedelta(seconds=timeout_s),
+                                 device_id=device if backend == "nccl" else None)
     except (RuntimeError, ValueError, OSError) as exc:
-        cause = " ".join(str(exc).split("\n")[0].split())[:200]
+        cause = " ".join(str(exc).split("\n")[0].split())[:200].rstrip(".")
         if env.rank == 0 and "in use" in cause.lower():
             raise DDPJobError(f"rank 0 on {env.hostname} could not listen on port {env.master_port} ({cause})",
                               "another job uses this port: set MASTER_PORT to a free one") from None
@@ -142,7 +145,13 @@ def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float 
                               f"{env.master_addr}:{env.master_port} but not all {env.world_size} ranks "
                               f"joined ({cause})", "look at the other ranks' logs: they may have failed "
                               "to start, or reached another MASTER_ADDR/MASTER_PORT") from None
-        raise _unreachable(env, timeout_s, cause) from None
+        # This rank reached rank 0's store (checked above), so the group itself did not form.
+        raise DDPJobError(f"rank {env.rank} on {env.hostname} reached rank 0 at {env.master_addr}:"
+                          f"{env.master_port} but the {backend} group of {env.world_size} ranks did not "
+                          f"form within {timeout_s:g} s ({cause})",
+                          "look at the other ranks' logs (one may have failed to start); if the nodes "
+                          "have several networks, set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the one "
+                          "they share") from None
     return DistContext(env, backend, device, initialized=True, timeout_s=timeout_s)
 
 

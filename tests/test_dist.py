@@ -145,3 +145,28 @@ def test_rank0_port_in_use() -> None:
             ddist.init_process_group(env, backend="gloo", timeout_s=3)
     line = exc.value.line()
     assert f"rank 0 on n1 could not listen on port {port}" in line and "MASTER_PORT" in line
+
+
+def test_group_that_does_not_form_names_the_missing_ranks() -> None:
+    """Rank 0 and rank 1 of 3 start, rank 2 never does: both fail on time with one line each."""
+    port = free_port()
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            from ddpjob.cluster import ClusterEnv
+            from ddpjob import dist as d
+            from ddpjob.errors import DDPJobError
+            try:
+                d.init_process_group(ClusterEnv(world_size=3, local_world_size=3, master_port={port},
+                                                hostname="n1"), backend="gloo", timeout_s=4)
+            except DDPJobError as exc:
+                print(exc.line())
+        """)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=clean_environ())
+    env = ClusterEnv(rank=1, local_rank=1, world_size=3, local_world_size=3, master_port=port, hostname="n2")
+    start = time.monotonic()
+    with pytest.raises(DDPJobError) as exc:
+        ddist.init_process_group(env, backend="gloo", timeout_s=10)
+    assert time.monotonic() - start < 25
+    assert f"rank 1 on n2 reached rank 0 at 127.0.0.1:{port} but the gloo group of 3 ranks did not form" \
+        in exc.value.line()
+    out, _ = rank0.communicate(timeout=60)
+    assert "rank 0 on n1 waited" in out and "not all 3 ranks joined" in out and "2/3 clients joined" in out
