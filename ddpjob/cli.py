@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # torch.distributed.launch (legacy, without --use-env) puts --local-rank=N *before* the
+    # subcommand; `run` and `selftest` declare it, so move it behind them.
+    while argv and argv[0].startswith(("--local-rank=", "--local_rank=")):
+        argv.append(argv.pop(0))
     debug = "--debug" in argv
     try:
         args = build_parser().parse_args(argv)
