@@ -119,5 +119,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if (ON_CI and report.skipped and not hasattr(report, "wasxfail")
             and item.get_closest_marker("cluster") is not None):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
         report.outcome = "failed"
         report.longrepr = f"cluster test skipped under CI=true (a skip counts as a failure): {reason}"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Set up ddpjob's Python side from nothing: .venv in the repository root with torch, torchvision
+# and `pip install -e '.[test]'`. Idempotent and quick when already done (a stamp records the
+# hash of the packaging files it installed from). Run as root on a fresh Debian machine, or as
+# any user where python3-venv is already installed.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=$ROOT/.venv
+PY=$VENV/bin/python
+# These exact versions install from the machine's local wheel store; others download gigabytes.
+TORCH=2.14.1
+TORCHVISION=0.29.1
+STAMP=$VENV/.ddpjob-setup-stamp
+log() { printf '[setup] %s\n' "$*"; }
+# pip warns about every index location in this machine's pip.conf that does not exist: noise.
+pip_install() { "$PY" -m pip install -q "$@" 2>&1 | sed "/WARNING: Location '.*' is ignored/d"; }
+T0=$(date +%s)
+
+if [ ! -x "$PY" ]; then
+    if ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+        log "python3 -m venv is unavailable: installing python3-venv with apt"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+    fi
+    log "creating $VENV"
+    python3 -m venv "$VENV"
+fi
+
+if "$PY" -c "import torch, torchvision, sys
+sys.exit(not (torch.__version__.split('+')[0] == '$TORCH' and torchvision.__version__.split('+')[0] == '$TORCHVISION'))" >/dev/null 2>&1
+then
+    log "torch $TORCH and torchvision $TORCHVISION already installed"
+else
+    log "installing torch==$TORCH torchvision==$TORCHVISION (about a minute)"
+    pip_install "torch==$TORCH" "torchvision==$TORCHVISION"
+fi
+
+want=$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && "$PY" -c 'import ddpjob, pytest' >/dev/null 2>&1; then
+    log "ddpjob (editable) and test dependencies already installed"
+else
+    log "installing ddpjob (editable) with its test dependencies"
+    pip_install -e "$ROOT[test]"
+    echo "$want" >"$STAMP"
+fi
+log "python environment ready in $(( $(date +%s) - T0 ))s: $VENV"
