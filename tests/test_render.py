@@ -238,8 +238,8 @@ def _start_batch(tmp_path: Path, fake_srun: str, **slurm) -> tuple[subprocess.Po
     cfg = _with_slurm(_job("smoke"), **slurm)
     script.write_text(render.render_sbatch(cfg, run_dir=tmp_path / "run", python=sys.executable))
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "T": str(tmp_path)}
-    proc = subprocess.Popen([BASH, str(script)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([BASH, str(script)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "err", "w"), text=True)
     _wait_for(lambda: (tmp_path / "started").exists(), proc)
     return proc, tmp_path
 
@@ -247,7 +247,7 @@ def _start_batch(tmp_path: Path, fake_srun: str, **slurm) -> tuple[subprocess.Po
 def _wait_for(cond, proc: subprocess.Popen, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        assert proc.poll() is None, f"batch shell ended early: {proc.communicate()}"
+        assert proc.poll() is None, f"batch shell ended early: {proc.returncode}"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
 
@@ -263,18 +263,22 @@ exit 7
 """
 
 
+def _noted(t: Path) -> int:
+    return (t / "err").read_text().count("batch shell got SIGTERM")
+
+
 def test_batch_shell_survives_sigterm_until_srun_exits(tmp_path: Path) -> None:
     proc, t = _start_batch(tmp_path, SLOW_SRUN)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    _wait_for(lambda: _noted(t) == 1, proc)  # fails if the shell dies of it
+    time.sleep(0.3)
     assert proc.poll() is None, "the batch shell died of SIGTERM while the ranks were running"
     proc.send_signal(signal.SIGTERM)  # a second one (scancel, then the time limit) as well
-    time.sleep(0.3)
-    assert proc.poll() is None
+    _wait_for(lambda: _noted(t) == 2, proc)
     (t / "release").touch()
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 7, err  # srun's status, not 128+15
-    assert err.count("batch shell got SIGTERM") == 2
+    proc.wait(timeout=30)
+    assert proc.returncode == 7, (t / "err").read_text()  # srun's status, not 128+15
+    assert "srun exited with status 7" in (t / "err").read_text()
     assert not (t / "srun-signals").exists(), "TERM must not be forwarded to srun"
 
 
@@ -284,15 +288,16 @@ def test_batch_shell_forwards_the_job_signal_to_srun(tmp_path: Path) -> None:
     _wait_for(lambda: (t / "srun-signals").exists(), proc)
     assert (t / "srun-signals").read_text() == "USR2\n"
     (t / "release").touch()
-    proc.communicate(timeout=30)
+    proc.wait(timeout=30)
     assert proc.returncode == 7
 
 
 def test_job_signal_term_is_not_forwarded(tmp_path: Path) -> None:
     proc, t = _start_batch(tmp_path, SLOW_SRUN, signal="TERM")
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
+    _wait_for(lambda: _noted(t) == 1, proc)
+    time.sleep(0.3)  # a forwarded TERM would have reached srun's trap by now
     (t / "release").touch()
-    proc.communicate(timeout=30)
+    proc.wait(timeout=30)
     assert proc.returncode == 7
     assert not (t / "srun-signals").exists()
