@@ -8,7 +8,6 @@ argument. This is the only node-side code that reads os.environ; tests pass plai
 from __future__ import annotations
 
 import os
-import re
 import socket
 import sys
 import zlib

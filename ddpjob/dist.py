@@ -61,7 +61,8 @@ def choose_backend(env: ClusterEnv, backend: str = "auto") -> str:
         return "nccl" if env.gpus > 0 else "gloo"
     if backend == "nccl" and env.gpus == 0:
         raise DDPJobError(f"backend nccl was asked for but rank {env.rank} on {env.hostname} sees no GPU",
-                          "use --backend gloo (or auto) on CPU nodes, or ask SLURM for GPUs (--gpus-per-node)")
+                          "use --backend gloo (or auto) on CPU nodes, or ask SLURM for GPUs "
+                          "(--gpus-per-node)")
     if backend not in ("nccl", "gloo"):
         raise DDPJobError(f"unknown backend {backend!r}, expected auto, nccl or gloo", "pick one of those")
     return backend
@@ -88,7 +89,8 @@ def _wait_for_master(env: ClusterEnv, timeout_s: float) -> None:
     last = "nothing listening"
     while True:
         try:
-            socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
+            wait = max(0.1, min(2.0, deadline - time.monotonic()))
+            socket.create_connection((addr, port), timeout=wait).close()
             return
         except socket.gaierror as exc:
             raise DDPJobError(f"rank {env.rank} on {env.hostname}: the master address {addr!r} does not "
@@ -138,7 +140,8 @@ def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float 
     except (RuntimeError, ValueError, OSError) as exc:
         cause = " ".join(str(exc).split("\n")[0].split())[:200].rstrip(".")
         if env.rank == 0 and "in use" in cause.lower():
-            raise DDPJobError(f"rank 0 on {env.hostname} could not listen on port {env.master_port} ({cause})",
+            raise DDPJobError(f"rank 0 on {env.hostname} could not listen on port {env.master_port} "
+                              f"({cause})",
                               "another job uses this port: set MASTER_PORT to a free one") from None
         if env.rank == 0:
             raise DDPJobError(f"rank 0 on {env.hostname} waited {time.monotonic() - start:.0f} s at "

@@ -69,7 +69,8 @@ def check_layout(rows: list[tuple]) -> str | None:
     return None
 
 
-def measure_bandwidth(ctx: DistContext, device: torch.device, size_mb: float) -> tuple[float, float, str | None]:
+def measure_bandwidth(ctx: DistContext, device: torch.device,
+                      size_mb: float) -> tuple[float, float, str | None]:
     """Median all-reduce time and bus bandwidth (nccl-tests' busbw: bytes * 2(n-1)/n / time,
     the traffic each rank's link carries in a ring, so it is comparable across rank counts)."""
     n = ctx.env.world_size

@@ -132,7 +132,8 @@ def test_backend_choice() -> None:
     assert ddist.choose_backend(ClusterEnv(gpus=2), "gloo") == "gloo"
     with pytest.raises(DDPJobError) as exc:
         ddist.choose_backend(ClusterEnv(gpus=0, hostname="n1"), "nccl")
-    assert "nccl" in exc.value.line() and "sees no GPU" in exc.value.line() and "--backend gloo" in exc.value.line()
+    line = exc.value.line()
+    assert "nccl" in line and "sees no GPU" in line and "--backend gloo" in line
 
 
 def test_rank0_port_in_use() -> None:

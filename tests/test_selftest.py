@@ -113,7 +113,7 @@ def test_two_nodes_two_tasks_each_under_srun(slurm_cluster, tmp_path: Path) -> N
 srun {PY} -m ddpjob selftest --size-mb 4 --timeout 60
 """
     job_id = submit(script, cwd=tmp_path)
-    state = wait_done(job_id, timeout=240)
+    state = wait_done(job_id, timeout=600)  # may queue behind other tests
     text = out.read_text()
     assert state == "COMPLETED", text
     assert job_info(job_id).get("ExitCode", "0:0") == "0:0", text
