@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpjob import data, models, preemption, rundir, trainstate
+from ddpjob import data, models, preemption, rundir, syncbn, trainstate
 from ddpjob.config import JobConfig
 from ddpjob.console import print0
 from ddpjob.dist import DistContext
@@ -58,7 +58,7 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
     raw = models.build_model(t.model, t.num_classes, cifar_stem=t.cifar_stem,
                              pretrained=t.pretrained, freeze_backbone=t.freeze_backbone)
     if t.sync_batchnorm and ctx.initialized:  # before DDP: DDP must see the final modules
-        raw = nn.SyncBatchNorm.convert_sync_batchnorm(raw)
+        raw = syncbn.convert(raw, device)
     raw.to(device=device, memory_format=fmt)
     optimizer = build_optimizer(raw, cfg)
     # One code path for every precision: the scaler is a no-op unless fp16 (bf16 needs none).
