@@ -52,10 +52,10 @@ SELF_REQUEUE = 'scontrol requeue "$SLURM_JOB_ID"; sleep 30'
 
 
 def test_two_nodes_two_tasks_each(slurm_cluster, tmp_path: Path) -> None:
-    slurmtools.cluster_free(timeout=180)
     out = tmp_path / "srun.out"
     job = slurmtools.submit(SRUN_JOB, f"--output={out}", cwd=tmp_path)
-    assert slurmtools.wait_done(job, timeout=60) == "COMPLETED", out.read_text()
+    # Generous: the job queues behind whatever else holds the 4 CPUs.
+    assert slurmtools.wait_done(job, timeout=300) == "COMPLETED", out.read_text()
     tasks = sorted(line for line in out.read_text().splitlines() if line.startswith("task "))
     assert tasks == [
         "task PROCID=0 LOCALID=0 NODEID=0 NODE=n1 LIST=n[1-2]",

@@ -274,6 +274,11 @@ if ! timeout 15 sacctmgr -n -P list assoc where user=root cluster="$CLUSTER" for
         || die "sacctmgr add user root failed" "$SLURMDBD_LOG"
 fi
 wait_for "sacct (accounting)" "$SLURMDBD_LOG" timeout 15 sacct -n -X -S now
+if ! $ctld_ok; then
+    # Jobs the database still shows as running from before a crash or reboot ("runaway"): close
+    # them, so sacct never reports a job from an earlier life as still running.
+    timeout 60 sacctmgr -i show runawayjobs >/dev/null 2>&1 || log "warning: sacctmgr show runawayjobs failed"
+fi
 
 $ctld_ok && how=warm || how=cold
 log "cluster $CLUSTER ready ($how) in $(elapsed)s: $(sinfo -h -N -p low -o '%N=%T' | sort -u | tr '\n' ' ')"
