@@ -144,8 +144,19 @@ def last_checkpoint(run_dir: Path) -> str:
     return best[1] if best else ""
 
 
-def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> RunInfo:
+def job_record(run_dir: Path) -> dict[str, Any]:
+    """job.json; for a run started by `ddpjob sbatch` + `sbatch` (no job.json), the SLURM job id
+    the ranks recorded in events.jsonl."""
     job = rundir.read_json(run_dir / rundir.JOB, {}) or {}
+    if not job:
+        ids = [str(e["job_id"]) for e in rundir.events(run_dir) if e.get("job_id")]
+        if ids and re.fullmatch(r"\d+(_\d+)?", ids[-1]):
+            job = {"backend": "slurm", "job_id": ids[-1], "via": "sbatch"}
+    return job
+
+
+def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> RunInfo:
+    job = job_record(run_dir)
     info = RunInfo(run_dir=run_dir, backend=job.get("backend", "?"), job_id=str(job.get("job_id", "")))
     events = rundir.events(run_dir)
     info.restarts = max([int(e.get("restart", 0) or 0) for e in events] or [0])
@@ -170,7 +181,8 @@ def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> R
                 info.reason = info.reason or f"exit code {rec['exit']}"
             info.extra = rec
     elif not job:
-        info.state = "NOT SUBMITTED"
+        info.state = "UNKNOWN"
+        info.reason = "no job.json and no job id in events.jsonl yet (a `ddpjob sbatch` run not started?)"
     if events:
         last = events[-1]
         why = last.get("error") or last.get("note") or last.get("reason") or ""
@@ -200,7 +212,7 @@ def runs_under(root: Path) -> list[tuple[Path, str]]:
 
 def infos(runs: list[tuple[Path, str]]) -> list[RunInfo]:
     """RunInfo for many runs with one sacct/squeue call for all their SLURM jobs."""
-    ids = [str((rundir.read_json(d / rundir.JOB, {}) or {}).get("job_id", "")) for d, _ in runs]
+    ids = [str(job_record(d).get("job_id", "")) for d, _ in runs]
     slurm = slurm_states([i for i in ids if i and not i.startswith("local-")])
     out = []
     for d, point in runs:
@@ -223,7 +235,7 @@ def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
             if (d / SWEEP).is_file() and str((rundir.read_json(d / SWEEP, {}) or {}).get("job_id")) == target:
                 return d, True
         for d, _ in runs_under(root):
-            if str((rundir.read_json(d / rundir.JOB, {}) or {}).get("job_id", "")) == target:
+            if str(job_record(d).get("job_id", "")) == target:
                 return d, False
     raise DDPJobError(f"'{target}' is neither a run directory nor a job id of a run under {root}/",
                       "`ddpjob ls` lists the runs and their job ids")
@@ -299,7 +311,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                 raise DDPJobError(f"scancel {i.job_id} failed: {why}", "check `squeue -j "
                                   f"{i.job_id}`; you may only cancel your own jobs")
         elif i.backend == "local":
-            job = rundir.read_json(i.run_dir / rundir.JOB, {}) or {}
+            job = job_record(i.run_dir)
             if i.state == "PENDING" and (i.run_dir / LOCAL).is_file():
                 # A sweep point not started yet: the supervisor skips points marked CANCELLED.
                 rec = rundir.read_json(i.run_dir / LOCAL, {}) or {}
@@ -317,7 +329,7 @@ def log_files(run_dir: Path, rank: int) -> list[Path]:
     """Candidate logs of one rank: logs/rank-R.log (local backend, `ddpjob sbatch`) and
     submitit's <job id>_<R>_log.out/.err (same names across requeues: --open-mode=append)."""
     files = [run_dir / rundir.LOGS / f"rank-{rank}.log"]
-    job = rundir.read_json(run_dir / rundir.JOB, {}) or {}
+    job = job_record(run_dir)
     if job.get("backend") == "slurm" and job.get("job_id"):
         folder = Path(job.get("log_folder") or run_dir / rundir.LOGS)
         files += [folder / f"{job['job_id']}_{rank}_log.{ext}" for ext in ("out", "err")]

@@ -19,6 +19,8 @@ reach submitit's handler before ours is installed, `checkpoint()` hands submitit
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import math
 import shlex
@@ -203,14 +205,17 @@ def submit_slurm(cfgs: list[JobConfig], run_dirs: list[Path], log_folder: Path,
     ex = submitit.SlurmExecutor(folder=log_folder, max_num_timeout=cfg.slurm.max_requeues)
     ex.update_parameters(**slurm_parameters(cfg))
     try:
-        if len(run_dirs) == 1:
-            jobs = [ex.submit(NodeTask(run_dirs[0]))]
-        else:
-            jobs = ex.submit_array([NodeTask(d) for d in run_dirs])
+        # submitit echoes sbatch's stderr on failure; we report it in our one line instead.
+        with contextlib.redirect_stderr(io.StringIO()):
+            if len(run_dirs) == 1:
+                jobs = [ex.submit(NodeTask(run_dirs[0]))]
+            else:
+                jobs = ex.submit_array([NodeTask(d) for d in run_dirs])
     except FailedJobError as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-        why = " ".join((lines[-1] if lines else str(exc)).split())
+        why = " ".join((lines[-1] if lines else str(exc)).split()).removeprefix("sbatch: error: ")
         hint = ("check slurm.partition against `sinfo`" if "partition" in why.lower() else
+                "check slurm.constraint against `sinfo -o '%N %f'`" if "feature" in why.lower() else
                 "check the [slurm] section; `ddpjob submit --dry-run` prints the script")
         raise DDPJobError(f"sbatch refused the job: {why}", hint) from None
     script = Path(jobs[0].paths.submission_file).read_text()
@@ -291,12 +296,17 @@ def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, job: 
     return 0
 
 
-def _make_root(path: Path) -> bool:
-    """Create the run (or sweep) dir; True if we created it (and so may remove it on failure)."""
+def _make_root(path: Path) -> Path | None:
+    """Create the run (or sweep) dir; returns the topmost folder this created (removed again
+    if the submission fails), None if the dir was there already (empty)."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise DDPJobError(f"run directory '{path}' already exists and is not empty",
                           "pass a new --run-dir, or leave it out for a fresh one under runs/")
-    existed = path.exists()
+    top = None
+    for p in [path.absolute(), *path.absolute().parents]:
+        if p.exists():
+            break
+        top = p
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"
@@ -305,7 +315,7 @@ def _make_root(path: Path) -> bool:
     except OSError as exc:
         raise DDPJobError(f"cannot create run directory '{path}' ({exc.strerror})",
                           "pass a writable --run-dir") from None
-    return not existed
+    return top
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -344,8 +354,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 "axes": {k: [p.values[k] for p in points] for k in points[0].values},
                 "points": [{"id": p.id, "index": p.index, "values": p.values} for p in points]})
     except BaseException:
-        if created:
-            shutil.rmtree(root, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         raise
     _print_submitted(cfgs[0], backend, run_dirs, records)
     if args.wait:
@@ -390,9 +400,3 @@ def wait(run_dirs: list[Path]) -> int:
         ok = ok and info.state == "COMPLETED"
     return 0 if ok else 1
 
-
-def cmd_sbatch(args: argparse.Namespace) -> int:
-    """`ddpjob sbatch` lives with the renderer (ddpjob/render.py)."""
-    from ddpjob import render
-
-    return int(render.cmd_sbatch(args))  # type: ignore[attr-defined]

@@ -94,6 +94,23 @@ def test_slurm_states_counts_requeues_and_prefers_squeue(tmp_path, monkeypatch):
     assert "-j 100,200" in (tmp_path / "sacct.args").read_text()  # one call for all jobs
 
 
+def test_a_run_without_job_json_is_found_through_the_job_id_its_ranks_recorded(tmp_path, monkeypatch):
+    """`ddpjob sbatch` + `sbatch` writes no job.json: the runner's events carry the job id."""
+    run = make_run(tmp_path, "ok")
+    assert control.run_info(run).state == "UNKNOWN"
+    rundir.record_event(run, "start", job_id="4242", restart=0)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho '4242|RUNNING|0:0|n1'\n")
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    info = control.run_info(run)
+    assert (info.backend, info.job_id, info.state) == ("slurm", "4242", "RUNNING")
+    assert control.resolve("4242", tmp_path) == (run, False)
+
+
 # ------------------------------------------------------------------ local runs
 def test_status_ls_logs_cancel_on_a_local_run(tmp_path):
     run = submit_fake(tmp_path, "wait")
@@ -189,3 +206,21 @@ def test_status_logs_cancel_ls_on_a_real_slurm_job(slurm_cluster, tmp_path):
     wait_for(lambda: "CANCELLED" in ddpjob("status", str(run), cwd=tmp_path).stdout, timeout=30,
              what="status CANCELLED")
     assert any(e["event"] == "cancel" for e in rundir.events(run))
+
+
+@pytest.mark.cluster
+def test_status_and_logs_of_a_run_started_with_ddpjob_sbatch(slurm_cluster, tmp_path):
+    """rank-<R>.log and the job id from events.jsonl: runs that `ddpjob submit` did not make."""
+    import slurmtools
+
+    run = tmp_path / "runs" / "sb"
+    out = ddpjob("sbatch", str(ROOT / "jobs" / "smoke.toml"), "-o", str(tmp_path / "job.sbatch"),
+                 "--run-dir", str(run), "--set", "train.max_steps=3", "--set", "train.eval_every=0", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job_id = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path)
+    assert slurmtools.wait_done(job_id, timeout=300) == "COMPLETED"
+    out = ddpjob("status", job_id, cwd=tmp_path)
+    assert f"job         {job_id} (slurm)" in out.stdout and "state       COMPLETED" in out.stdout
+    assert "completed   yes" in out.stdout
+    out = ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout == (run / "logs" / "rank-1.log").read_text()

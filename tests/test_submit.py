@@ -179,7 +179,7 @@ def test_a_failed_submission_removes_the_run_dir_it_created(tmp_path, monkeypatc
 
     monkeypatch.setattr(submit, "submit_local", refuse)
     assert cli.main(["submit", SMOKE, "--backend", "local"]) == 1
-    assert not any((tmp_path / "runs").iterdir())  # runs/ may exist, the run dir does not
+    assert not (tmp_path / "runs").exists()  # it made runs/ too, and removed it again
 
 
 # ------------------------------------------------------------------ the real test cluster
@@ -243,11 +243,15 @@ def test_usr2_requeues_the_submitit_job_which_resumes_and_completes(slurm_cluste
                              "--set", "train.log_every=5", "--set", "checkpoint.every_steps=0")
     jid = job["job_id"]
     wait_state(jid, ("RUNNING",), timeout=120)
+    follower = subprocess.Popen([sys.executable, "-m", "ddpjob", "logs", str(run), "--follow"],
+                                stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     _wait_step(run, 10, timeout=120)
     subprocess.run(["scancel", "--signal=USR2", jid], check=True, timeout=30)
     wait_state(jid, ("PENDING", "REQUEUED"), timeout=120)
     release_now(jid)
     assert wait_done(jid, timeout=400) == "COMPLETED"
+    followed, _ = follower.communicate(timeout=120)  # --follow ends by itself with the job
+    assert follower.returncode == 0 and followed.count("ddpjob run ") == 2
     stops = [e for e in rundir.events(run) if e["event"] == "stop"]
     assert stops[0]["reason"] == "requeue" and stops[0]["requeued"] is True
     assert stops[-1]["reason"] == "finished" and stops[-1]["restart"] == 1
@@ -255,3 +259,16 @@ def test_usr2_requeues_the_submitit_job_which_resumes_and_completes(slurm_cluste
     assert "state       COMPLETED" in out.stdout and "restarts    1" in out.stdout
     log0 = (run / "logs" / f"{jid}_0_log.out").read_text()  # appended across the requeue
     assert log0.count("ddpjob run ") == 2 and "resum" in log0.lower()
+
+
+@pytest.mark.cluster
+def test_unknown_partition_and_sbatch_refusals_are_one_line_and_leave_nothing(slurm_cluster, tmp_path):
+    out = run_cli("submit", SMOKE, "--backend", "slurm", "--partition", "nope", cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert "partition 'nope' does not exist on this cluster (sinfo lists: high, low)" in out.stderr
+    assert "Hint: set slurm.partition" in out.stderr
+    out = run_cli("submit", SMOKE, "--backend", "slurm", "--set", "slurm.constraint=nosuchfeature",
+                  cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("ddpjob: error: sbatch refused the job: ") and "Hint:" in out.stderr
+    assert not (tmp_path / "runs").exists()

@@ -87,11 +87,19 @@ def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
     from ddpjob import control
 
     sweep = tmp_path / "sweep"
-    out = ddpjob("submit", SMOKE, "--backend", "slurm", "--run-dir", str(sweep), "--sweep", "train.lr=0.1,0.05",
-                 "--set", "train.max_steps=2", "--set", "train.eval_every=0", cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "ddpjob", "submit", SMOKE, "--backend", "slurm",
+                             "--run-dir", str(sweep), "--sweep", "train.lr=0.1,0.05", "--wait",
+                             "--set", "train.max_steps=2", "--set", "train.eval_every=0"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (sweep / "sweep.json").is_file():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
     base = rundir.read_json(sweep / "sweep.json")["job_id"]
     slurmtools.submitted.append(base)
+    out, err = proc.communicate(timeout=300)  # --wait: streams each point's rank 0, then returns
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    assert f"{sweep}/0: COMPLETED" in out and f"{sweep}/1: COMPLETED" in out
     ids = [rundir.read_json(sweep / str(i) / "job.json")["job_id"] for i in range(2)]
     assert ids == [f"{base}_0", f"{base}_1"]
     assert "#SBATCH --array=0-1%2" in (sweep / "0" / "job.sbatch").read_text()
