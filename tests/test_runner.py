@@ -1,0 +1,175 @@
+"""`ddpjob run`: the same job under every launcher, the shared run dir, exit codes, the
+requeue policy, and (marker `cluster`) 2 nodes x 2 tasks under a real srun.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddpjob import cli, config, preemption, rundir, runner
+from ddpjob.cluster import ClusterEnv
+from ranks import (PYTHON, REPO, assert_bit_equal, base_env, free_port, final_state, metrics, run,
+                   write_job)
+
+NOBN = dict(model="trainer_plugins:conv_nobn", max_steps=12, batch_size=32, global_batch_size=64,
+            lr=0.05, warmup_steps=2, log_every=1, amp="off", channels_last=False, seed=5, threads=1)
+DATA = dict(dataset="synthetic", synthetic_train=768, synthetic_test=256, augment=True)
+
+
+def _cmd(args: list[str], cwd: Path, env: dict[str, str] | None = None,
+         timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, env=env or base_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def test_same_job_under_torchrun_legacy_launch_and_alone(tmp_path: Path) -> None:
+    """torchrun and torch.distributed.launch (--local-rank in argv) give bit-identical runs;
+    one plain process with the same global batch (accumulation 2 instead of 2 ranks) gives
+    the same weights up to float32 summation order (model without BN; see test_equivalence)."""
+    job = write_job(tmp_path / "job.toml", train=NOBN, data=DATA)
+    torchrun = str(Path(PYTHON).parent / "torchrun")
+    launches = {
+        "torchrun": [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+                     "-m", "ddpjob", "run", str(job), "--run-dir", str(tmp_path / "torchrun")],
+        "legacy": [PYTHON, "-m", "torch.distributed.launch", "--nproc-per-node", "2",
+                   "--master-port", str(free_port()), "-m", "ddpjob", "run", str(job),
+                   "--run-dir", str(tmp_path / "legacy")],
+        "alone": [PYTHON, "-m", "ddpjob", "run", str(job), "--run-dir", str(tmp_path / "alone")],
+    }
+    for name, args in launches.items():
+        out = _cmd(args, tmp_path)
+        assert out.returncode == 0, f"{name}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        assert (tmp_path / name / "COMPLETED").is_file()
+    starts = {n: [e for e in rundir.events(tmp_path / n) if e["event"] == "start"][0] for n in launches}
+    assert {n: (s["world_size"], s["accumulation"]) for n, s in starts.items()} == {
+        "torchrun": (2, 1), "legacy": (2, 1), "alone": (1, 2)}
+    a, opt_a = final_state(tmp_path / "torchrun")
+    b, opt_b = final_state(tmp_path / "legacy")
+    assert_bit_equal(a, b, "model")
+    assert_bit_equal(opt_a["state"], opt_b["state"], "optimizer")
+    c, _ = final_state(tmp_path / "alone")
+    assert _diff(a, c) < 2e-5
+    la = [r["loss"] for _, r in sorted(metrics(tmp_path / "torchrun").items())]
+    lc = [r["loss"] for _, r in sorted(metrics(tmp_path / "alone").items())]
+    assert la == pytest.approx(lc, abs=1e-5)
+
+
+def test_toml_target_without_run_dir_gives_every_rank_the_same_new_dir(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.toml", train={**NOBN, "max_steps": 2}, data=DATA)
+    codes, r = run([str(job)], 2, tmp_path / "logs", job_id=None, cwd=tmp_path)  # plain torchrun
+    assert codes == [0, 0], r.output()
+    dirs = list((tmp_path / "runs").iterdir())
+    assert len(dirs) == 1 and dirs[0].name.startswith("t-"), dirs
+    assert (dirs[0] / "COMPLETED").is_file()
+    assert config.read_run_config(dirs[0]).train.max_steps == 2
+
+
+def test_toml_target_with_a_job_id_reuses_its_run_dir(tmp_path: Path) -> None:
+    """Under SLURM (or the local backend) the dir is runs/<name>-<job id>: a requeued
+    `srun ddpjob run job.toml` finds its checkpoints, and one that already finished is a no-op."""
+    job = write_job(tmp_path / "job.toml", train={**NOBN, "max_steps": 2}, data=DATA)
+    env = base_env({"DDPJOB_JOB_ID": "4242"})
+    first = _cmd([PYTHON, "-m", "ddpjob", "run", str(job)], tmp_path, env)
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "runs" / "t-4242" / "COMPLETED").is_file()
+    again = _cmd([PYTHON, "-m", "ddpjob", "run", str(job)], tmp_path, env)
+    assert again.returncode == 0 and "already completed" in again.stdout
+
+
+def test_run_dir_of_another_job_is_refused(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.toml", train={**NOBN, "max_steps": 1}, data=DATA)
+    other = write_job(tmp_path / "other.toml", train={**NOBN, "max_steps": 1, "lr": 0.5}, data=DATA)
+    assert _cmd([PYTHON, "-m", "ddpjob", "run", str(job), "--run-dir", "r"], tmp_path).returncode == 0
+    (tmp_path / "r" / "COMPLETED").unlink()
+    out = _cmd([PYTHON, "-m", "ddpjob", "run", str(other), "--run-dir", "r"], tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddpjob: error: run directory") and "Hint:" in lines[0]
+
+
+def test_run_dir_target_refuses_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / rundir.CONFIG).write_text(config.JobConfig().to_json())
+    assert cli.main(["run", str(tmp_path / "run"), "--set", "train.lr=0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json is fixed" in err[0]
+    assert cli.main(["run", str(tmp_path / "nope.toml")]) == 2
+
+
+@pytest.mark.parametrize("source,code,expect_requeue", [
+    ("slurm", preemption.REQUEUE, True),      # time-limit warning / scancel --signal=USR2
+    ("slurm", preemption.DEADLINE, True),     # the deadline watch fired first
+    ("slurm", preemption.PREEMPTED, False),   # SIGTERM: SLURM requeues by itself
+    ("local", preemption.REQUEUE, False),     # the local supervisor restarts on exit 3
+])
+def test_requeue_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, code: int,
+                        expect_requeue: bool) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(preemption, "requeue", lambda job_id: calls.append(job_id))
+    env = ClusterEnv(source=source, job_id="123" if source == "slurm" else "local-1", restart_count=0)
+    runner._after_stop(config.JobConfig(), env, tmp_path, code, 17)
+    assert calls == (["123"] if expect_requeue else [])
+    stop = rundir.events(tmp_path)[-1]
+    assert stop["event"] == "stop" and stop["step"] == 17 and stop["reason"] == preemption.REASONS[code]
+    assert stop["requeued"] is (True if expect_requeue else None)
+
+
+def test_no_requeue_when_max_requeues_is_used_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(preemption, "requeue", lambda job_id: calls.append(job_id))
+    cfg = config.from_dict({"slurm": {"max_requeues": 2}})
+    runner._after_stop(cfg, ClusterEnv(source="slurm", job_id="9", restart_count=2), tmp_path,
+                       preemption.REQUEUE, 3)
+    assert calls == [] and "max_requeues = 2 reached" in rundir.events(tmp_path)[-1]["note"]
+
+
+# ------------------------------------------------------------------ real SLURM: 2 nodes x 2 tasks
+@pytest.mark.cluster
+def test_same_job_under_srun_2_nodes_x_2_tasks(tmp_path: Path, slurm_cluster: Any) -> None:
+    """sbatch + `srun --kill-on-bad-exit=1 python -m ddpjob run RUN_DIR` on both nodes; the
+    result is bit-identical to the same job run as 4 local ranks (same world size)."""
+    import slurmtools
+
+    train = {**NOBN, "model": "cnn_tiny", "batch_size": 16, "global_batch_size": 64}
+    job = write_job(tmp_path / "job.toml", train=train, data=DATA,
+                    slurm={"nodes": 2, "tasks_per_node": 2})
+    run_dir = tmp_path / "srun"
+    run_dir.mkdir()
+    (run_dir / rundir.CONFIG).write_text(config.resolve(job).to_json())
+    python = str(Path(PYTHON).absolute())
+    script = tmp_path / "job.sbatch"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --nodes=2
+        #SBATCH --ntasks-per-node=2
+        #SBATCH --cpus-per-task=1
+        #SBATCH --time=00:10:00
+        #SBATCH --output={tmp_path}/slurm-%j.out
+        export PYTHONPATH={REPO / 'tests'}:{REPO}
+        export OMP_NUM_THREADS=1
+        srun --kill-on-bad-exit=1 {python} -m ddpjob run {run_dir}
+        """))
+    job_id = slurmtools.submit(script, cwd=tmp_path)
+    state = slurmtools.wait_done(job_id, timeout=600)
+    log = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert state == "COMPLETED", log[-4000:]
+    start = [e for e in rundir.events(run_dir) if e["event"] == "start"][0]
+    assert (start["world_size"], start["source"], start["job_id"]) == (4, "slurm", job_id)
+    assert "rank 0/4" in log and "node 0/2" in log
+    codes, r = run([str(job), "--run-dir", str(tmp_path / "local")], 4, tmp_path / "logs")
+    assert codes == [0] * 4, r.output()
+    a, opt_a = final_state(run_dir)
+    b, opt_b = final_state(tmp_path / "local")
+    assert_bit_equal(a, b, "model")
+    assert_bit_equal(opt_a["state"], opt_b["state"], "optimizer")
