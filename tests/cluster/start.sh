@@ -85,6 +85,29 @@ stop_pidfile() {
     rm -f "$1"
 }
 
+# launch LOG COMMAND...: start a daemon with stdin from /dev/null, output appended to LOG, and no
+# other inherited file descriptor. A daemon that kept the caller's descriptors would hold CI's
+# output pipe (the run never "ends") or this script's lock open for as long as it lives.
+# launch_bg: the same for a command that stays in the foreground; sets LAUNCHED_PID.
+close_fds() {  # in a subshell: close every descriptor above 2
+    local fd n
+    for fd in /proc/$BASHPID/fd/*; do
+        n=${fd##*/}
+        if [ "$n" -gt 2 ]; then eval "exec $n>&-"; fi  # n is a number from /proc, not input
+    done
+}
+launch() {
+    local logf=$1
+    shift
+    ( close_fds; exec "$@" ) </dev/null >>"$logf" 2>&1
+}
+launch_bg() {
+    local logf=$1
+    shift
+    ( close_fds; exec "$@" ) </dev/null >>"$logf" 2>&1 &
+    LAUNCHED_PID=$!
+}
+
 render() {  # render TEMPLATE FIRSTJOBID: print the template with @VARS@ filled in
     sed -e "s|@CLUSTER@|$CLUSTER|g" -e "s|@HOST@|$HOST|g" -e "s|@DIR@|$DIR|g" \
         -e "s|@MEM@|$MEM|g" -e "s|@FIRSTJOBID@|$2|g" \
@@ -106,8 +129,8 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 mkdir -p "$DIR"/{state,spool,run,log}
-# One start at a time: several test runs may call this script at once. Every daemon below is
-# started with `9>&-` so it does not inherit (and hold forever) this lock.
+# One start at a time: several test runs may call this script at once. Daemons are started
+# through `launch`, so none inherits (and holds forever) this lock.
 exec 9>"$DIR/start.lock"
 flock -w 300 9 || die "another tests/cluster/start.sh holds $DIR/start.lock for over 300 s"
 
@@ -144,7 +167,7 @@ else
     chown munge:munge /run/munge /var/log/munge /var/lib/munge
     chmod 755 /run/munge
     # --force: start even if a socket lock survived a reboot or crash.
-    su -s /bin/sh munge -c '/usr/sbin/munged --force' 9>&- </dev/null >>"$DIR/log/munged.out" 2>&1 \
+    launch "$DIR/log/munged.out" su -s /bin/sh munge -c '/usr/sbin/munged --force' \
         || die "munged failed to start" "$DIR/log/munged.out" /var/log/munge/munged.log
     wait_for "munged" /var/log/munge/munged.log sh -c 'munge -n | unmunge'
 fi
@@ -162,9 +185,8 @@ else
     # A pid file left by a reboot or crash would make mysqld_safe think the server is running.
     alive /run/mysqld/mysqld.pid mariadbd || alive /run/mysqld/mysqld.pid mysqld \
         || rm -f /run/mysqld/mysqld.pid
-    setsid nohup mysqld_safe --user=mysql --log-error="$MARIADB_LOG" \
-        9>&- </dev/null >>"$DIR/log/mysqld_safe.out" 2>&1 &
-    WATCH_PID=$! WATCH_LOG=$DIR/log/mysqld_safe.out wait_for "MariaDB" "$MARIADB_LOG" mysqladmin ping
+    launch_bg "$DIR/log/mysqld_safe.out" setsid mysqld_safe --user=mysql --log-error="$MARIADB_LOG"
+    WATCH_PID=$LAUNCHED_PID WATCH_LOG=$DIR/log/mysqld_safe.out wait_for "MariaDB" "$MARIADB_LOG" mysqladmin ping
 fi
 mysql <<SQL || die "creating the slurm_acct_db database and its user failed" "$MARIADB_LOG"
 CREATE DATABASE IF NOT EXISTS slurm_acct_db;
@@ -183,7 +205,7 @@ else
     log "starting slurmdbd"
     (umask 077 && printf '%s\n' "$dbd_conf" >"$ETC/slurmdbd.conf")
     chmod 600 "$ETC/slurmdbd.conf"
-    slurmdbd 9>&- </dev/null >>"$DIR/log/slurmdbd.out" 2>&1 || die "slurmdbd failed to start" "$SLURMDBD_LOG"
+    launch "$DIR/log/slurmdbd.out" slurmdbd || die "slurmdbd failed to start" "$SLURMDBD_LOG"
 fi
 
 # slurm.conf must exist for sacctmgr to find slurmdbd; write it now when it is missing, using the
@@ -218,7 +240,7 @@ else
     fjid=$(first_job_id)
     render "$HERE/slurm.conf.in" "$fjid" >"$ETC/slurm.conf"
     log "starting slurmctld (fresh state, FirstJobId=$fjid)"
-    slurmctld -c 9>&- </dev/null >>"$DIR/log/slurmctld.out" 2>&1 \
+    launch "$DIR/log/slurmctld.out" slurmctld -c \
         || die "slurmctld failed to start" "$DIR/log/slurmctld.out" "$SLURMCTLD_LOG"
     wait_for "slurmctld" "$SLURMCTLD_LOG" sh -c 'timeout 15 scontrol ping | grep -q "is UP"'
 fi
@@ -231,7 +253,7 @@ for n in "${NODES[@]}"; do
         log "starting slurmd $n"
         rm -f "$DIR/run/slurmd-$n.pid"
         mkdir -p "$DIR/spool/$n"
-        slurmd -N "$n" 9>&- </dev/null >>"$DIR/log/slurmd-$n.out" 2>&1 \
+        launch "$DIR/log/slurmd-$n.out" slurmd -N "$n" \
             || die "slurmd -N $n failed to start" "$DIR/log/slurmd-$n.out" "$DIR/log/slurmd-$n.log"
     fi
 done
