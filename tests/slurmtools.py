@@ -1,8 +1,9 @@
 """Helpers for driving the real SLURM test cluster (tests/cluster/start.sh) from tests.
 
 Tests submit real batch scripts with `submit`, follow them with `wait_state`/`wait_done`, and
-interrupt them with `cancel`/`requeue`. Every query names one job id, so tests running at the same
-time (several pytest processes) never read or touch each other's jobs.
+interrupt them with `cancel`/`requeue`. Every query names one job id (plain, an array's base id
+for all its tasks, or "A_i" for one task), so tests running at the same time (several pytest
+processes) never read or touch each other's jobs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ ACTIVE_STATES = ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED",
                  "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT")
 
 # Ids of the jobs this process submitted, oldest first: conftest cancels a test's leftovers.
+# Tests that start jobs another way (ddpjob's CLI, submitit) append their ids here too.
 submitted: list[str] = []
 
 
@@ -89,38 +91,62 @@ def _parse_scontrol_line(line: str) -> dict[str, str]:
     return info
 
 
+def _matches(info: Mapping[str, str], job_id: str) -> bool:
+    # A plain id, an array's base id (all its tasks), or one array task as "A_i".
+    task = f"{info.get('ArrayJobId')}_{info.get('ArrayTaskId')}"
+    return job_id in (info.get("JobId"), info.get("ArrayJobId"), task)
+
+
+def _scontrol_jobs(job_id: str) -> tuple[list[dict[str, str]], str]:
+    proc = _run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
+    lines = [_parse_scontrol_line(line) for line in proc.stdout.strip().splitlines() if line]
+    text = proc.stdout.strip() or proc.stderr.strip()
+    return [info for info in lines if _matches(info, str(job_id))], text
+
+
 def job_info(job_id: str) -> dict[str, str]:
     """`scontrol show job -o ID` parsed into a dict (JobState, Restarts, NodeList, ...).
 
-    Raises SlurmError when slurmctld no longer knows the job (it forgets a finished job after
-    MinJobAge=300 s; `sacct_state` still has it).
+    For an array's base id this is its first task. Raises SlurmError when slurmctld no longer
+    knows the job (it forgets a finished job after MinJobAge=300 s; `sacct_state` still has it).
     """
-    proc = _run(["scontrol", "show", "job", "-o", str(job_id)])
-    line = proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else ""
-    info = _parse_scontrol_line(line)
-    if info.get("JobId") != str(job_id):
-        raise SlurmError(f"scontrol show job {job_id} printed no such job: {proc.stdout.strip()!r}")
-    return info
+    infos, text = _scontrol_jobs(job_id)
+    if not infos:
+        raise SlurmError(f"scontrol show job {job_id} printed no such job: {text!r}")
+    return infos[0]
+
+
+def _combined(states: list[str]) -> str | None:
+    """One state for several (array tasks): the first still live, else the first not COMPLETED."""
+    if not states:
+        return None
+    live = [s for s in states if s not in FINAL_STATES]
+    if live:
+        return live[0]
+    return next((s for s in states if s != "COMPLETED"), "COMPLETED")
 
 
 def sacct_state(job_id: str) -> str | None:
-    """The job's state in the accounting database (allocation line), or None if not there yet."""
-    proc = _run(["sacct", "-n", "-X", "-P", "-o", "JobIDRaw,State", "-j", str(job_id)], check=False)
+    """The job's state in the accounting database (allocation line), or None if not there yet.
+
+    An array's base id gives the combined state of its tasks (see `_combined`).
+    """
+    proc = _run(["sacct", "-n", "-X", "-P", "-o", "JobID,JobIDRaw,State", "-j", str(job_id)],
+                check=False)
+    states = []
     for line in proc.stdout.splitlines():
-        jid, _, state = line.partition("|")
-        if jid == str(job_id) and state:
-            return state.split()[0]  # "CANCELLED by 0" -> "CANCELLED"
-    return None
+        jid, raw, state = (line.split("|") + ["", ""])[:3]
+        if state and (str(job_id) in (jid, raw) or jid.startswith(f"{job_id}_")):
+            states.append(state.split()[0])  # "CANCELLED by 0" -> "CANCELLED"
+    return _combined(states)
 
 
 def _state(job_id: str) -> tuple[str | None, str]:
     """(state, scontrol text) now; falls back to sacct once slurmctld has forgotten the job."""
-    proc = _run(["scontrol", "show", "job", "-o", str(job_id)], check=False)
-    if proc.returncode == 0 and proc.stdout.strip():
-        info = _parse_scontrol_line(proc.stdout.strip().splitlines()[0])
-        if info.get("JobId") == str(job_id):
-            return info.get("JobState"), proc.stdout.strip()
-    return sacct_state(job_id), proc.stdout.strip() or proc.stderr.strip()
+    infos, text = _scontrol_jobs(job_id)
+    if infos:
+        return _combined([info.get("JobState", "") for info in infos]), text
+    return sacct_state(job_id), text
 
 
 def wait_state(job_id: str, states: Iterable[str], timeout: float) -> str:
