@@ -7,7 +7,11 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 bash tools/setup.sh
-bash tests/cluster/start.sh
+if [ "${CI:-}" = true ]; then
+    bash tests/cluster/start.sh --clean  # CI owns the machine: no jobs left from a session
+else
+    bash tests/cluster/start.sh
+fi
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 if [ "$status" -eq 5 ]; then

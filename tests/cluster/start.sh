@@ -10,7 +10,16 @@
 #
 # Needs root. State and logs live under $DDPJOB_CLUSTER_DIR (default /var/lib/ddpjob-test-cluster).
 # Exit status 0 only when `sinfo` shows n1 and n2 usable and `sacct` answers.
+# --clean: also cancel every job already queued or running (CI does this: jobs left by an earlier
+# session would otherwise hold the CPUs its tests need).
 set -euo pipefail
+
+CLEAN=false
+case "${1:-}" in
+    --clean) CLEAN=true ;;
+    "") ;;
+    *) echo "usage: bash tests/cluster/start.sh [--clean]" >&2; exit 2 ;;
+esac
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 DIR=${DDPJOB_CLUSTER_DIR:-/var/lib/ddpjob-test-cluster}
@@ -300,6 +309,20 @@ if ! $ctld_ok; then
     # Jobs the database still shows as running from before a crash or reboot ("runaway"): close
     # them, so sacct never reports a job from an earlier life as still running.
     timeout 60 sacctmgr -i show runawayjobs >/dev/null 2>&1 || log "warning: sacctmgr show runawayjobs failed"
+fi
+
+if $CLEAN; then
+    jobs=$(timeout 15 squeue -h -o %A | sort -u | tr '\n' ' ')
+    if [ -n "${jobs// /}" ]; then
+        log "--clean: cancelling jobs left from earlier runs: $jobs"
+        # shellcheck disable=SC2086  # one argument per job id
+        timeout 30 scancel $jobs || true
+        deadline=$(( $(date +%s) + 60 ))
+        until [ -z "$(timeout 15 squeue -h -o %A)" ] && nodes_up; do
+            [ "$(date +%s)" -lt "$deadline" ] || die "jobs $jobs still there 60 s after scancel" "$SLURMCTLD_LOG"
+            sleep 0.5
+        done
+    fi
 fi
 
 $ctld_ok && how=warm || how=cold
