@@ -97,20 +97,24 @@ def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
         time.sleep(0.2)
     base = rundir.read_json(sweep / "sweep.json")["job_id"]
     slurmtools.submitted.append(base)
-    out, err = proc.communicate(timeout=300)  # --wait: streams each point's rank 0, then returns
-    assert proc.returncode == 0, out[-2000:] + err[-2000:]
-    assert f"{sweep}/0: COMPLETED" in out and f"{sweep}/1: COMPLETED" in out
-    ids = [rundir.read_json(sweep / str(i) / "job.json")["job_id"] for i in range(2)]
-    assert ids == [f"{base}_0", f"{base}_1"]
-    assert "#SBATCH --array=0-1%2" in (sweep / "0" / "job.sbatch").read_text()
-    deadline = time.monotonic() + 300  # (slurmtools.wait_done takes plain job ids, not A_i)
-    while not all(control.slurm_states(ids).get(j, {}).get("state") in control.TERMINAL for j in ids):
-        assert time.monotonic() < deadline, control.slurm_states(ids)
-        time.sleep(1)
-    acct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", base],
-                          capture_output=True, text=True, timeout=30).stdout.split()
-    assert f"{base}_0|COMPLETED" in acct and f"{base}_1|COMPLETED" in acct
-    for i in range(2):
-        assert rundir.completed(sweep / str(i)) is not None
-    status = ddpjob("status", base, "--runs-root", ".", cwd=tmp_path)  # the array id finds the sweep
-    assert status.returncode == 0 and status.stdout.count("COMPLETED") == 2
+    try:
+        out, err = proc.communicate(timeout=300)  # --wait: streams each point's rank 0, then returns
+        assert proc.returncode == 0, out[-2000:] + err[-2000:]
+        assert f"{sweep}/0: COMPLETED" in out and f"{sweep}/1: COMPLETED" in out
+        ids = [rundir.read_json(sweep / str(i) / "job.json")["job_id"] for i in range(2)]
+        assert ids == [f"{base}_0", f"{base}_1"]
+        assert "#SBATCH --array=0-1%2" in (sweep / "0" / "job.sbatch").read_text()
+        deadline = time.monotonic() + 300  # (slurmtools.wait_done takes plain job ids, not A_i)
+        while not all(control.slurm_states(ids).get(j, {}).get("state") in control.TERMINAL for j in ids):
+            assert time.monotonic() < deadline, control.slurm_states(ids)
+            time.sleep(1)
+        acct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", base],
+                              capture_output=True, text=True, timeout=30).stdout.split()
+        assert f"{base}_0|COMPLETED" in acct and f"{base}_1|COMPLETED" in acct
+        for i in range(2):
+            assert rundir.completed(sweep / str(i)) is not None
+        status = ddpjob("status", base, "--runs-root", ".", cwd=tmp_path)  # the array id finds the sweep
+        assert status.returncode == 0 and status.stdout.count("COMPLETED") == 2
+    finally:  # (conftest's cleanup looks jobs up by plain id: cancel the array here)
+        proc.kill()
+        subprocess.run(["scancel", base], capture_output=True, timeout=30)
