@@ -182,7 +182,7 @@ def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> R
             info.extra = rec
     elif not job:
         info.state = "UNKNOWN"
-        info.reason = "no job.json and no job id in events.jsonl yet (a `ddpjob sbatch` run not started?)"
+        info.reason = "no job.json, no job id in events.jsonl (a `ddpjob sbatch` run not started?)"
     if events:
         last = events[-1]
         why = last.get("error") or last.get("note") or last.get("reason") or ""
@@ -232,7 +232,8 @@ def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
     root = Path(runs_root)
     if root.is_dir():
         for d in sorted(root.iterdir()):
-            if (d / SWEEP).is_file() and str((rundir.read_json(d / SWEEP, {}) or {}).get("job_id")) == target:
+            sweep = rundir.read_json(d / SWEEP, {}) if (d / SWEEP).is_file() else None
+            if sweep and str(sweep.get("job_id")) == target:
                 return d, True
         for d, _ in runs_under(root):
             if str(job_record(d).get("job_id", "")) == target:
@@ -247,7 +248,8 @@ def _fmt_loss(loss: Any) -> str:
 
 
 def print_table(runs: list[RunInfo], title: str = "") -> None:
-    console.table(title, ["run", "backend", "job id", "state", "step", "loss", "restarts", "checkpoint", "point"],
+    console.table(title, ["run", "backend", "job id", "state", "step", "loss", "restarts", "checkpoint",
+                          "point"],
                   [[str(i.run_dir), i.backend, i.job_id, i.state, "" if i.step is None else i.step,
                     _fmt_loss(i.loss), i.restarts, i.checkpoint, i.point] for i in runs])
 
@@ -257,7 +259,8 @@ def format_status(i: RunInfo) -> str:
     state = i.state + (f" ({i.reason})" if i.reason else "")
     lines = [f"run         {i.run_dir}", f"job         {i.job_id or '-'} ({i.backend})",
              f"state       {state}", f"restarts    {i.restarts}",
-             f"last step   {'-' if i.step is None else i.step}" + (f"  loss {_fmt_loss(i.loss)}" if i.loss is not None else ""),
+             f"last step   {'-' if i.step is None else i.step}"
+             + (f"  loss {_fmt_loss(i.loss)}" if i.loss is not None else ""),
              f"checkpoint  {i.checkpoint or '-'}", f"completed   {'yes' if i.completed else 'no'}"]
     if i.extra.get("last_event"):
         lines.append(f"last event  {i.extra['last_event'][:200]}")
@@ -401,4 +404,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
             console.info(f"==> {f} <==")
         sys.stdout.write(f.read_text(errors="replace"))
     sys.stdout.flush()
+    if not any(f.stat().st_size for f in files):
+        print(f"ddpjob: the log of rank {args.rank} is empty so far (ranks other than 0 print "
+              "only warnings and errors)", file=sys.stderr)
     return 0

@@ -181,7 +181,8 @@ class Supervisor:
                                         job_id=self.job_id, restart=self.restarts)
                     self.write("REQUEUED")
                     continue
-                state, reason = "FAILED", f"stopped for a requeue but max_requeues={max_requeues} is used up"
+                state = "FAILED"
+                reason = f"stopped for a requeue but max_requeues={max_requeues} is used up"
             else:
                 state, reason = "FAILED", f"exit codes {codes}"
             self.write(state, reason=reason, exit_codes=codes)

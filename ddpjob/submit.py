@@ -184,7 +184,8 @@ def preflight_slurm(cfg: JobConfig) -> None:
     try:
         out = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise DDPJobError(f"sinfo did not answer ({exc})", "is the SLURM controller up? try `sinfo`") from None
+        raise DDPJobError(f"sinfo did not answer ({exc})",
+                          "is the SLURM controller up? try `sinfo`") from None
     if out.returncode != 0:
         raise DDPJobError(f"sinfo failed: {' '.join(out.stderr.split())[:200]}",
                           "is the SLURM controller up? try `sinfo`")
@@ -242,12 +243,12 @@ def submit_local(run_dirs: list[Path], log_dir: Path, command: list[str],
     with open(log_dir / "supervisor.log", "ab") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    base = f"local-{proc.pid}"
-    return [{"backend": "local", "job_id": base if len(run_dirs) == 1 else f"{base}_{i}",
+    base, n = f"local-{proc.pid}", len(run_dirs)
+    return [{"backend": "local", "job_id": base if n == 1 else f"{base}_{i}",
              "pid": proc.pid, "submitted_at": time.time(), "command": command,
              "supervisor_log": str(log_dir / "supervisor.log"),
-             "array": None if len(run_dirs) == 1 else {"job_id": base, "index": i, "count": len(run_dirs)}}
-            for i, _ in enumerate(run_dirs)]
+             "array": None if n == 1 else {"job_id": base, "index": i, "count": n}}
+            for i in range(n)]
 
 
 # ------------------------------------------------------------------ views
@@ -319,24 +320,27 @@ def _make_root(path: Path) -> Path | None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from ddpjob.sbatch import locate_job  # `smoke` and jobs/smoke.toml also name the bundled jobs
+
+    job = locate_job(args.job)
     flags = {k: getattr(args, k, None) for k in FLAGS}
     points = expand_sweep(list(args.sweep))
     # Every point is validated before anything is written or submitted.
-    cfgs = [config.resolve(args.job, [*args.overrides, *p.overrides], flags) for p in points] or \
-        [config.resolve(args.job, args.overrides, flags)]
+    cfgs = [config.resolve(job, [*args.overrides, *p.overrides], flags) for p in points] or \
+        [config.resolve(job, args.overrides, flags)]
     if any(c.slurm != cfgs[0].slurm for c in cfgs):
         raise UsageError("the sweep varies [slurm] settings, but one job array shares one set of "
                          "resources", "sweep [train]/[data]/[checkpoint] keys; submit separate jobs "
                          "for different resources")
     backend = choose_backend(args.backend)
     if args.dry_run:
-        return dry_run(cfgs, points, backend, args.job, args.run_dir)
+        return dry_run(cfgs, points, backend, str(job), args.run_dir)
     if backend == "slurm":
         preflight_slurm(cfgs[0])
     name = cfgs[0].name + ("-sweep" if points else "")
     root = Path(args.run_dir) if args.run_dir else rundir.new_run_dir("runs", name)
     created = _make_root(root)
-    command = _command(args, backend)
+    command = _command(args, str(job), backend)
     try:
         run_dirs = [root / p.id for p in points] if points else [root]
         for d, cfg in zip(run_dirs, cfgs):
@@ -349,7 +353,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             rundir.write_json_atomic(d / rundir.JOB, rec)
         if points:
             rundir.write_json_atomic(root / "sweep.json", {
-                "job": str(args.job), "backend": backend,
+                "job": str(job), "backend": backend,
                 "job_id": (records[0]["array"] or records[0])["job_id"],
                 "axes": {k: [p.values[k] for p in points] for k in points[0].values},
                 "points": [{"id": p.id, "index": p.index, "values": p.values} for p in points]})
@@ -363,9 +367,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command(args: argparse.Namespace, backend: str) -> list[str]:
+def _command(args: argparse.Namespace, job: str, backend: str) -> list[str]:
     """The submit command line, for job.json (what to rerun to get the same job)."""
-    cmd = ["ddpjob", "submit", str(args.job), "--backend", backend]
+    cmd = ["ddpjob", "submit", job, "--backend", backend]
     for flag in FLAGS:
         if getattr(args, flag, None) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -386,7 +390,8 @@ def _print_submitted(cfg: JobConfig, backend: str, run_dirs: list[Path], records
             logs = f"{d / rundir.LOGS}/rank-<rank>.log"
         rows.append([rec["job_id"], str(d), logs, f"{s.nodes} x {s.tasks_per_node}",
                      s.partition or ("(default)" if backend == "slurm" else "-")])
-    console.table(f"submitted ({backend})", ["job id", "run dir", "logs", "nodes x tasks", "partition"], rows)
+    console.table(f"submitted ({backend})", ["job id", "run dir", "logs", "nodes x tasks", "partition"],
+                  rows)
 
 
 def wait(run_dirs: list[Path]) -> int:
@@ -395,7 +400,12 @@ def wait(run_dirs: list[Path]) -> int:
 
     ok = True
     for d in run_dirs:
-        info = control.follow(d, rank=0)
+        try:
+            info = control.follow(d, rank=0)
+        except KeyboardInterrupt:
+            console.warn(f"stopped waiting; the job goes on (`ddpjob status {d}`, "
+                         f"`ddpjob cancel {d}` to stop it)")
+            return 130
         console.info(f"ddpjob: {d}: {info.state}" + (f" ({info.reason})" if info.reason else ""))
         ok = ok and info.state == "COMPLETED"
     return 0 if ok else 1

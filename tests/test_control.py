@@ -44,7 +44,8 @@ def _kill_leftovers():
 def submit_fake(tmp_path: Path, mode: str, name: str = "run", **kw) -> Path:
     """A local run as `ddpjob submit` makes it, with fake ranks instead of `ddpjob run`."""
     run = make_run(tmp_path / "runs", mode, name=name, **kw)
-    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))[0]
+    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"],
+                              rank_command=fake_command(tmp_path))[0]
     rundir.write_json_atomic(run / "job.json", rec)
     _started.append(run)
     return run
@@ -136,7 +137,8 @@ def test_status_ls_logs_cancel_on_a_local_run(tmp_path):
     out = ddpjob("status", str(run), cwd=tmp_path)
     assert "state       CANCELLED" in out.stdout and "completed   no" in out.stdout
     out = ddpjob("cancel", str(run), cwd=tmp_path)  # twice: nothing left to cancel
-    assert out.returncode == 1 and out.stderr.startswith("ddpjob: error: ") and "already finished" in out.stderr
+    assert out.returncode == 1 and out.stderr.startswith("ddpjob: error: ")
+    assert "already finished" in out.stderr
 
 
 def test_logs_follow_keeps_going_across_a_restart_until_the_end(tmp_path):
@@ -215,7 +217,8 @@ def test_status_and_logs_of_a_run_started_with_ddpjob_sbatch(slurm_cluster, tmp_
 
     run = tmp_path / "runs" / "sb"
     out = ddpjob("sbatch", str(ROOT / "jobs" / "smoke.toml"), "-o", str(tmp_path / "job.sbatch"),
-                 "--run-dir", str(run), "--set", "train.max_steps=3", "--set", "train.eval_every=0", cwd=tmp_path)
+                 "--run-dir", str(run), "--set", "train.max_steps=3", "--set", "train.eval_every=0",
+                 cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     job_id = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path)
     assert slurmtools.wait_done(job_id, timeout=300) == "COMPLETED"

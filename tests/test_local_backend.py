@@ -74,7 +74,8 @@ def fake_command(tmp_path: Path) -> str:
 def start_supervisor(tmp_path: Path, *runs: Path) -> subprocess.Popen:
     log = open(tmp_path / "supervisor.log", "ab")
     return subprocess.Popen([sys.executable, "-m", "ddpjob.local", *map(str, runs),
-                             "--rank-command", fake_command(tmp_path)], stdout=log, stderr=subprocess.STDOUT)
+                             "--rank-command", fake_command(tmp_path)],
+                            stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
@@ -119,7 +120,8 @@ def test_ranks_get_the_torchrun_environment_and_the_job_completes(tmp_path):
     assert {r["MASTER_ADDR"] for r in recs} == {"127.0.0.1"}
     assert len({r["MASTER_PORT"] for r in recs}) == 1 and 0 < int(recs[0]["MASTER_PORT"]) < 65536
     assert {r["DDPJOB_JOB_ID"] for r in recs} == {f"local-{sup.pid}"}
-    assert {r["DDPJOB_RESTART_COUNT"] for r in recs} == {"0"} and {r["OMP_NUM_THREADS"] for r in recs} == {"1"}
+    assert {r["DDPJOB_RESTART_COUNT"] for r in recs} == {"0"}
+    assert {r["OMP_NUM_THREADS"] for r in recs} == {"1"}
     state = local_state(run)
     assert state["state"] == "COMPLETED" and state["restarts"] == 0 and state["pid"] == sup.pid
     assert "fake rank 3 restart 0 mode ok" in (run / "logs" / "rank-3.log").read_text()
@@ -194,7 +196,8 @@ def test_submit_local_detaches_a_supervisor(tmp_path):
     from ddpjob import submit
 
     run = make_run(tmp_path, "wait")
-    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))[0]
+    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"],
+                              rank_command=fake_command(tmp_path))[0]
     pid = rec["pid"]
     assert rec["job_id"] == f"local-{pid}" and rec["backend"] == "local"
     wait_for(lambda: all_started(run, 0, 2), what="2 ranks to start")

@@ -33,10 +33,12 @@ def run_cli(*argv: str, cwd: Path | None = None, env: dict | None = None, timeou
 def test_slurm_parameters_map_every_field():
     cfg = cfg_with(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, mem="64G",
                    partition="gpu", account="proj1", qos="high", time="1-02:03:04", constraint="a100",
-                   signal_lead_s=300, setup=["module load cuda"], sbatch_extra=["--exclusive", "--mail-type=END"])
+                   signal_lead_s=300, setup=["module load cuda"],
+                   sbatch_extra=["--exclusive", "--mail-type=END"])
     p = submit.slurm_parameters(cfg)
-    assert {k: p[k] for k in ("job_name", "nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task",
-                              "mem", "partition", "account", "qos", "constraint", "signal_delay_s", "setup")} == {
+    keys = ("job_name", "nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task", "mem",
+            "partition", "account", "qos", "constraint", "signal_delay_s", "setup")
+    assert {k: p[k] for k in keys} == {
         "job_name": "t", "nodes": 2, "ntasks_per_node": 4, "gpus_per_node": 4, "cpus_per_task": 8,
         "mem": "64G", "partition": "gpu", "account": "proj1", "qos": "high", "constraint": "a100",
         "signal_delay_s": 300, "setup": ["module load cuda"]}
@@ -125,7 +127,8 @@ def test_backend_slurm_without_sbatch_is_one_line_and_writes_nothing(tmp_path):
     env = {**os.environ, "PATH": _path_without("sbatch", tmp_path)}
     out = run_cli("submit", SMOKE, "--backend", "slurm", cwd=tmp_path, env=env)
     assert out.returncode == 1
-    assert out.stderr.count("\n") == 1 and out.stderr.startswith("ddpjob: error: --backend slurm needs `sbatch`")
+    assert out.stderr.count("\n") == 1
+    assert out.stderr.startswith("ddpjob: error: --backend slurm needs `sbatch`")
     assert "Hint: " in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "runs").exists()
 

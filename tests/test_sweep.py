@@ -72,7 +72,8 @@ def test_local_sweep_runs_each_point_and_ls_status_show_the_grid(tmp_path):
         assert rundir.completed(point) is not None
     ls = ddpjob("ls", cwd=tmp_path)
     rows = [ln for ln in ls.stdout.splitlines() if "/smoke-sweep-" in ln]
-    assert len(rows) == 2 and rows[0].rstrip().endswith("train.lr=0.1") and rows[1].rstrip().endswith("train.lr=0.05")
+    assert len(rows) == 2 and rows[0].rstrip().endswith("train.lr=0.1")
+    assert rows[1].rstrip().endswith("train.lr=0.05")
     assert all(" COMPLETED " in r for r in rows)
     status = ddpjob("status", str(sweep), cwd=tmp_path)
     assert status.returncode == 0 and status.stdout.startswith(f"sweep {sweep}")
