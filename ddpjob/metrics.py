@@ -127,7 +127,7 @@ class Progress:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.console.print(text)
+            self._bar.console.print(text, markup=False, highlight=False)
         else:
             console.print0(text)
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as tdist
@@ -59,7 +59,8 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
                              pretrained=t.pretrained, freeze_backbone=t.freeze_backbone)
     if t.sync_batchnorm and ctx.initialized:  # before DDP: DDP must see the final modules
         raw = syncbn.convert(raw, device)
-    raw.to(device=device, memory_format=fmt)
+    raw.to(device)
+    raw.to(memory_format=fmt)  # channels_last for 4-d weights
     optimizer = build_optimizer(raw, cfg)
     # One code path for every precision: the scaler is a no-op unless fp16 (bf16 needs none).
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
@@ -91,7 +92,7 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
     # ---- wrap: DDP (+ rank-ordered reduction for >2 ranks), then compile
     model = wrap_ddp(raw, ctx, deterministic=getattr(t, "deterministic_reduce", True))
     if t.compile:
-        model = torch.compile(model)
+        model = cast(nn.Module, torch.compile(model))
     loss_fn = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
     state.restore_rng()  # last: building the model and data above consumed the global RNG
 
@@ -173,7 +174,9 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
             trainstate.save_plain(final / "model.pt", trainstate.model_state(raw))
             rundir.mark_completed(run_dir, step=step, accuracy=result.accuracy,
                                   best_accuracy=progress.best_acc)
-        bar.message(f"finished: step {step}, accuracy {result.accuracy}")
+        vote_us = 1e6 * result.agree_s / max(result.steps_run, 1)
+        bar.message(f"finished: step {step}, accuracy {result.accuracy} "
+                    f"(stop vote {vote_us:.0f} us/step)")
     bar.close()
     state.barrier()
     return result
@@ -274,8 +277,9 @@ def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     # fused: one kernel for all parameters (CPU and CUDA in torch >= 2.4); foreach otherwise.
-    fast: dict[str, bool] = {"fused": True}
-    for attempt in (fast, {"foreach": True}):
+    fast: dict[str, Any] = {"fused": True}
+    slow: dict[str, Any] = {"foreach": True}
+    for attempt in (fast, slow):
         try:
             if t.optimizer == "adamw":
                 return torch.optim.AdamW(groups, lr=t.lr, **attempt)
@@ -315,7 +319,7 @@ def wrap_ddp(model: nn.Module, ctx: DistContext, *, deterministic: bool = True) 
     return ddp
 
 
-def ordered_sum_hook(group, bucket):  # type: ignore[no-untyped-def]
+def ordered_sum_hook(group, bucket):
     """DDP comm hook: mean of the ranks' gradients, summed in rank order (bit-reproducible).
     (No annotations: DDP checks them against the real classes, and this module's annotations
     are strings under `from __future__ import annotations`.)"""

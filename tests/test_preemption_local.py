@@ -97,7 +97,7 @@ def test_usr2_to_one_rank_stops_all_at_one_step_and_resume_is_bit_exact(tmp_path
     _assert_same_run(reference(2), out)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: ~40-80 s
 def test_stop_mid_accumulation_resumes_bit_exactly(tmp_path: Path, reference, world: int) -> None:
     """The last rank signals itself during the first micro-step of step 10 (accumulation 2), so
     the stop request lands mid-accumulation and mid-epoch; with 4 ranks this also exercises

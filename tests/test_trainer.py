@@ -169,3 +169,23 @@ def test_one_all_reduce_per_optimizer_step_with_accumulation(tmp_path: Path) -> 
     for out in outs:
         counts = json.loads(out.strip().splitlines()[-1])
         assert counts == {"train_step": 5, "naive": 20}  # 5 steps x accumulation 4
+
+
+def test_async_periodic_checkpoints_are_committed_and_change_nothing(tmp_path: Path) -> None:
+    """Background writes (state copied to host memory, written while training goes on) are
+    committed once every rank's write is done; the run is the same as with blocking saves."""
+    ckpt = {"every_steps": 2, "keep_last": 20}
+    fit_here(tmp_path / "async", {"max_steps": 9}, checkpoint={**ckpt, "async": True})
+    fit_here(tmp_path / "sync", {"max_steps": 9}, checkpoint=ckpt)
+    steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "async" / "checkpoints").glob("step-*"))
+    assert steps == [2, 4, 6, 8, 9]
+    assert not list((tmp_path / "async" / "checkpoints").glob(".tmp-*"))  # nothing left half-done
+    from ddpjob.checkpoint import CheckpointStore
+
+    store = CheckpointStore(tmp_path / "async" / "checkpoints")
+    assert all(store.verify(info) is None for info in store.list())
+    a = torch.load(tmp_path / "async" / "final" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "sync" / "final" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    six = torch.load(tmp_path / "async" / "checkpoints" / "step-000000006" / "trainer.pt", weights_only=True)
+    assert six["progress"]["step"] == 6
