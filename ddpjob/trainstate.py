@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,10 @@ class TrainState:
         self.control_device = torch.device("cpu")
         if ctx.initialized and ctx.backend == "nccl":
             self.control_group = tdist.new_group(backend="gloo")
-        # Same name on every rank (they all write into it), different for each (re)start.
-        self.attempt = f"r{self.env.restart_count}-{self.env.job_id or 'nojob'}"
+        # Same name on every rank (they all write into it), new for each (re)start: a staging
+        # folder left by a killed incarnation (stale files, half-written .tmp) is never reused.
+        token = secrets.token_hex(4) if ctx.is_rank0 else None
+        self.attempt = f"r{self.env.restart_count}-{dist.broadcast_object(token)}"
         self.progress = Progress()
         self._rng: dict[str, Any] | None = None
         self._saved_step: int | None = None
@@ -178,6 +181,7 @@ class TrainState:
         staging = self.store.staging_dir(step, self.attempt)
         files = self._files(model, optimizer, scaler)
         self._saved_step = step
+        self.schedule.mark_saved()  # every rank restarts its minute timer at the same save
         if blocking or not self.cfg.checkpoint.async_save:
             for name, obj in files.items():
                 self.store.write(staging, name, obj)
