@@ -8,12 +8,14 @@ job.sbatch; status/logs/cancel (control.py) read them back.
 Requeue contract on SLURM. `NodeTask` is stateless (a run dir path): every incarnation resumes
 from the newest checkpoint in the run dir, so submitit may pickle it once and rerun it. On the
 node, `ddpjob.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
-stop it checkpoints on all ranks and returns 3, having asked `scontrol requeue` itself for a
-USR2 stop (a TERM stop is SLURM's preemption or scancel: SLURM requeues or ends the job). On 3,
-`NodeTask` ends the task with SystemExit(3) and no result pickle, as submitit's own handler does
-after requeueing (sys.exit(-1)), so a submitit Job waits for the next incarnation. 0 returns 0;
-any other code raises, so submitit records the failure and the job ends FAILED. Should a signal
-reach submitit's handler before ours is installed, `checkpoint()` hands submitit the same task.
+stop it checkpoints on all ranks and returns 3, having asked `scontrol requeue` itself for a USR2
+stop. A TERM stop is scancel or preemption; SLURM requeues a preempted job only if it outlives
+GraceTime, so on 3 rank 0 requeues a job that is still RUNNING with a PreemptTime (scancel sets
+none). Then `NodeTask` ends the task with SystemExit(3) and no result pickle, as submitit's own
+handler does after requeueing (sys.exit(-1)), so a submitit Job waits for the next incarnation.
+0 returns 0; any other code raises, so submitit records the failure and the job ends FAILED.
+Should a signal reach submitit's handler before ours is installed, `checkpoint()` hands submitit
+the same task.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ddpjob import config, console, rundir
 from ddpjob.config import JobConfig
@@ -55,9 +57,38 @@ class NodeTask:
         if code == 0:
             return 0
         if code == EXIT_REQUEUE:
+            self.requeue_if_preempted()
             raise SystemExit(EXIT_REQUEUE)  # checkpoint written, requeue asked: no result pickle
         raise RuntimeError(f"ddpjob run {self.run_dir} exited with {code}; see the rank logs "
                            f"(`ddpjob logs {self.run_dir} --rank R`)")
+
+    def requeue_if_preempted(self, show: Callable[[str], dict[str, str]] | None = None,
+                             requeue: Callable[[str], str | None] | None = None) -> bool:
+        """Rank 0, after a stop: requeue a job that SLURM is preempting and nobody requeued yet.
+
+        SLURM requeues a preempted job (PreemptMode=REQUEUE) only if it is still running when
+        GraceTime ends; one that checkpoints and exits within the grace time simply ends FAILED
+        (exit 3). So: job still RUNNING, PreemptTime set, requeues left -> `scontrol requeue`.
+        A USR2 stop was requeued by the runner already (state no longer RUNNING), and scancel
+        sets no PreemptTime, so neither is requeued twice or brought back."""
+        from ddpjob import preemption
+        from ddpjob.cluster import ClusterEnv
+
+        env = ClusterEnv.from_environ()
+        if not env.is_rank0 or env.source != "slurm" or not env.job_id:
+            return False
+        cfg = config.read_run_config(self.run_dir)
+        if not cfg.slurm.requeue or env.restart_count >= cfg.slurm.max_requeues:
+            return False
+        info = (show or scontrol_show_job)(env.job_id)
+        if info.get("JobState") != "RUNNING" or info.get("PreemptTime", "None") in ("None", "", "Unknown"):
+            return False
+        failure = (requeue or preemption.requeue)(env.job_id)
+        rundir.record_event(self.run_dir, "requeue", reason="preempted", job_id=env.job_id,
+                            restart=env.restart_count, requeued=failure is None, note=failure)
+        print(f"ddpjob: job {env.job_id} is being preempted: "
+              + ("requeued it" if failure is None else failure), flush=True)
+        return failure is None
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         import submitit
@@ -66,6 +97,17 @@ class NodeTask:
 
     def __repr__(self) -> str:
         return f"NodeTask({self.run_dir!r})"
+
+
+def scontrol_show_job(job_id: str) -> dict[str, str]:
+    """`scontrol show job -o JOB` as a dict ({} if it fails)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    line = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+    return dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
 
 
 # ------------------------------------------------------------------ sweeps

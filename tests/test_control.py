@@ -141,6 +141,25 @@ def test_status_ls_logs_cancel_on_a_local_run(tmp_path):
     assert "already finished" in out.stderr
 
 
+def test_cancel_of_a_local_sweep_cancels_the_running_point_and_the_pending_ones(tmp_path):
+    sweep = tmp_path / "runs" / "sw"
+    runs = [make_run(sweep, "wait", name=str(i)) for i in range(3)]
+    rundir.write_json_atomic(sweep / "sweep.json", {"job_id": "x", "points": [
+        {"id": str(i), "index": i, "values": {"train.lr": i}} for i in range(3)]})
+    recs = submit.submit_local(runs, sweep / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))
+    for run, rec in zip(runs, recs):
+        rundir.write_json_atomic(run / "job.json", rec)
+        _started.append(run)
+    wait_for(lambda: local_state(runs[0]).get("state") == "RUNNING", what="point 0 RUNNING")
+    assert [local_state(r)["state"] for r in runs[1:]] == ["PENDING", "PENDING"]
+    out = ddpjob("cancel", str(sweep), cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.count("cancelled ") == 3, out.stderr
+    wait_for(lambda: all(local_state(r).get("state") == "CANCELLED" for r in runs), what="all CANCELLED")
+    assert not (runs[1] / "fake-r0-s0.json").exists()  # the pending points never started
+    out = ddpjob("ls", cwd=tmp_path)
+    assert out.stdout.count("CANCELLED") == 3 and "train.lr=2" in out.stdout
+
+
 def test_logs_follow_keeps_going_across_a_restart_until_the_end(tmp_path):
     run = submit_fake(tmp_path, "wait")
     pid = rundir.read_json(run / "job.json")["pid"]
@@ -208,6 +227,35 @@ def test_status_logs_cancel_ls_on_a_real_slurm_job(slurm_cluster, tmp_path):
     wait_for(lambda: "CANCELLED" in ddpjob("status", str(run), cwd=tmp_path).stdout, timeout=30,
              what="status CANCELLED")
     assert any(e["event"] == "cancel" for e in rundir.events(run))
+
+
+@pytest.mark.cluster
+def test_a_preempted_submitit_job_is_requeued_by_slurm_and_resumes(slurm_cluster, tmp_path):
+    """PreemptMode=REQUEUE: SIGTERM -> checkpoint, exit 3 (NodeTask leaves no result), SLURM
+    requeues the job itself; the next incarnation resumes and completes."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    run = tmp_path / "runs" / "pre"
+    out = ddpjob("submit", str(ROOT / "jobs" / "smoke.toml"), "--backend", "slurm", "--run-dir", str(run),
+                 "--set", "train.max_steps=300", "--set", "train.eval_every=0", "--set", "train.log_every=5",
+                 cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    job_id = rundir.read_json(run / "job.json")["job_id"]
+    slurmtools.submitted.append(job_id)
+    slurmtools.wait_state(job_id, ("RUNNING",), timeout=120)
+    wait_for(lambda: (control.last_metric(run)[0] or 0) >= 10, timeout=120, what="step 10")
+    high = slurmtools.submit("#!/bin/bash\n#SBATCH -p high -N 2 --ntasks-per-node=2 -t 2 -J pre-high\n"
+                             "srun sleep 3\n", cwd=tmp_path)
+    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
+    if slurmtools.wait_state(job_id, ("PENDING", "RUNNING", "COMPLETED"), timeout=60) == "PENDING":
+        slurmtools.release_now(job_id)  # skip the ~11 s hold of a requeued job
+    assert slurmtools.wait_done(job_id, timeout=400) == "COMPLETED"
+    stops = [e for e in rundir.events(run) if e["event"] == "stop"]
+    assert stops[0]["reason"] == "preempted" and stops[-1]["reason"] == "finished"
+    assert stops[-1]["restart"] == 1 and rundir.completed(run)["step"] == 300
+    out = ddpjob("status", str(run), cwd=tmp_path)
+    assert "state       COMPLETED" in out.stdout and "restarts    1" in out.stdout
 
 
 @pytest.mark.cluster

@@ -208,15 +208,6 @@ def test_submit_local_detaches_a_supervisor(tmp_path):
     wait_for(lambda: pid_gone(pid) or os.waitpid(pid, os.WNOHANG)[0] == pid, what="supervisor exit")
 
 
-def _runner_available() -> bool:
-    try:
-        from ddpjob.runner import run_node  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _runner_available(), reason="ddpjob.runner (the trainer) is not there yet")
 def test_submit_local_wait_trains_to_completion_with_two_ranks(tmp_path):
     """The README's main command, shortened: real `ddpjob run` ranks on gloo."""
     run = tmp_path / "smoke"
