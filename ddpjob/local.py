@@ -28,7 +28,6 @@ LOCAL = "local.json"
 EXIT_REQUEUE = 3  # `ddpjob run`: stopped for a requeue, checkpoint written (docs/design.md)
 POLL_S = 0.1
 CANCEL_GRACE_S = 60.0  # after a cancel, ranks may checkpoint this long before SIGKILL
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED")
 
 
 def rank_command(run_dir: Path) -> list[str]:

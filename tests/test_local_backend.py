@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from ddpjob import config, rundir
 
 # A fake `ddpjob run RUN_DIR`: records its environment, then behaves as RUN_DIR/fake.json says.
