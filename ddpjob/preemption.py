@@ -96,7 +96,7 @@ class StopFlag:
 
     def describe(self) -> str:
         if self.signum is not None:
-            return f"{signal.Signals(self.signum).name} received"
+            return f"{signal.Signals(self.signum).name} during step {(self.signal_step or 0) + 1}"
         return REASONS[self.code] or "no stop requested"
 
 

@@ -163,8 +163,9 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
     # ---- the end: a final checkpoint (optimizer included), the plain weights, the marker
     result.step, result.stop_code = step, stop_agreed
     if stop_agreed:
-        bar.message(f"stopping at step {step}/{total} ({preemption.REASONS[stop_agreed]}: "
-                    f"{stop.describe()} on some rank): checkpoint written")
+        mine = f"; this rank got {stop.describe()}" if stop.signum is not None else ""
+        bar.message(f"stopping at step {step}/{total} ({preemption.REASONS[stop_agreed]}{mine}): "
+                    "checkpoint written")
     else:
         state.save(step, raw, optimizer, scaler, blocking=True)
         result.accuracy = progress.last_eval_acc
