@@ -30,9 +30,9 @@ def signal_number(name: str | int) -> int:
 
 
 def stop_code_for(signum: int) -> int:
-    """SIGTERM = preemption or scancel: SLURM requeues (PreemptMode=REQUEUE) or ends the job by
-    itself, so requeueing too would requeue twice. Any other handled signal (USR2: the time-limit
-    warning or `scancel --signal=USR2`) asks us to checkpoint and requeue ourselves."""
+    """SIGTERM = preemption or scancel (see `being_preempted` for which requeues); any other
+    handled signal (USR2: the time-limit warning or `scancel --signal=USR2`) asks us to
+    checkpoint and requeue ourselves."""
     return PREEMPTED if signum == signal.SIGTERM else REQUEUE
 
 
@@ -131,6 +131,25 @@ def requeue(job_id: str, *, run: Callable[..., Any] = subprocess.run) -> str | N
         why = " ".join((out.stderr or out.stdout or "").split()) or f"exit code {out.returncode}"
         return f"scontrol requeue {job_id} failed: {why}"
     return None
+
+
+def being_preempted(job_id: str, *, run: Callable[..., Any] = subprocess.run) -> bool:
+    """True while SLURM is preempting the job: still RUNNING, with a PreemptTime.
+
+    With PreemptMode=REQUEUE, SLURM requeues a preempted job only if it is still running when
+    GraceTime ends; a job that checkpoints and exits within the grace time just ends (FAILED,
+    exit 3). So the runner requeues it itself in that case. A plain `scancel` sets no
+    PreemptTime (the job must end), and a job that was already requeued is no longer RUNNING."""
+    if not _JOB_ID.match(job_id):
+        return False
+    try:
+        out = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    if out.returncode != 0:
+        return False
+    fields = dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
+    return fields.get("JobState") == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
 
 
 def query_end_time(job_id: str | None, *, run: Callable[..., Any] = subprocess.run) -> float | None:

@@ -3,8 +3,9 @@
 ClusterEnv (cluster.py) -> process group (dist.py) -> fit() (trainer.py) -> exit code:
 0 finished (or nothing left to do), 1 error, 2 usage, 3 stopped for a requeue with a checkpoint
 written. Under SLURM a stop asked for by the time-limit signal (or the deadline watch) also runs
-`scontrol requeue`; a SIGTERM (preemption) does not, since SLURM requeues by itself. Every
-(re)start and stop is an event in RUN_DIR/events.jsonl.
+`scontrol requeue`; so does a SIGTERM while SLURM is preempting the job (SLURM itself requeues
+only jobs that outlive GraceTime), but not a plain scancel. Every (re)start and stop is an event
+in RUN_DIR/events.jsonl.
 """
 
 from __future__ import annotations
@@ -156,7 +157,18 @@ def _after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step:
             requeued = failure is None
             note = f"requeued job {env.job_id}" if requeued else str(failure)
     elif code == preemption.PREEMPTED and under_slurm:
-        note = "SLURM requeues preempted jobs itself (PreemptMode=REQUEUE)"
+        # SLURM requeues a preempted job only if it outlives GraceTime: we stopped within it,
+        # so requeue it ourselves - unless this was a plain scancel (no PreemptTime) or the job
+        # is already requeued (no longer RUNNING). Never twice.
+        if not preemption.being_preempted(str(env.job_id)):
+            note = "not being preempted (scancel, or already requeued): not requeueing"
+        elif not cfg.slurm.requeue or env.restart_count >= cfg.slurm.max_requeues:
+            note = "preempted, but slurm.requeue is off or max_requeues is reached: not requeueing"
+        else:
+            failure = preemption.requeue(str(env.job_id))
+            requeued = failure is None
+            note = (f"preempted within GraceTime: requeued job {env.job_id}" if requeued
+                    else str(failure))
     rundir.record_event(run_dir, "stop", reason=reason, step=step, job_id=env.job_id,
                         restart=env.restart_count, requeued=requeued, note=note or None)
     console.print0(f"ddpjob: stopped at step {step} ({reason}); checkpoint written"

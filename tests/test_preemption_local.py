@@ -279,3 +279,18 @@ def test_end_time_from_squeue_and_deadline_arithmetic() -> None:
     now[0] = 1081.0  # 19 s left
     assert watch.expired()
     assert not preemption.DeadlineWatch(end_time=None).expired()
+
+
+def test_being_preempted_reads_scontrol_show_job() -> None:
+    def show(state: str, preempt: str):
+        def run(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+            assert args == ["scontrol", "show", "job", "-o", "55"]
+            return subprocess.CompletedProcess(args, 0, f"JobId=55 JobName=x JobState={state} "
+                                               f"Reason=None PreemptEligibleTime=2026-01-01T00:00:00 "
+                                               f"PreemptTime={preempt} SuspendTime=None\n", "")
+        return run
+
+    assert preemption.being_preempted("55", run=show("RUNNING", "2026-01-01T00:01:00"))
+    assert not preemption.being_preempted("55", run=show("RUNNING", "None"))  # plain scancel
+    assert not preemption.being_preempted("55", run=show("REQUEUED", "2026-01-01T00:01:00"))
+    assert not preemption.being_preempted("55; x", run=show("RUNNING", "2026"))

@@ -107,16 +107,20 @@ def test_run_dir_target_refuses_overrides(tmp_path: Path, capsys: pytest.Capture
     assert cli.main(["run", str(tmp_path / "nope.toml")]) == 2
 
 
-@pytest.mark.parametrize("source,code,expect_requeue", [
-    ("slurm", preemption.REQUEUE, True),      # time-limit warning / scancel --signal=USR2
-    ("slurm", preemption.DEADLINE, True),     # the deadline watch fired first
-    ("slurm", preemption.PREEMPTED, False),   # SIGTERM: SLURM requeues by itself
-    ("local", preemption.REQUEUE, False),     # the local supervisor restarts on exit 3
+@pytest.mark.parametrize("source,code,preempting,expect_requeue", [
+    ("slurm", preemption.REQUEUE, False, True),     # time-limit warning / scancel --signal=USR2
+    ("slurm", preemption.DEADLINE, False, True),    # the deadline watch fired first
+    ("slurm", preemption.PREEMPTED, True, True),    # SIGTERM of a preemption: we exit within
+    # GraceTime, and SLURM requeues only jobs that outlive it
+    ("slurm", preemption.PREEMPTED, False, False),  # plain scancel, or already requeued
+    ("local", preemption.REQUEUE, False, False),    # the local supervisor restarts on exit 3
+    ("local", preemption.PREEMPTED, True, False),
 ])
 def test_requeue_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, code: int,
-                        expect_requeue: bool) -> None:
+                        preempting: bool, expect_requeue: bool) -> None:
     calls: list[str] = []
     monkeypatch.setattr(preemption, "requeue", lambda job_id: calls.append(job_id))
+    monkeypatch.setattr(preemption, "being_preempted", lambda job_id: preempting)
     env = ClusterEnv(source=source, job_id="123" if source == "slurm" else "local-1", restart_count=0)
     runner._after_stop(config.JobConfig(), env, tmp_path, code, 17)
     assert calls == (["123"] if expect_requeue else [])
