@@ -177,3 +177,60 @@ def test_same_job_under_srun_2_nodes_x_2_tasks(tmp_path: Path, slurm_cluster: An
     b, opt_b = final_state(tmp_path / "local")
     assert_bit_equal(a, b, "model")
     assert_bit_equal(opt_a["state"], opt_b["state"], "optimizer")
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_partition_preemption_of_srun_ranks_requeues_and_resumes_bit_exactly(
+        tmp_path: Path, slurm_cluster: Any) -> None:
+    """A `high` job preempts ours (PreemptMode=REQUEUE): SIGTERM to every task, the ranks stop
+    at one step and checkpoint within GraceTime, rank 0 requeues (SLURM would not: the job
+    ended on its own), the next incarnation resumes; the result equals an uninterrupted run."""
+    import slurmtools
+
+    train = {**NOBN, "model": "cnn_tiny", "max_steps": 300, "batch_size": 32, "global_batch_size": 0}
+    job = write_job(tmp_path / "job.toml", train=train, data=DATA,
+                    slurm={"nodes": 2, "tasks_per_node": 1})
+    run_dir = tmp_path / "srun"
+    run_dir.mkdir()
+    (run_dir / rundir.CONFIG).write_text(config.resolve(job).to_json())
+    script = tmp_path / "job.sbatch"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --partition=low
+        #SBATCH --requeue
+        #SBATCH --open-mode=append
+        #SBATCH --nodes=2
+        #SBATCH --ntasks-per-node=1
+        #SBATCH --cpus-per-task=1
+        #SBATCH --time=00:10:00
+        #SBATCH --output={tmp_path}/slurm-%j.out
+        export PYTHONPATH={REPO / 'tests'}:{REPO}
+        export OMP_NUM_THREADS=1
+        srun --kill-on-bad-exit=1 {Path(PYTHON).absolute()} -m ddpjob run {run_dir}
+        """))
+    slurmtools.cluster_free(timeout=300)
+    job_id = slurmtools.submit(script, cwd=tmp_path)
+    slurmtools.read_when(run_dir / "metrics.jsonl", r'"step": 40,', timeout=300)
+    high = slurmtools.submit("#!/bin/bash\nsleep 1\n", "--partition=high", "--nodes=2",
+                             "--ntasks-per-node=2", "--time=2", f"--output={tmp_path / 'high.out'}",
+                             cwd=tmp_path)
+    slurmtools.wait_state(job_id, {"PENDING"}, timeout=60)
+    assert slurmtools.wait_done(high, timeout=120) == "COMPLETED"
+    slurmtools.release_now(job_id)
+    state = slurmtools.wait_done(job_id, timeout=300)
+    log = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert state == "COMPLETED", log[-4000:]
+    ev = rundir.events(run_dir)
+    stop = [e for e in ev if e["event"] == "stop"]
+    assert stop[0]["reason"] == "preempted" and stop[0]["requeued"] is True, stop
+    assert stop[-1]["reason"] == "finished" and stop[-1]["restart"] == 1
+    assert [e["resumed_step"] for e in ev if e["event"] == "start"] == [None, stop[0]["step"]]
+    codes, r = run([str(job), "--run-dir", str(tmp_path / "local")], 2, tmp_path / "logs")
+    assert codes == [0, 0], r.output()
+    a, opt_a = final_state(run_dir)
+    b, opt_b = final_state(tmp_path / "local")
+    assert_bit_equal(a, b, "model")
+    assert_bit_equal(opt_a["state"], opt_b["state"], "optimizer")
+    assert {s: m["loss"] for s, m in metrics(run_dir).items()} == \
+        {s: m["loss"] for s, m in metrics(tmp_path / "local").items()}
