@@ -116,6 +116,7 @@ class TrainConfig:
     backend: str = "auto"  # process group: auto | nccl | gloo
     threads: int = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
     dist_timeout_s: int = 300
+    deterministic_reduce: bool = True  # >2 ranks: sum gradients in rank order (bit-exact resume)
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class JobConfig:
         d.pop("name")
         d.pop("checkpoint")
         for k in ("epochs", "max_steps", "eval_every", "log_every", "threads", "backend",
-                  "dist_timeout_s", "batch_size", "accumulation_steps"):
+                  "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce"):
             d["train"].pop(k)
         for k in ("root", "num_workers"):
             d["data"].pop(k)
