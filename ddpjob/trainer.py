@@ -90,7 +90,7 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
                            steps_per_epoch=spe, step_epochs=t.lr_step_epochs, gamma=t.lr_gamma)
 
     # ---- wrap: DDP (+ rank-ordered reduction for >2 ranks), then compile
-    model = wrap_ddp(raw, ctx, deterministic=getattr(t, "deterministic_reduce", True))
+    model = wrap_ddp(raw, ctx, deterministic=t.deterministic_reduce)
     if t.compile:
         model = cast(nn.Module, torch.compile(model))
     loss_fn = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
