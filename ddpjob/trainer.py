@@ -81,6 +81,9 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
         train_set, num_workers=cfg.data.num_workers, micro_batch=t.batch_size,
         accumulation=accumulation, rank=env.rank, world_size=env.world_size, seed=t.seed,
         augment=cfg.data.augment, device=device, channels_last=t.channels_last)
+    if state.world_changed and isinstance(loader, data.PluginLoader):
+        print0("note: plugin datasets are sharded by DistributedSampler, whose order depends on "
+               "the world size: the rest of this epoch sees another sample order")
     spe = loader.steps_per_epoch
     total = t.max_steps or t.epochs * spe
     warmup = t.warmup_steps or round(t.warmup_epochs * spe)

@@ -94,6 +94,7 @@ class TrainState:
         self.attempt = f"r{self.env.restart_count}-{dist.broadcast_object(token)}"
         self.progress = Progress()
         self._rng: dict[str, Any] | None = None
+        self.world_changed = False  # resumed at another world size (elastic)
         self._saved_step: int | None = None
         self._pending: tuple[checkpoint.AsyncWrite, Path, int, dict[str, Any]] | None = None
 
@@ -133,6 +134,7 @@ class TrainState:
             print0(f"elastic resume: world size {p.world_size} -> {world}, accumulation "
                    f"{p.accumulation} -> {accumulation}, global batch {p.global_batch} kept, "
                    f"data continues at step {info.step}")
+        self.world_changed = p.world_size != world
         p.accumulation, p.world_size = accumulation, world
         model.load_state_dict(self.store.load(info, "model.pt"))
         optimizer.load_state_dict(self.store.load(info, "optimizer.pt"))
