@@ -262,6 +262,11 @@ def format_status(i: RunInfo) -> str:
              f"last step   {'-' if i.step is None else i.step}"
              + (f"  loss {_fmt_loss(i.loss)}" if i.loss is not None else ""),
              f"checkpoint  {i.checkpoint or '-'}", f"completed   {'yes' if i.completed else 'no'}"]
+    # progress, best accuracy and every restart with its reason, read from the run dir alone
+    from ddpjob.plot import summary
+
+    lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts")
+              and not ln.startswith("restarts    0")]
     if i.extra.get("last_event"):
         lines.append(f"last event  {i.extra['last_event'][:200]}")
     if i.point:
