@@ -117,6 +117,7 @@ class TrainConfig:
     threads: int = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
     dist_timeout_s: int = 300
     deterministic_reduce: bool = True  # >2 ranks: sum gradients in rank order (bit-exact resume)
+    log_sample_ids: bool = False  # each rank logs its samples per step to RUN_DIR/samples/ (tests)
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ class JobConfig:
         d.pop("name")
         d.pop("checkpoint")
         for k in ("epochs", "max_steps", "eval_every", "log_every", "threads", "backend",
-                  "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce"):
+                  "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce",
+                  "log_sample_ids"):
             d["train"].pop(k)
         for k in ("root", "num_workers"):
             d["data"].pop(k)

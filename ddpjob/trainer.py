@@ -9,6 +9,7 @@ resume (also at another world size) restores it lives in trainstate.py.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -86,6 +87,12 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
                "the world size: the rest of this epoch sees another sample order")
     spe = loader.steps_per_epoch
     total = t.max_steps or t.epochs * spe
+    samples = None
+    if t.log_sample_ids:
+        if isinstance(loader, data.TensorLoader):
+            samples = SampleLog(Path(run_dir), env.rank, env.restart_count, env.world_size)
+        else:
+            print0("note: train.log_sample_ids needs the synthetic or cifar10 dataset: off")
     warmup = t.warmup_steps or round(t.warmup_epochs * spe)
 
     def lr_at(step: int) -> float:
@@ -119,6 +126,9 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
                 group["lr"] = lr
             loss = train_step(model, optimizer, scaler, micro_batches, loss_fn=loss_fn,
                               amp_dtype=amp_dtype, grad_clip=t.grad_clip)
+            if samples is not None:
+                ids = cast(data.TensorLoader, loader).sample_ids(epoch, step - epoch * spe)
+                samples.write(step + 1, epoch, ids)
             step += 1
             stop.current_step = step
             meter.step_done()
@@ -182,8 +192,31 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
         bar.message(f"finished: step {step}, accuracy {result.accuracy} "
                     f"(stop vote {vote_us:.0f} us/step)")
     bar.close()
+    if samples is not None:
+        samples.close()
     state.barrier()
     return result
+
+
+class SampleLog:
+    """train.log_sample_ids: this rank's global sample ids of every optimizer step, one JSON line
+    per step in RUN_DIR/samples/rank-R.jsonl, so a test can check that each sample is used once
+    per epoch, also across an elastic resume. Steps replayed after a kill are appended again:
+    readers keep, per step, the lines of the newest restart."""
+
+    def __init__(self, run_dir: Path, rank: int, restart: int, world_size: int) -> None:
+        folder = run_dir / "samples"
+        folder.mkdir(exist_ok=True)
+        self._head = {"rank": rank, "restart": restart, "world_size": world_size}
+        self._file = open(folder / f"rank-{rank}.jsonl", "a", encoding="utf-8", buffering=1)
+
+    def write(self, step: int, epoch: int, ids: torch.Tensor) -> None:
+        # Whole lines (line buffering): a kill leaves at most one torn line, which readers skip.
+        record = {"step": step, "epoch": epoch, **self._head, "ids": ids.tolist()}
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
