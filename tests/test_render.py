@@ -167,7 +167,7 @@ def test_hostile_paths_reach_srun_byte_for_byte(name: str, tmp_path: Path) -> No
     escaped = str(run_dir).replace("%", "%%")
     assert argv == [b"--kill-on-bad-exit=1", b"--unbuffered",
                     f"--output={escaped}/logs/rank-%t.log".encode(), b"--open-mode=append",
-                    python.encode(), b"-u", b"-m", b"ddpjob", b"run", str(run_dir).encode()]
+                    b"--nodes=1", b"--ntasks=2", python.encode(), b"-u", b"-m", b"ddpjob", b"run", str(run_dir).encode()]
     assert Path(f"{log}.env").read_bytes() == str(run_dir).encode()
     pwned = [p for p in tmp_path.rglob("PWNED")] + [p for p in Path.cwd().glob("PWNED")]
     assert not pwned, "an injected command ran"
