@@ -6,12 +6,20 @@ on the ranks' PYTHONPATH.
 - `signalling_cnn`: cnn_tiny (same state_dict keys) that sends itself SIGUSR2 at a chosen
   training forward call, so a test can stop a run mid-accumulation deterministically.
   DDPJOB_TEST_SIGNAL="RANK:CALL" (1-based count of training-mode forward calls, this process).
+  Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
+  SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
+  SLURM path, to every task of the job) and waits in this forward call until the signal has
+  reached this process. RANK falls back to SLURM_PROCID (submitit sets no RANK).
+  DDPJOB_TEST_SLOW="SECONDS[:RESTART]" sleeps that long in every training forward call (of that
+  incarnation only): stretches wall time without changing a single number.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import time
 
 import torch
 from torch import nn
@@ -30,18 +38,38 @@ class SignallingCNN(TinyCNN):
         super().__init__(num_classes)
         # Test-only plumbing: the node-side package never reads the environment outside
         # cluster.py, but a test plugin may.
-        spec = os.environ.get("DDPJOB_TEST_SIGNAL", "")
-        rank, call = (spec.split(":") + ["", ""])[:2] if spec else ("", "")
-        self._armed = spec != "" and rank == os.environ.get("RANK", "0")
+        env = os.environ
+        spec = env.get("DDPJOB_TEST_SIGNAL", "")
+        rank, call, restart, self._how = (spec.split(":") + ["", "", "", ""])[:4] if spec else ("",) * 4
+        my_rank = env.get("RANK") or env.get("SLURM_PROCID") or "0"
+        my_restart = env.get("DDPJOB_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT") or "0"
+        self._armed = spec != "" and rank == my_rank and restart in ("", my_restart)
         self._at = int(call) if call else 0
         self._calls = 0
+        slow, _, slow_restart = env.get("DDPJOB_TEST_SLOW", "").partition(":")
+        self._sleep = float(slow) if slow and slow_restart in ("", my_restart) else 0.0
+        self._job_id = env.get("SLURM_JOB_ID", "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             self._calls += 1
+            if self._sleep:
+                time.sleep(self._sleep)
             if self._armed and self._calls == self._at:
-                os.kill(os.getpid(), signal.SIGUSR2)
+                if self._how == "scancel":
+                    self._scancel_and_wait()
+                else:
+                    os.kill(os.getpid(), signal.SIGUSR2)
         return super().forward(x)
+
+    def _scancel_and_wait(self) -> None:
+        subprocess.run(["scancel", "--signal=USR2", self._job_id], check=True, timeout=60)
+        # ddpjob's handler is a bound method of its StopFlag: wait until it has recorded the
+        # signal, so the stop request lands inside this micro-step (mid-accumulation).
+        flag = getattr(signal.getsignal(signal.SIGUSR2), "__self__", None)
+        deadline = time.monotonic() + 60
+        while getattr(flag, "code", 1) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def signalling_cnn(num_classes: int = 10) -> nn.Module:

@@ -1,0 +1,201 @@
+"""The preemption protocol and failures with the local backend (`ddpjob submit --backend local`:
+the supervisor in ddpjob/local.py plays SLURM's part), each run compared bit for bit with one
+uninterrupted run of the same job (2 local ranks, batch 16 x accumulation 2, 20 steps per epoch).
+
+- interrupted three times by three different routes: SIGUSR2 to the supervisor (forwarded to
+  every rank, like SLURM's time-limit warning), a signal raised by rank 1 inside the first
+  micro-step of a step (mid-accumulation), SIGTERM to rank 0 only (one task preempted first);
+- one rank SIGKILLed mid-step: the supervisor ends the other at once, the run is FAILED; the
+  newest checkpoint is then damaged on disk: the resume says so in one line, falls back to the
+  checkpoint before it and replays the lost steps with the same losses.
+The SLURM versions of these are in test_preemption_slurm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ranks import assert_bit_equal, final_state, run, write_job
+from test_elastic import assert_each_sample_once_per_epoch, sample_log
+from test_preemption_slurm import events, job_env, train_records
+
+TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2,
+             max_steps=80, lr=0.05, warmup_steps=5, log_every=1, eval_every=40, amp="off",
+             channels_last=False, threads=1, seed=13, log_sample_ids=True)
+DATA = dict(dataset="synthetic", synthetic_train=1280, synthetic_test=256, augment=True)
+STEPS, STEPS_PER_EPOCH, EVERY = 80, 20, 10
+
+
+def job_file(folder: Path) -> Path:
+    return write_job(folder / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5),
+                     train=TRAIN, data=DATA, checkpoint=dict(every_steps=EVERY, keep_last=3))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("reference")
+    codes, ranks = run([str(job_file(folder)), "--run-dir", str(folder / "run")], 2,
+                       folder / "logs", job_id=None, timeout=300)
+    assert codes == [0, 0], ranks.output()
+    return folder / "run"
+
+
+def submit_local(tmp_path: Path, **env: str) -> tuple[Path, int]:
+    """`ddpjob submit --backend local`; returns the run dir and the supervisor's pid."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
+    full.update(job_env(**env))
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job_file(tmp_path)),
+                          "--backend", "local", "--run-dir", str(run_dir)], capture_output=True,
+                         text=True, cwd=tmp_path, env=full, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return run_dir, json.loads((run_dir / "job.json").read_text())["pid"]
+
+
+def supervisor(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "local.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait(what: str, check: Any, sup: int, timeout: float = 180) -> Any:
+    """Until check() is truthy; fails early once the supervisor is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if not alive(sup):
+            value = check()
+            if value:
+                return value
+            raise AssertionError(f"the supervisor {sup} ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def step_of(run_dir: Path, restart: int) -> int:
+    steps = [r["step"] for r in train_records(run_dir) if r["restart"] == restart]
+    return max(steps, default=0)
+
+
+def stops(run_dir: Path) -> list[dict[str, Any]]:
+    return [e for e in events(run_dir, "stop") if "rank" not in e]
+
+
+def assert_same_as_reference(run_dir: Path, ref: Path) -> int:
+    """Final model and optimizer torch.equal, every logged loss equal (replays too), every
+    sample once per epoch; returns how many steps were trained twice."""
+    model, opt = final_state(run_dir)
+    ref_model, ref_opt = final_state(ref)
+    assert_bit_equal(model, ref_model, "model")
+    assert_bit_equal(opt["state"], ref_opt["state"], "optimizer")
+    expected = {r["step"]: r["loss"] for r in train_records(ref)}
+    records = train_records(run_dir)
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    assert {r["step"] for r in records} == set(expected)
+    wrong = [(r["step"], r["restart"]) for r in records if r["loss"] != expected[r["step"]]]
+    assert not wrong, f"losses differ at (step, restart): {wrong[:10]}"
+    assert_each_sample_once_per_epoch(sample_log(run_dir), STEPS, samples=1280, global_batch=64)
+    return len(records) - STEPS
+
+
+@pytest.mark.slow
+def test_local_run_interrupted_three_ways_is_bit_exact(tmp_path: Path, reference: Path) -> None:
+    t0 = time.monotonic()
+    # Rank 1 of the second incarnation raises SIGUSR2 in its 21st training forward call: the
+    # first micro-step of its 11th step.
+    run_dir, sup = submit_local(tmp_path, DDPJOB_TEST_SIGNAL="1:21:1")
+
+    # 1. SIGUSR2 to the supervisor, forwarded to both ranks
+    wait("step 12", lambda: step_of(run_dir, 0) >= 12, sup)
+    os.kill(sup, signal.SIGUSR2)
+    first = wait("the first stop", lambda: stops(run_dir)[:1], sup)[0]
+    assert first["reason"] == "requeue" and first["requeued"] is None, first  # the supervisor restarts
+
+    # 2. mid-accumulation, rank 1 only: both ranks stop at the step it was in
+    second = wait("the second stop", lambda: stops(run_dir)[1:2], sup)[0]
+    assert second["step"] == first["step"] + 11, (first, second)
+
+    # 3. SIGTERM to rank 0 only
+    wait("10 steps of restart 2", lambda: step_of(run_dir, 2) >= second["step"] + 10, sup)
+    os.kill(supervisor(run_dir)["rank_pids"][0], signal.SIGTERM)
+    third = wait("the third stop", lambda: stops(run_dir)[2:3], sup)[0]
+    assert third["reason"] == "preempted", third
+    wait("COMPLETED", lambda: supervisor(run_dir).get("state") == "COMPLETED", sup, timeout=300)
+    took = time.monotonic() - t0
+
+    state = supervisor(run_dir)
+    assert [h["exit_codes"] for h in state["history"]] == [[3, 3]] * 3 + [[0, 0]]
+    sig = sorted((e["restart"], e["rank"], e["signal"], e["at_step"], e["stop_step"])
+                 for e in events(run_dir, "signal") if "rank" in e)
+    s1, s2, s3 = first["step"], second["step"], third["step"]
+    assert [x[:3] for x in sig] == [(0, 0, "SIGUSR2"), (0, 1, "SIGUSR2"), (1, 1, "SIGUSR2"),
+                                    (2, 0, "SIGTERM")], sig
+    assert sig[2][3:] == (s2 - 1, s2)  # arrived during step s2 (its first micro-step), stopped after it
+    # Lost work: the ranks stop at most one optimizer step after the signal, at the checkpoint
+    # the next start resumes from.
+    assert all(0 <= stop - at <= 1 for *_, at, stop in sig) and [x[4] for x in sig] == [s1, s1, s2, s3]
+    assert [e["resumed_step"] for e in events(run_dir, "start")] == [None, s1, s2, s3]
+    assert sum(s % STEPS_PER_EPOCH != 0 for s in (s1, s2, s3)) >= 2
+    assert assert_same_as_reference(run_dir, reference) == 0
+    print(f"\nlocal backend, 3 interruptions in {took:.0f} s: supervisor USR2 -> stop at {s1}; "
+          f"rank 1 mid-accumulation (micro-step 1 of 2 of step {s2}) -> stop at {s2}; SIGTERM to "
+          f"rank 0 -> stop at {s3}; bit-exact")
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_the_run_fast_and_a_damaged_newest_checkpoint_is_skipped(
+        tmp_path: Path, reference: Path) -> None:
+    run_dir, sup = submit_local(tmp_path)
+    wait("step 25", lambda: step_of(run_dir, 0) >= 25, sup)
+    pids = supervisor(run_dir)["rank_pids"]
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    wait("both ranks to exit", lambda: not any(alive(p) for p in pids), sup, timeout=60)
+    gone_s = time.monotonic() - t0
+    wait("FAILED", lambda: supervisor(run_dir).get("state") == "FAILED", sup, timeout=60)
+    assert gone_s < 60
+    last = step_of(run_dir, 0)
+    saved = sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*"))
+    assert saved and saved[-1] <= last and all(s % EVERY == 0 for s in saved), (saved, last)
+    assert not (run_dir / "COMPLETED").exists()
+
+    # Damage the newest checkpoint (one bit of the model), then resume as the next start would.
+    newest = run_dir / "checkpoints" / f"step-{saved[-1]:09d}"
+    model = bytearray((newest / "model.pt").read_bytes())
+    model[len(model) // 2] ^= 0x10
+    (newest / "model.pt").write_bytes(bytes(model))
+    codes, ranks = run([str(run_dir)], 2, tmp_path / "resume-logs", job_id="resume", restart=1,
+                       timeout=300)
+    assert codes == [0, 0], ranks.output()
+    out = ranks.logs[0].read_text()
+    skipped = [line for line in out.splitlines() if line.startswith("skipping ")]
+    assert len(skipped) == 1 and skipped[0].startswith(f"skipping step-{saved[-1]}: ") \
+        and "sha256" in skipped[0], skipped
+    assert f"resuming from step-{saved[-2]}" in out
+    previous = saved[-2]
+    assert [e["resumed_step"] for e in events(run_dir, "start")] == [None, previous]
+    replayed = assert_same_as_reference(run_dir, reference)
+    assert replayed == last - previous
+    print(f"\nlocal backend: rank 1 SIGKILLed after step {last}: both ranks gone {gone_s:.2f} s "
+          f"later, run FAILED; newest checkpoint {saved[-1]} damaged and skipped ({skipped[0]!r}); "
+          f"resumed from {previous}, {replayed} steps trained twice with identical losses")

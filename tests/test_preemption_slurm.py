@@ -1,0 +1,402 @@
+"""The preemption protocol end to end on the real SLURM test cluster: one training job, interrupted
+by every path SLURM has, finishes bit-identical to the same job run without interruption.
+
+Both jobs run 2 nodes x 2 tasks, batch 16 x accumulation 2 (global batch 128, 20 steps per
+epoch, 200 steps) and are compared with one uninterrupted run of the same training as 4 local
+ranks with torchrun's variables (srun 2x2 is bit-identical to that: test_runner.py). Compared:
+the final model and optimizer tensors (torch.equal) and every per-step loss in metrics.jsonl,
+including the lines of steps that were trained twice because a kill lost them.
+
+job S, `ddpjob sbatch` + real `sbatch`:
+  1. the time-limit warning: --time 2 min with --signal=USR2@60 (the first incarnation is slowed
+     down by the test plugin's sleep, so the warning lands mid-run, not after the last step);
+  2. partition-priority preemption: a job in `high` needs both nodes (SIGTERM, GraceTime 20 s);
+  3. one rank SIGKILLed mid-step: srun --kill-on-bad-exit ends the other three, the job ends
+     FAILED (a crash is not a preemption: ddpjob does not requeue it, a crash may repeat); the
+     test requeues it by hand, and it resumes from the last periodic checkpoint.
+job M, `ddpjob submit` (submitit):
+  1. `scancel --signal=USR2` mid-accumulation: rank 1's model runs scancel during the first
+     micro-step of step 25 and waits there until the signal has arrived (test plugin);
+  2. `scontrol requeue`: on this cluster that is SIGTERM to every task, then SIGKILL after
+     KillWait (5 s); the ranks stop at the next step boundary and checkpoint well within it;
+  3. partition-priority preemption (through submitit's NodeTask).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ranks import REPO, TESTS, Ranks, assert_bit_equal, final_state, write_job
+from test_elastic import assert_each_sample_once_per_epoch, sample_log
+
+TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2,
+             max_steps=200, lr=0.05, warmup_steps=5, log_every=1, eval_every=50, amp="off",
+             channels_last=False, threads=1, seed=11, log_sample_ids=True)
+DATA = dict(dataset="synthetic", synthetic_train=2560, synthetic_test=256, augment=True)
+CHECKPOINT = dict(every_steps=10, keep_last=3)
+SLURM = dict(nodes=2, tasks_per_node=2, time="00:10:00", signal_lead_s=60, max_requeues=6)
+STEPS, STEPS_PER_EPOCH, EVERY = 200, 20, 10
+
+
+# ------------------------------------------------------------------ helpers
+def job_file(folder: Path, **slurm: Any) -> Path:
+    return write_job(folder / "job.toml", slurm={**SLURM, **slurm}, train=TRAIN, data=DATA,
+                     checkpoint=CHECKPOINT)
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """What the job's tasks need on top of sbatch's exported environment: the test plugins."""
+    return {"PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "OMP_NUM_THREADS": "1", **extra}
+
+
+def ddpjob(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
+    full.update(env or {})
+    out = subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+                         cwd=cwd, env=full, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    """JSON lines; a torn last line (the writer was killed) is skipped."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def events(run: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in lines(run / "events.jsonl") if kind is None or e["event"] == kind]
+
+
+def train_records(run: Path) -> list[dict[str, Any]]:
+    """Every train line of metrics.jsonl, replayed steps included, in order."""
+    return [r for r in lines(run / "metrics.jsonl") if r.get("kind") == "train"]
+
+
+def poll(what: str, timeout: float, check: Any, job_id: str | None = None) -> Any:
+    """Wait until check() is truthy; fail early if the job has ended."""
+    import slurmtools
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if job_id is not None and not slurmtools.active(job_id):
+            value = check()
+            if value:
+                return value
+            raise AssertionError(f"job {job_id} ended while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def wait_step(run: Path, step: int, restart: int, job_id: str, timeout: float = 240) -> int:
+    def reached() -> int:
+        steps = [r["step"] for r in train_records(run) if r["restart"] == restart]
+        return max(steps) if steps and max(steps) >= step else 0
+    return poll(f"step {step} of restart {restart}", timeout, reached, job_id)
+
+
+def wait_stop(run: Path, n: int, job_id: str, timeout: float = 240) -> dict[str, Any]:
+    """The n-th stop event written by rank 0 (stops of failed ranks carry a `rank`)."""
+    def stop() -> dict[str, Any] | None:
+        stops = [e for e in events(run, "stop") if "rank" not in e]
+        return stops[n - 1] if len(stops) >= n else None
+    return poll(f"stop {n}", timeout, stop, job_id)
+
+
+def release(job_id: str) -> None:
+    """Start a requeued job now instead of after the ~11 s BeginTime hold (cred_expire + 1).
+    Not within the second its last incarnation ended, though: slurmd revokes the job's
+    credential at the end of a run and refuses a new one created in that same second
+    ("Killing non-startable batch job: Job credential revoked", the job then ends FAILED)."""
+    import slurmtools
+
+    time.sleep(2)
+    slurmtools.release_now(job_id)
+
+
+def requeued_and_released(job_id: str, timeout: float = 90) -> None:
+    import slurmtools
+
+    slurmtools.wait_state(job_id, {"PENDING"}, timeout=timeout)
+    release(job_id)
+
+
+def preempt(job_id: str, tmp_path: Path, name: str) -> str:
+    """A `high` job that needs both nodes: partition-priority preemption of ours."""
+    import slurmtools
+
+    return slurmtools.submit("#!/bin/bash\nsleep 1\n", "--partition=high", "--nodes=2",
+                             "--ntasks-per-node=2", "--time=2", f"--job-name={name}",
+                             f"--output={tmp_path / (name + '.out')}", cwd=tmp_path)
+
+
+def task_pids(job_id: str) -> dict[int, int]:
+    """Task id -> pid of the job's step processes (`scontrol listpids JOB NODE`)."""
+    pids = {}
+    for node in ("n1", "n2"):
+        out = subprocess.run(["scontrol", "listpids", job_id, node], capture_output=True,
+                             text=True, timeout=30).stdout
+        for line in out.splitlines()[1:]:
+            pid, _, step, _, task = (line.split() + [""] * 5)[:5]
+            if step.isdigit() and task.isdigit():
+                pids[int(task)] = int(pid)
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def signal_events(run: Path, restart: int) -> list[tuple[int, str, int, int]]:
+    """(rank, signal, step when it arrived, step the ranks stopped at), sorted by rank."""
+    return sorted((e["rank"], e["signal"], e["at_step"], e["stop_step"])
+                  for e in events(run, "signal") if e["restart"] == restart)
+
+
+class Reference:
+    """The uninterrupted run: 4 local ranks, started early (it runs while job S's slowed first
+    incarnation mostly sleeps) and shared by both jobs."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.ranks, self.took = folder, None, 0.0
+
+    def start(self) -> None:
+        if self.ranks is None:
+            job = job_file(self.folder)
+            self.ranks = Ranks([str(job), "--run-dir", str(self.folder / "run")], 4,
+                               self.folder / "logs", job_id=None)
+
+    def run_dir(self) -> Path:
+        self.start()
+        assert self.ranks is not None
+        if not self.took:
+            codes = self.ranks.wait(900)
+            assert codes == [0] * 4, self.ranks.output()
+            self.took = time.monotonic() - self.ranks.started
+        return self.folder / "run"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    ref = Reference(tmp_path_factory.mktemp("reference"))
+    yield ref
+    if ref.ranks is not None:
+        ref.ranks.kill()
+
+
+def assert_same_as_reference(run: Path, ref: Path) -> dict[str, int]:
+    """Bit-exact: final model and optimizer, and the loss of every logged step, replays too."""
+    model, opt = final_state(run)
+    ref_model, ref_opt = final_state(ref)
+    assert_bit_equal(model, ref_model, "model")
+    assert_bit_equal(opt["state"], ref_opt["state"], "optimizer")
+    expected = {r["step"]: r["loss"] for r in train_records(ref)}
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    records = train_records(run)
+    assert {r["step"] for r in records} == set(expected)
+    wrong = [(r["step"], r["restart"], r["loss"], expected[r["step"]]) for r in records
+             if r["loss"] != expected[r["step"]]]
+    assert not wrong, f"losses differ (step, restart, loss, reference): {wrong[:10]}"
+    def evals(d: Path) -> dict[int, float]:
+        return {r["step"]: r["eval_acc"] for r in lines(d / "metrics.jsonl") if r.get("kind") == "eval"}
+    assert evals(run) == evals(ref) and len(evals(ref)) == STEPS // 50
+    return {"records": len(records), "replayed": len(records) - STEPS}
+
+
+def assert_signalled_stop(run: Path, stop: dict[str, Any], restart: int, signal_name: str) -> int:
+    """Every rank got the signal; they stopped at most one optimizer step after it arrived (the
+    step in flight), all at the same step, and the next start resumed exactly there: the work
+    lost is nothing but the unfinished part of that step, which the stop finished instead."""
+    sig = signal_events(run, restart)
+    assert [(r, s) for r, s, _, _ in sig] == [(r, signal_name) for r in range(4)], sig
+    assert {stop_step for *_, stop_step in sig} == {stop["step"]}, sig
+    assert all(0 <= stop_step - at_step <= 1 for _, _, at_step, stop_step in sig), sig
+    starts = events(run, "start")  # the checkpoint of the stop step is the one resumed from
+    assert starts[restart + 1]["resumed_step"] == stop["step"], starts
+    return max(stop_step - at_step for _, _, at_step, stop_step in sig)
+
+
+def where(step: int) -> str:
+    epoch, pos = divmod(step, STEPS_PER_EPOCH)
+    return f"step {step} (epoch {epoch}, {pos}/{STEPS_PER_EPOCH} into it)"
+
+
+# ------------------------------------------------------------------ job S: ddpjob sbatch + sbatch
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact(
+        slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    t0 = time.monotonic()
+    times: dict[str, float] = {}
+    run = tmp_path / "run"
+    job = job_file(tmp_path)
+    ddpjob("sbatch", str(job), "--time", "00:02:00", "-o", str(tmp_path / "job.sbatch"),
+           "--run-dir", str(run), cwd=tmp_path)
+    script = (tmp_path / "job.sbatch").read_text()
+    assert "#SBATCH --signal=USR2@60" in script and "#SBATCH --time=00:02:00" in script
+    # First incarnation: 0.25 s of sleep per micro-step, so that it is still training when the
+    # warning comes (SLURM sends it 60-90 s before the limit: 30-60 s after the start).
+    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path,
+                            env=job_env(DDPJOB_TEST_SLOW="0.25:0"))
+
+    # 1. the time-limit warning (USR2 to every task), mid-run
+    wait_step(run, 1, restart=0, job_id=jid)
+    reference.start()
+    stop1 = wait_stop(run, 1, jid, timeout=300)
+    times["time-limit warning"] = time.monotonic() - t0
+    assert stop1["reason"] == "requeue" and stop1["requeued"] is True, stop1
+    # No more warnings after this: the next incarnations get 10 minutes.
+    slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
+    subprocess.run(["scontrol", "update", f"jobid={jid}", "TimeLimit=10"], check=True, timeout=30)
+    release(jid)
+
+    # 2. partition-priority preemption
+    wait_step(run, stop1["step"] + 15, restart=1, job_id=jid)
+    high = preempt(jid, tmp_path, "s-high")
+    stop2 = wait_stop(run, 2, jid)
+    times["preemption"] = time.monotonic() - t0
+    assert stop2["reason"] == "preempted" and stop2["requeued"] is True, stop2
+    slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
+    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
+    release(jid)
+
+    # 3. one rank SIGKILLed mid-step, between two periodic checkpoints
+    target = stop2["step"] + 12
+    target += (4 - target) % EVERY  # a step ending in 4: 4 steps past the last periodic save
+    wait_step(run, target, restart=2, job_id=jid)
+    pids = task_pids(jid)
+    assert sorted(pids) == [0, 1, 2, 3], pids
+    assert "ddpjob" in Path(f"/proc/{pids[2]}/cmdline").read_text()
+    os.kill(pids[2], signal.SIGKILL)
+    killed_at = time.monotonic()
+    poll("every task of the job to exit", 90, lambda: not any(alive(p) for p in pids.values()))
+    all_gone_s = time.monotonic() - killed_at
+    assert slurmtools.wait_done(jid, timeout=120) == "FAILED"
+    job_gone_s = time.monotonic() - killed_at
+    times["rank killed"] = killed_at - t0
+    last_logged = max(r["step"] for r in train_records(run) if r["restart"] == 2)
+    assert all_gone_s < 60, f"tasks still running {all_gone_s:.1f} s after one was killed"
+
+    # 4. requeued by hand: resumes from the newest periodic checkpoint, replays, finishes
+    slurmtools.requeue(jid)
+    release(jid)
+    assert slurmtools.wait_done(jid, timeout=400) == "COMPLETED"
+    times["completed"] = time.monotonic() - t0
+
+    starts = events(run, "start")
+    assert [(s["restart"], s["world_size"], s["accumulation"]) for s in starts] == \
+        [(r, 4, 2) for r in range(4)]
+    resumed = starts[3]["resumed_step"]
+    assert resumed % EVERY == 0 and 0 < last_logged - resumed <= EVERY, (resumed, last_logged)
+    lost = {"time-limit": assert_signalled_stop(run, stop1, 0, "SIGUSR2"),
+            "preemption": assert_signalled_stop(run, stop2, 1, "SIGTERM")}
+    assert events(run, "stop")[-1]["reason"] == "finished" and (run / "COMPLETED").is_file()
+    assert any(s % STEPS_PER_EPOCH for s in (stop1["step"], stop2["step"], last_logged))
+
+    ref = reference.run_dir()
+    counts = assert_same_as_reference(run, ref)
+    assert counts["replayed"] >= last_logged - resumed
+    # The sample-id log across 4 incarnations: steps trained twice count once (the newest), every
+    # sample once per epoch, each step the samples of the uninterrupted run.
+    samples = sample_log(run)
+    assert_each_sample_once_per_epoch(samples, STEPS)
+    replayed = set(range(resumed + 1, last_logged + 1))
+    assert {s for s, r in samples.items() if r["restart"] == 3} >= replayed
+    assert {s: sorted(r["ids"]) for s, r in samples.items()} == \
+        {s: sorted(r["ids"]) for s, r in sample_log(ref).items()}
+    print(f"\njob S (sbatch) {jid}: time-limit warning -> stop at {where(stop1['step'])}; "
+          f"preemption -> stop at {where(stop2['step'])}; rank 2 SIGKILLed after "
+          f"{where(last_logged)} was logged: all 4 tasks gone {all_gone_s:.1f} s later, job "
+          f"FAILED {job_gone_s:.1f} s later; resumed from checkpoint {resumed}, "
+          f"{counts['replayed']} step(s) trained twice with identical losses; steps run after a "
+          f"signal arrived: {lost}; phases at {json.dumps({k: round(v) for k, v in times.items()})} s; "
+          f"reference took {reference.took:.0f} s")
+
+
+# ------------------------------------------------------------------ job M: ddpjob submit (submitit)
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_submitit_job_through_scancel_usr2_scontrol_requeue_and_preemption_is_bit_exact(
+        slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    reference.start()
+    t0 = time.monotonic()
+    times: dict[str, float] = {}
+    run = tmp_path / "run"
+    job = job_file(tmp_path)
+    # Rank 1, first incarnation, training forward call 49 = step 25, micro-step 1 of 2.
+    ddpjob("submit", str(job), "--backend", "slurm", "--run-dir", str(run), cwd=tmp_path,
+           env=job_env(DDPJOB_TEST_SIGNAL="1:49:0:scancel"))
+    jid = json.loads((run / "job.json").read_text())["job_id"]
+    slurmtools.submitted.append(jid)  # conftest cancels what a failed test leaves
+
+    # 1. scancel --signal=USR2 during the first micro-step of step 25: all ranks stop at 25
+    stop1 = wait_stop(run, 1, jid, timeout=300)
+    times["scancel USR2"] = time.monotonic() - t0
+    assert stop1["reason"] == "requeue" and stop1["requeued"] is True and stop1["step"] == 25, stop1
+    assert signal_events(run, 0) == [(r, "SIGUSR2", 24, 25) for r in range(4)]
+    requeued_and_released(jid)
+
+    # 2. scontrol requeue: SIGTERM now, SIGKILL after KillWait; SLURM has requeued the job
+    wait_step(run, 45, restart=1, job_id=jid)
+    slurmtools.requeue(jid)
+    stop2 = wait_stop(run, 2, jid)
+    times["scontrol requeue"] = time.monotonic() - t0
+    assert stop2["reason"] == "preempted" and stop2["requeued"] is None, stop2
+    assert "already requeued" in stop2["note"]
+    requeued_and_released(jid)
+
+    # 3. partition-priority preemption; NodeTask / the runner requeue within GraceTime
+    wait_step(run, stop2["step"] + 20, restart=2, job_id=jid)
+    high = preempt(jid, tmp_path, "m-high")
+    stop3 = wait_stop(run, 3, jid)
+    times["preemption"] = time.monotonic() - t0
+    assert stop3["reason"] == "preempted" and stop3["requeued"] is True, stop3
+    slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
+    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
+    release(jid)
+    assert slurmtools.wait_done(jid, timeout=400) == "COMPLETED"
+    times["completed"] = time.monotonic() - t0
+
+    starts = events(run, "start")
+    assert [s["resumed_step"] for s in starts] == [None, 25, stop2["step"], stop3["step"]]
+    lost = {"scancel USR2": assert_signalled_stop(run, stop1, 0, "SIGUSR2"),
+            "scontrol requeue": assert_signalled_stop(run, stop2, 1, "SIGTERM"),
+            "preemption": assert_signalled_stop(run, stop3, 2, "SIGTERM")}
+    counts = assert_same_as_reference(run, reference.run_dir())
+    assert counts["replayed"] == 0  # signalled stops only: no step is trained twice
+    log0 = (run / "logs" / f"{jid}_0_log.out").read_text()
+    assert re.search(r"this rank got SIGUSR2 during step 25\b", log0), log0[-2000:]
+    print(f"\njob M (submitit) {jid}: scancel --signal=USR2 -> stop at {where(25)} (rank 1 "
+          f"mid-accumulation: micro-step 1 of 2); scontrol requeue -> stop at "
+          f"{where(stop2['step'])}; preemption -> stop at {where(stop3['step'])}; steps run after "
+          f"a signal arrived: {lost}; phases at "
+          f"{json.dumps({k: round(v) for k, v in times.items()})} s")
