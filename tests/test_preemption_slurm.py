@@ -20,6 +20,10 @@ job M, `ddpjob submit` (submitit):
   2. `scontrol requeue`: on this cluster that is SIGTERM to every task, then SIGKILL after
      KillWait (5 s); the ranks stop at the next step boundary and checkpoint well within it;
   3. partition-priority preemption (through submitit's NodeTask).
+Lost work is read from the per-rank `signal` events (the step when the signal arrived vs the step
+the ranks stopped and checkpointed at); the sample-id log (train.log_sample_ids) shows every
+sample used once per epoch across the four incarnations of job S. The local-backend version of
+this protocol is in test_failure.py, the elastic resume in test_elastic.py.
 """
 
 from __future__ import annotations
