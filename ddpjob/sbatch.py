@@ -96,11 +96,23 @@ def _check_run_dir(run_dir: Path, cfg: config.JobConfig) -> bool:
                           "empty folder", "choose another --run-dir")
     existing = run_dir / rundir.CONFIG
     if existing.is_file():
-        if rundir.read_json(existing) != json.loads(cfg.to_json()):
-            raise DDPJobError(f"run dir '{run_dir}' already holds a different {rundir.CONFIG}, "
-                              "expected a new folder or the same job",
-                              "omit --run-dir to get a new one (the config is written once)")
-        return True
+        old = rundir.read_json(existing)
+        if old == json.loads(cfg.to_json()):
+            return True
+        try:
+            same_training = config.from_dict(old, str(existing)).hash() == cfg.hash()
+        except DDPJobError:
+            same_training = False
+        if not same_training:
+            raise DDPJobError(f"run dir '{run_dir}' already holds a different {rundir.CONFIG} "
+                              "(another model, data or optimizer), expected a new folder or the "
+                              "same job", "omit --run-dir to get a new one (the config is "
+                              "written once)")
+        # Same training, other resources or length (e.g. --nodes 1 after a preemption): the
+        # checkpoints resume elastically, so the run dir takes the new resources.
+        print(f"ddpjob: {run_dir}: same training, new resources/length: {rundir.CONFIG} updated; "
+              "the job resumes from its newest checkpoint", file=sys.stderr)
+        return False
     if any(run_dir.iterdir()):
         raise DDPJobError(f"run dir '{run_dir}' is not empty and has no {rundir.CONFIG}, "
                           "expected a new or empty folder", "choose a new --run-dir")
@@ -133,10 +145,12 @@ def _write_run_dir(run_dir: Path, cfg: config.JobConfig, script: str, reuse: boo
             if not path.exists():
                 path.mkdir()
                 made.append(path)
-        if not reuse:
-            rundir.write_text_atomic(run_dir / rundir.CONFIG, cfg.to_json())
-            made.append(run_dir / rundir.CONFIG)
         rundir.write_text_atomic(run_dir / SCRIPT, script)
+        if not reuse:  # last: an existing config.json is replaced only once all else worked
+            existed = (run_dir / rundir.CONFIG).exists()
+            rundir.write_text_atomic(run_dir / rundir.CONFIG, cfg.to_json())
+            if not existed:
+                made.append(run_dir / rundir.CONFIG)
     except OSError as exc:
         _undo(top, made)
         raise DDPJobError(f"cannot create run dir '{run_dir}' ({exc.strerror}), expected a "

@@ -175,3 +175,26 @@ def test_hostile_run_dir_survives_real_sbatch_and_srun(slurm_cluster, tmp_path: 
         assert argv == [b"-u", b"-m", b"ddpjob", b"run", str(run).encode()]
         assert f"rank {rank} says hello" in (run / "logs" / f"rank-{rank}.log").read_text()
     assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_same_run_dir_with_other_resources_resumes_elastically_other_training_is_refused(
+        tmp_path: Path) -> None:
+    """After a preemption a user resubmits the run dir on fewer nodes: same training (config
+    hash), new resources -> config.json updated, checkpoints kept; another lr -> refused."""
+    run = tmp_path / "run"
+    job = str(REPO / "jobs/smoke.toml")
+    assert sbatch(job, "--nodes", "2", "--run-dir", str(run), "-o", "a.sbatch",
+                  cwd=tmp_path).returncode == 0
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "marker").write_text("kept")
+    r = sbatch(job, "--nodes", "1", "--run-dir", str(run), "-o", "b.sbatch", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "config.json updated" in r.stderr
+    assert config.read_run_config(run).slurm.nodes == 1
+    assert "#SBATCH --nodes=1\n" in (tmp_path / "b.sbatch").read_text()
+    assert (run / "checkpoints" / "marker").read_text() == "kept"
+    before = (run / "config.json").read_text()
+    r = sbatch(job, "--nodes", "1", "--set", "train.lr=0.5", "--run-dir", str(run), "-o",
+               "c.sbatch", cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Hint:" in r.stderr
+    assert (run / "config.json").read_text() == before and not (tmp_path / "c.sbatch").exists()
