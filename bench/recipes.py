@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,8 @@ from ddpjob import data, models
 from ddpjob.config import JobConfig
 from ddpjob.dist import DistContext
 
+from bench.marks import Marks
+
 Trial = Callable[[dict[str, Any]], dict[str, Any]]
 
 
@@ -32,15 +33,29 @@ def _amp_dtype(cfg: JobConfig) -> torch.dtype | None:
     return amp_dtype_for(cfg.train.amp, torch.device("cpu"))
 
 
-def _record(times: dict[str, float], losses: dict[str, float], step: int, loss: torch.Tensor,
-            world: int) -> None:
-    """What a hand-written loop logs: the mean loss over ranks (one all-reduce), with a time."""
+def _record(marks: Marks, losses: dict[str, float], step: int, loss: torch.Tensor,
+            rank: int, world: int) -> None:
+    """What a hand-written loop logs: the mean loss over ranks (one all-reduce), printed by
+    rank 0 (the trainer's log line costs the same); then the step's mark."""
     loss = loss.detach().clone()
     if world > 1:
         tdist.all_reduce(loss)
         loss /= world
-    losses[str(step)] = float(loss.item())
-    times[str(step)] = time.time()
+    losses[str(step)] = value = float(loss.item())
+    if rank == 0:
+        print(f"step {step} loss {value:.4f}", flush=True)
+    marks.mark(step)
+
+
+def time_batches(batches: Any, n: int) -> dict[str, Any]:
+    """Marks around each of `n` batches of an iterator (P3: "step" i = batch i), and the
+    images per batch."""
+    marks, it = Marks(), iter(batches)
+    marks.mark(0)
+    for i in range(n):
+        x, _ = next(it)
+        marks.mark(i + 1)
+    return {"marks": marks, "batch": len(x)}
 
 
 # ------------------------------------------------------------------------------ P1: bare DDP
@@ -78,7 +93,7 @@ def bare_ddp(spec: dict[str, Any], ctx: DistContext) -> Trial:
                                     lr=t.lr, momentum=t.momentum, nesterov=t.nesterov, fused=True)
         ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
         loss_fn = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
-        times: dict[str, float] = {}
+        marks = Marks()
         losses: dict[str, float] = {}
         for step, (x, y) in enumerate(batches):
             for group in optimizer.param_groups:
@@ -89,8 +104,8 @@ def bare_ddp(spec: dict[str, Any], ctx: DistContext) -> Trial:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if (step + 1) % t.log_every == 0:
-                _record(times, losses, step + 1, loss, world)
-        return {"times": times, "loss": losses}
+                _record(marks, losses, step + 1, loss, rank, world)
+        return {"marks": marks, "loss": losses}
 
     return trial
 
@@ -117,7 +132,8 @@ def _pil_loader(root: str, batch: int, rank: int, world: int, seed: int) -> Any:
     from torch.utils.data.distributed import DistributedSampler
 
     ds = _pil_dataset(root)
-    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    sampler: DistributedSampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True,
+                                                     seed=seed)
     # num_workers=0: each rank owns one core; worker processes would only share it.
     return DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=0, drop_last=True), sampler
 
@@ -140,7 +156,7 @@ def seeds(spec: dict[str, Any], ctx: DistContext) -> Trial:
                                     weight_decay=t.weight_decay)
         criterion = nn.CrossEntropyLoss()
         sampler.set_epoch(params.get("trial", 0))
-        times: dict[str, float] = {}
+        marks = Marks()
         losses: dict[str, float] = {}
         for step, (x, y) in enumerate(itertools.islice(loader, t.max_steps)):
             optimizer.zero_grad()
@@ -148,8 +164,8 @@ def seeds(spec: dict[str, Any], ctx: DistContext) -> Trial:
             loss.backward()
             optimizer.step()
             if (step + 1) % t.log_every == 0:
-                _record(times, losses, step + 1, loss, world)
-        return {"times": times, "loss": losses}
+                _record(marks, losses, step + 1, loss, rank, world)
+        return {"marks": marks, "loss": losses}
 
     return trial
 
@@ -163,9 +179,6 @@ def pil_loader(spec: dict[str, Any], ctx: DistContext) -> Trial:
 
     def trial(params: dict[str, Any]) -> dict[str, Any]:
         sampler.set_epoch(params.get("trial", 0))
-        n = params["batches"]
-        t0 = time.perf_counter()
-        images = sum(len(x) for x, _ in itertools.islice(loader, n))
-        return {"seconds": time.perf_counter() - t0, "images": images}
+        return time_batches(((x, y) for x, y in loader), params["batches"])
 
     return trial

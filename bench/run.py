@@ -40,7 +40,8 @@ def table(rows: list[Row]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("ids", nargs="*", metavar="ID", help=f"benchmarks to run ({', '.join(BENCHMARKS)}; default: all)")
+    ap.add_argument("ids", nargs="*", metavar="ID",
+                    help=f"benchmarks to run ({', '.join(BENCHMARKS)}; default: all)")
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke run for CI: tiny model, "
                     "few steps; the numbers mean nothing")
     ap.add_argument("--trials", type=int, help="trials per arm (default 3, --tiny 1)")

@@ -1,9 +1,9 @@
-"""The benchmarks P1-P8: each builds its two arms, interleaves their trials and returns rows.
+"""The benchmarks P1-P8: each builds its two arms, runs them side by side and returns rows.
 
-A row's figure is the median over trial pairs of A_i / B_i (pairs taken back to back, so a
-machine that slows down for a while slows both sides of the pair). Step rates come from
-timestamps taken after `warm` steps, so first-iteration costs (DDP's bucket rebuild, allocator
-warm-up) are left out. run.py prints the rows; README.md explains each id.
+Most figures come from `pool.lockstep`: arm A (ddpjob) and arm B (the reference) run at the
+same time and take turns step by step, and a trial's ratio is B's median step time over A's
+(after `warm` steps: first-iteration costs such as DDP's bucket rebuild are left out); the
+figure is the median over trials. run.py prints the rows; bench/README.md explains each id.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import harness
-from bench.harness import Arm, Sizes, interleave, median, window_rate
+from bench import harness, pool
+from bench.harness import Arm, Sizes, Trial, median, rate, step_costs
 
 
 @dataclass
@@ -39,18 +39,27 @@ class Bench:
     base: Path  # work dir: data, workers' logs, run dirs
     root: Path  # the CIFAR-10-format data root
     log: Callable[[str], None] = print
-    pools: harness.Pools = field(init=False)
+    pools: pool.Pools = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pools = harness.Pools(self.base)
+        self.pools = pool.Pools(self.base)
 
     def config(self, world: int, *overrides: str) -> str:
         return harness.job_config(self.root, self.sizes, world, *overrides)
 
-    def run(self, arms: list[Arm], trials: int | None = None,
-            params: Callable[[Arm, int], dict[str, Any]] = lambda arm, i: {}) -> list[list[dict[str, Any]]]:
+    def lockstep(self, a: Arm, b: Arm, steps: int | None = None) -> tuple[list[Trial], list[Trial]]:
+        s = self.sizes
         try:
-            out = interleave(self.pools, arms, trials or self.sizes.trials, self.base, params, log=self.log)
+            return pool.lockstep(self.pools, a, b, s.trials, steps or s.warm + s.steps, self.base,
+                                 log=self.log)
+        finally:
+            self.pools.reset()
+
+    def interleave(self, arms: list[Arm], trials: int | None = None,
+                   params: Callable[[Arm, int], dict[str, Any]] = lambda arm, i: {}) -> list[list[Trial]]:
+        try:
+            out = pool.interleave(self.pools, arms, trials or self.sizes.trials, self.base, params,
+                                  log=self.log)
         finally:
             self.pools.reset()
         return [out[a.name] for a in arms]
@@ -59,45 +68,68 @@ class Bench:
         self.pools.close()
 
 
-def _ratio_row(id: str, measure: str, goal: str, ratios: list[float], need: float,
-               **details: Any) -> Row:
-    r = median(ratios)
-    return Row(id, measure, goal, f"{r:.2f}x", r >= need,
-               {"pair_ratios": [round(x, 3) for x in ratios], **details})
+@dataclass
+class Compared:
+    """A against B over the same steps: per-trial ratios of steps/s (median step), by wall
+    time (the figure: steps/s is what a user gets) and by CPU time (shown alongside)."""
 
+    wall: list[float]
+    cpu: list[float]
+    a_rate: float  # median over trials of A's steps/s
+    b_rate: float
 
-def _rates(results: list[dict[str, Any]], start: int, end: int) -> list[float]:
-    return [window_rate(r["times"], start, end) for r in results]
+    @staticmethod
+    def of(a: list[Trial], b: list[Trial], start: int, end: int, a_scale: float = 1.0,
+           b_scale: float = 1.0, b_end: int | None = None) -> Compared:
+        """Steps start+1..end (B: ..b_end); `*_scale`: images per step, when the two sides
+        make different steps (P5)."""
+        b_end = end if b_end is None else b_end
+
+        def pairs(clock: str) -> list[float]:
+            return [a_scale * rate(x, start, end, clock) / (b_scale * rate(y, start, b_end, clock))
+                    for x, y in zip(a, b)]
+
+        return Compared(pairs("wall"), pairs("cpu"), median([rate(x, start, end) for x in a]),
+                        median([rate(y, start, b_end) for y in b]))
+
+    def row(self, id: str, measure: str, goal: str, need: float, digits: int = 2,
+            **details: Any) -> Row:
+        r = median(self.wall)
+        return Row(id, measure, goal, f"{r:.{digits}f}x", r >= need,
+                   {"trial_ratios": [round(x, 3) for x in self.wall],
+                    "by_cpu_time": f"{median(self.cpu):.{digits}f}x", **details})
 
 
 # ------------------------------------------------------------------------------------ P1
 def p1(b: Bench) -> list[Row]:
     s = b.sizes
     cfg = b.config(2)
-    a, bare = b.run([Arm("P1-ddpjob", "fit", 2, {"config": cfg}), Arm("P1-bare", "bare", 2, {"config": cfg})])
-    ra, rb = _rates(a, s.warm, s.warm + s.steps), _rates(bare, s.warm, s.warm + s.steps)
-    equal = all(x["loss"] == y["loss"] for x in a for y in bare) and bool(a[0]["loss"])
-    ratio = median([x / y for x, y in zip(ra, rb)])
-    first = bare[0]["loss"]
-    shown = ", ".join(f"{first[k]:.4f}" for k in sorted(first, key=int)[:3])
-    return [Row("P1", "trainer steps/s / bare DDP loop (2 ranks x 1 thread)", ">= 0.97x; equal losses",
-                f"{ratio:.2f}x; losses {'equal' if equal else 'DIFFER'}", ratio >= 0.97 and equal,
-                {"pair_ratios": [round(x / y, 3) for x, y in zip(ra, rb)],
-                 "ddpjob_steps_s": round(median(ra), 3), "bare_steps_s": round(median(rb), 3),
-                 "loss_steps": len(first), "loss_first": shown,
-                 "ddpjob_loss": a[0]["loss"], "bare_loss": first})]
+    a, bare = b.lockstep(Arm("P1-ddpjob", "fit", 2, {"config": cfg}),
+                         Arm("P1-bare", "bare", 2, {"config": cfg}))
+    c = Compared.of(a, bare, s.warm, s.warm + s.steps)
+    losses_a, losses_b = [t[0]["loss"] for t in a], [t[0]["loss"] for t in bare]
+    equal = bool(losses_a[0]) and all(x == y for x in losses_a for y in losses_b)
+    first = losses_b[0]
+    row = c.row("P1", "trainer steps/s / bare DDP loop (2 ranks x 1 thread)", ">= 0.97x; equal losses",
+                0.97, digits=3, ddpjob_steps_s=round(c.a_rate, 3), bare_steps_s=round(c.b_rate, 3),
+                loss_steps=len(first),
+                loss_first=", ".join(f"{first[k]:.4f}" for k in sorted(first, key=int)[:3]),
+                ddpjob_loss=losses_a[0], bare_loss=first)
+    row.measured += f"; losses {'equal' if equal else 'DIFFER'}"
+    row.passed = bool(row.passed) and equal
+    return [row]
 
 
 # ------------------------------------------------------------------------------------ P2
 def p2(b: Bench) -> list[Row]:
     s = b.sizes
     cfg = b.config(2)
-    a, seeds = b.run([Arm("P2-ddpjob", "fit", 2, {"config": cfg}), Arm("P2-seeds", "seeds", 2, {"config": cfg})])
-    ra, rb = _rates(a, s.warm, s.warm + s.steps), _rates(seeds, s.warm, s.warm + s.steps)
+    a, seeds = b.lockstep(Arm("P2-ddpjob", "fit", 2, {"config": cfg}),
+                          Arm("P2-seeds", "seeds", 2, {"config": cfg}))
+    c = Compared.of(a, seeds, s.warm, s.warm + s.steps)
     img = 2 * s.batch
-    return [_ratio_row("P2", "default recipe / seeds' recipe, images/s (2 ranks x 1 thread)", ">= 1.5x",
-                       [x / y for x, y in zip(ra, rb)], 1.5,
-                       ddpjob_img_s=round(img * median(ra), 1), seeds_img_s=round(img * median(rb), 1))]
+    return [c.row("P2", "default recipe / seeds' recipe, images/s (2 ranks x 1 thread)", ">= 1.5x", 1.5,
+                  ddpjob_img_s=round(img * c.a_rate, 1), seeds_img_s=round(img * c.b_rate, 1))]
 
 
 # ------------------------------------------------------------------------------------ P3
@@ -105,66 +137,89 @@ def p3(b: Bench) -> list[Row]:
     s = b.sizes
     cfg = b.config(1)
     n = {"P3-ddpjob": s.loader_batches, "P3-pil": s.pil_batches}
-    a, pil = b.run([Arm("P3-ddpjob", "tensor_loader", 1, {"config": cfg}),
-                    Arm("P3-pil", "pil_loader", 1, {"config": cfg})],
-                   params=lambda arm, i: {"batches": n[arm.name]})
-    ia = [r["images"] / r["seconds"] for r in a]
-    ib = [r["images"] / r["seconds"] for r in pil]
-    return [_ratio_row("P3", "ddpjob loader / per-sample PIL pipeline, images/s (1 core)", ">= 10x",
-                       [x / y for x, y in zip(ia, ib)], 10.0,
-                       ddpjob_img_s=round(median(ia)), pil_img_s=round(median(ib)))]
+    # whole trials in turn: a ddpjob batch takes ~1 ms, too short to take turns at
+    a, pil = b.interleave([Arm("P3-ddpjob", "tensor_loader", 1, {"config": cfg}),
+                           Arm("P3-pil", "pil_loader", 1, {"config": cfg})],
+                          params=lambda arm, i: {"batches": n[arm.name]})
+    # "steps" are batches here; both loaders make batches of the same size
+    c = Compared.of(a, pil, 0, s.loader_batches, b_end=s.pil_batches)
+    return [c.row("P3", "ddpjob loader / per-sample PIL pipeline, images/s (1 core)", ">= 10x", 10.0,
+                  ddpjob_img_s=round(s.batch * c.a_rate), pil_img_s=round(s.batch * c.b_rate))]
 
 
 # ------------------------------------------------------------------------------------ P4
 def p4(b: Bench) -> list[Row]:
     s = b.sizes
     cfg = b.config(1)
-    a, ready = b.run([Arm("P4-loader", "train_loop", 1, {"config": cfg, "source": "loader"}),
-                      Arm("P4-ready", "train_loop", 1, {"config": cfg, "source": "ready"})])
-    ra, rb = _rates(a, s.warm, s.warm + s.steps), _rates(ready, s.warm, s.warm + s.steps)
-    return [_ratio_row("P4", "data stall: (loader + train) / train on ready tensors (1 core)",
-                       ">= 0.98x", [x / y for x, y in zip(ra, rb)], 0.98,
-                       loader_steps_s=round(median(ra), 3), ready_steps_s=round(median(rb), 3))]
+    a, ready = b.lockstep(Arm("P4-loader", "train_loop", 1, {"config": cfg, "source": "loader"}),
+                          Arm("P4-ready", "train_loop", 1, {"config": cfg, "source": "ready"}))
+    c = Compared.of(a, ready, s.warm, s.warm + s.steps)
+    return [c.row("P4", "data stall: (loader + train) / train on ready tensors (1 core)", ">= 0.98x",
+                  0.98, digits=3, loader_steps_s=round(c.a_rate, 3), ready_steps_s=round(c.b_rate, 3))]
 
 
 # ------------------------------------------------------------------------------------ P5
 def p5(b: Bench) -> list[Row]:
+    """Twice: on the seeds' network (as everywhere else), and on the job file's own network
+    (CIFAR stem: ~9x the compute per image for the same gradient size to all-reduce)."""
     s = b.sizes
-    two, one = b.run([Arm("P5-2ranks", "fit", 2, {"config": b.config(2)}),
-                      Arm("P5-1rank", "fit", 1, {"config": b.config(1)})])
-    ia = [2 * s.batch * r for r in _rates(two, s.warm, s.warm + s.steps)]
-    ib = [s.batch * r for r in _rates(one, s.warm, s.warm + s.steps)]
-    return [_ratio_row("P5", "2 ranks x 1 thread / 1 rank x 1 thread, images/s (batch/rank kept)",
-                       ">= 1.7x", [x / y for x, y in zip(ia, ib)], 1.7,
-                       two_ranks_img_s=round(median(ia), 1), one_rank_img_s=round(median(ib), 1))]
+    rows = []
+    for label, stem, warm, steps in (("seeds' network", [], s.warm, s.steps),
+                                     ("job file's network (CIFAR stem)",
+                                      ["train.cifar_stem=true"], s.stem_warm, s.stem_steps)):
+        over = [*stem, f"train.max_steps={warm + steps}"]
+        two, one = b.lockstep(Arm("P5-2ranks", "fit", 2, {"config": b.config(2, *over)}),
+                              Arm("P5-1rank", "fit", 1, {"config": b.config(1, *over)}), steps=warm + steps)
+        c = Compared.of(two, one, warm, warm + steps, a_scale=2 * s.batch, b_scale=s.batch)
+        rows.append(c.row("P5", f"2 ranks x 1 thread / 1 rank x 1 thread, images/s, {label}", ">= 1.7x",
+                          1.7, two_ranks_img_s=round(2 * s.batch * c.a_rate, 1),
+                          one_rank_img_s=round(s.batch * c.b_rate, 1)))
+    return rows
 
 
 # ------------------------------------------------------------------------------------ P6
+def _checkpoint_cost(trial: Trial, after: float, before: float) -> float:
+    """Seconds the checkpoint took from the training loop, the most over the ranks: main thread
+    blocked in save/commit (wall) plus the writer thread's CPU (taken from the rank's core)."""
+    return max(sum(e["s"] for e in r["checkpoint"] if after <= e["at"] <= before) for r in trial)
+
+
+def _excess(trial: Trial, warm: int, every: int, total: int) -> float:
+    """Wall time the steps after the checkpoint took beyond the median step before it."""
+    typical = median(step_costs(trial, warm, every))
+    return sum(d - typical for d in step_costs(trial, every, total))
+
+
 def p6(b: Bench) -> list[Row]:
     s = b.sizes
-    every = s.ckpt_every
-    tail = 4 * s.log_every  # steps after the save: the background write finishes in the window
-    total = every + tail
+    every, total = s.ckpt_every, s.ckpt_every + s.ckpt_tail
     common = (f"train.max_steps={total}", "checkpoint.async=true", "checkpoint.every_minutes=0")
-    with_ckpt, without = b.run([
+    # Whole trials in turn, not lockstep: the background writer would run during the other
+    # arm's steps. The checkpoint after step `every` is timed where it happens (worker.py).
+    ck, no = b.interleave([
         Arm("P6-ckpt", "fit", 2, {"config": b.config(2, *common, f"checkpoint.every_steps={every}")}),
         Arm("P6-none", "fit", 2, {"config": b.config(2, *common, "checkpoint.every_steps=0")})])
-    # The window [total - every, total] holds exactly one checkpoint (at step `every`).
-    ra, rb = _rates(with_ckpt, total - every, total), _rates(without, total - every, total)
-    ratios = [x / y for x, y in zip(ra, rb)]
-    (saves,) = b.run([Arm("P6-save", "async_save", 1, {"config": b.config(1)})], trials=1,
-                     params=lambda arm, i: {"saves": s.saves})
-    ms = [1000 * x for x in saves[0]["blocking_s"]]
+    step_s = median([1 / rate(t, s.warm, total) for t in no])  # a step without checkpoints
+    # mark `every` ends the step the checkpoint follows; the final save after `total` is not counted
+    costs = [_checkpoint_cost(t, t[0]["marks"][str(every)][0], t[0]["marks"][str(total)][0]) for t in ck]
+    cost_s = median(costs)
+    r = every * step_s / (every * step_s + cost_s)
+    excess = median([_excess(t, s.warm, every, total) for t in ck]) - \
+        median([_excess(t, s.warm, every, total) for t in no])
+    (saves,) = b.interleave([Arm("P6-save", "async_save", 1, {"config": b.config(1)})], trials=1,
+                            params=lambda arm, i: {"saves": s.saves})
+    ms = [1000 * x for x in saves[0][0]["blocking_s"]]
     steady = median(ms[1:]) if len(ms) > 1 else ms[0]
-    r = median(ratios)
     return [
         Row("P6", f"steps/s with an async checkpoint every {every} steps / none (2 ranks)", ">= 0.99x",
-            f"{r:.3f}x", r >= 0.99, {"pair_ratios": [round(x, 4) for x in ratios],
-                                      "ckpt_steps_s": round(median(ra), 3), "none_steps_s": round(median(rb), 3)}),
+            f"{r:.3f}x", r >= 0.99,
+            {"checkpoint_cost_ms": [round(1000 * c) for c in costs], "step_ms": round(1000 * step_s, 1),
+             "by_excess_step_time": f"{every * step_s / (every * step_s + max(excess, 0)):.3f}x "
+                                    f"(cost {1000 * excess:.0f} ms)"}),
         Row("P6", "blocking time of an async save (ResNet-18 + SGD state)" if not s.tiny
             else f"blocking time of an async save ({s.model} + SGD state)", "<= 50 ms",
             f"{steady:.1f} ms", steady <= 50, {"each_ms": [round(x, 1) for x in ms],
-                                               "note": "median of saves after the first (the first allocates)"}),
+                                               "note": "median of saves 2.. (the first allocates)"}),
     ]
 
 
@@ -181,6 +236,10 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _pinner(rank: int) -> Callable[[], None]:
+    return lambda: harness.pin_to(rank)
 
 
 class _Ranks:
@@ -205,7 +264,7 @@ class _Ranks:
             with open(self.logs[rank], "wb") as out:
                 self.procs.append(subprocess.Popen(
                     cmd, cwd=harness.ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                    preexec_fn=(lambda r=rank: harness.pin_to(r))))
+                    preexec_fn=_pinner(rank)))
 
     def signal(self, signum: int) -> None:
         for p in self.procs:
@@ -220,7 +279,8 @@ class _Ranks:
             for p in self.procs:
                 p.kill()
                 p.wait()
-            raise RuntimeError(f"ddpjob run ranks still running after {timeout} s:\n{self.output()}") from None
+            raise RuntimeError(f"ddpjob run ranks still running after {timeout} s:\n"
+                               f"{self.output()}") from None
 
     def output(self) -> str:
         return "\n".join(p.read_text(errors="replace")[-3000:] for p in self.logs)
@@ -259,7 +319,8 @@ def p7(b: Bench) -> list[Row]:
         cold.signal(signal.SIGUSR2)
         codes = cold.wait(300)
         if codes != [3, 3]:
-            raise RuntimeError(f"P7: the signalled ranks exited {codes}, expected 3 (requeue):\n{cold.output()}")
+            raise RuntimeError(f"P7: the signalled ranks exited {codes}, expected 3 (requeue):\n"
+                               f"{cold.output()}")
         done = max(r["step"] for r in _metrics(run_dir) if r["kind"] == "train" and r["restart"] == 0)
         again = _Ranks(b, run_dir, ov, restart=1)
         first = _first_step_time(run_dir, 1, 600, again)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness, recipes
+from bench.marks import GATE, Marks
 
 
 def _config(spec: dict[str, Any]) -> Any:
@@ -28,28 +29,85 @@ def _config(spec: dict[str, Any]) -> Any:
 
 
 # -------------------------------------------------------------------------- ddpjob's arms
+_fit_marks: Marks | None = None
+
+
+def _mark_log_steps() -> None:
+    """Mark every rank's clocks where the trainer logs a step (its MetricsLog.step runs on
+    every rank, after the loss all-reduce; only rank 0's writes). A measuring hook only: the
+    trainer's computation is untouched."""
+    from ddpjob import metrics
+
+    original = metrics.MetricsLog.step
+    if getattr(original, "bench_hook", False):
+        return
+
+    def step(self: Any, *, step: int, **kw: Any) -> None:
+        if _fit_marks is not None:
+            _fit_marks.mark(step)
+        original(self, step=step, **kw)
+
+    step.bench_hook = True  # type: ignore[attr-defined]
+    metrics.MetricsLog.step = step  # type: ignore[method-assign]
+
+
+_ckpt_events: list[dict[str, Any]] | None = None  # P6 timings of this trial
+
+
+def _time_checkpoints() -> None:
+    """P6: time what a checkpoint costs the training loop, where it happens: the main thread
+    blocked in TrainState.save / commit_pending / finish_pending (wall), and the CPU the
+    background writer thread takes (on a 1-core rank, from the training thread)."""
+    from ddpjob import checkpoint, trainstate
+
+    def wrap(cls: Any, name: str, clock: Any) -> None:
+        original = getattr(cls, name)
+        if getattr(original, "bench_hook", False):
+            return
+
+        def timed(self: Any, *args: Any, **kw: Any) -> Any:
+            t0, c0 = time.time(), clock()
+            try:
+                return original(self, *args, **kw)
+            finally:
+                if _ckpt_events is not None:
+                    _ckpt_events.append({"what": name, "at": t0, "s": clock() - c0})
+
+        timed.bench_hook = True  # type: ignore[attr-defined]
+        setattr(cls, name, timed)
+
+    for name in ("save", "commit_pending", "finish_pending"):
+        wrap(trainstate.TrainState, name, time.perf_counter)
+    wrap(checkpoint.AsyncWrite, "_run", time.thread_time)  # runs in the writer thread
+
+
 def fit(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
-    """ddpjob's trainer, exactly as `ddpjob run` calls it, into a fresh run dir per trial.
-    The timestamps are the trainer's own metrics.jsonl records."""
+    """ddpjob's trainer, exactly as `ddpjob run` calls it, into a fresh run dir per trial;
+    the losses are the trainer's own metrics.jsonl records."""
     from ddpjob import preemption, trainer
 
     cfg = _config(spec)
+    _mark_log_steps()
+    _time_checkpoints()
 
     def trial(params: dict[str, Any]) -> dict[str, Any]:
+        global _fit_marks, _ckpt_events
         run_dir = Path(params["run_dir"])
         run_dir.mkdir(parents=True, exist_ok=True)
-        trainer.fit(cfg, ctx, run_dir, preemption.StopFlag())
+        marks, events = Marks(), list[dict[str, Any]]()
+        _fit_marks, _ckpt_events = marks, events
+        try:
+            trainer.fit(cfg, ctx, run_dir, preemption.StopFlag())
+        finally:
+            _fit_marks = _ckpt_events = None
         if ctx.env.rank != 0:
-            return {}
-        times: dict[str, float] = {}
+            return {"marks": marks, "checkpoint": events}
         losses: dict[str, float] = {}
-        windows = []
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():
             r = json.loads(line)
             if r["kind"] == "train":
-                times[str(r["step"])], losses[str(r["step"])] = r["time"], r["loss"]
-                windows.append({"step": r["step"], "data_ms": r["data_ms"], "step_ms": r["step_ms"]})
-        return {"times": times, "loss": losses, "windows": windows}
+                losses[str(r["step"])] = r["loss"]
+        return {"marks": marks, "checkpoint": events, "loss": losses}
 
     return trial
 
@@ -66,10 +124,7 @@ def tensor_loader(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
                                     channels_last=t.channels_last)
 
     def trial(params: dict[str, Any]) -> dict[str, Any]:
-        n = params["batches"]
-        t0 = time.perf_counter()
-        images = sum(len(mb[0][0]) for mb in itertools.islice(loader.batches(params["trial"]), n))
-        return {"seconds": time.perf_counter() - t0, "images": images}
+        return recipes.time_batches((mb[0] for mb in loader.batches(params["trial"])), params["batches"])
 
     return trial
 
@@ -99,12 +154,11 @@ def train_loop(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
 
     def trial(params: dict[str, Any]) -> dict[str, Any]:
         source = ready if ready is not None else loader.batches(0)
-        times: dict[str, float] = {}
+        marks = Marks()
         for step, micro in enumerate(itertools.islice(source, total)):
             trainer.train_step(model, optimizer, scaler, micro, loss_fn=loss_fn, amp_dtype=amp)
-            if (step + 1) % t.log_every == 0:
-                times[str(step + 1)] = time.time()
-        return {"times": times}
+            marks.mark(step + 1)
+        return {"marks": marks}
 
     return trial
 
@@ -152,6 +206,7 @@ def main() -> int:
         reply.write(json.dumps(msg) + "\n")
         reply.flush()
 
+    GATE.send, GATE.wait = send, sys.stdin.readline
     ctx = None
     built: dict[str, recipes.Trial] = {}  # one per (kind, setup): setup is paid once per arm
     try:
@@ -163,13 +218,18 @@ def main() -> int:
                          master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
                          source="torchrun")
         ctx = dist.init_process_group(env, backend="gloo", timeout_s=900, threads=1)
-        for line in sys.stdin:
+        while line := sys.stdin.readline():  # readline: the gate reads the same stream
             msg = json.loads(line)
             if "kind" in msg:
                 key = json.dumps([msg["kind"], msg["setup"]], sort_keys=True)
                 if key not in built:
                     built[key] = KINDS[msg["kind"]](msg["setup"], ctx)
-                send({"rank": rank, **built[key](msg["params"])})
+                GATE.enabled = bool(msg["params"].get("gate"))
+                try:
+                    result = built[key](msg["params"])
+                finally:
+                    GATE.enabled = False
+                send({"rank": rank, **result})
             else:  # hello / reset
                 if msg.get("reset"):
                     built.clear()

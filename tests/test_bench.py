@@ -69,9 +69,15 @@ def test_table_marks_pass_fail_and_unmeasured() -> None:
     assert len({len(ln) for ln in lines}) == 1  # aligned columns
 
 
-def test_window_rate_and_median() -> None:
-    times = {"5": 100.0, "10": 102.0, "25": 110.0}
-    assert harness.window_rate(times, 5, 25) == pytest.approx(2.0)
+def test_step_times_skip_gate_waits_and_take_the_slowest_rank() -> None:
+    # marks: [wall end, CPU end, wall go-on, CPU go-on]; rank 0 waited 0.5 s at gate 1
+    r0 = {"marks": {"0": [100.0, 10.0, 100.0, 10.0], "1": [101.0, 10.9, 101.5, 10.9],
+                    "2": [103.0, 12.0, 103.0, 12.0]}}
+    r1 = {"marks": {"0": [100.0, 20.0, 100.0, 20.0], "1": [101.2, 21.0, 101.5, 21.0],
+                    "2": [103.0, 22.5, 103.0, 22.5]}}
+    assert harness.step_costs([r0, r1], 0, 2) == pytest.approx([1.2, 1.5])
+    assert harness.step_costs([r0, r1], 0, 2, "cpu") == pytest.approx([1.0, 1.5])
+    assert harness.rate([r0, r1], 0, 2) == pytest.approx(1 / 1.35)
     assert harness.median([3.0, 1.0, 2.0]) == 2.0
 
 
