@@ -32,7 +32,8 @@ class Sizes:
     batch: int  # per rank
     warm: int  # optimizer steps before the timed window (first-iteration costs, DDP rebuild)
     steps: int  # optimizer steps in the timed window
-    trials: int  # per arm
+    trials: int  # per arm (P1-P4)
+    slow_trials: int  # per arm where a trial takes long (P5, P6, P7)
     stem_warm: int  # P5 on the CIFAR-stem network (~2 s per step per core): fewer steps
     stem_steps: int
     ckpt_every: int  # P6: checkpoint interval in steps
@@ -43,10 +44,10 @@ class Sizes:
 
 
 FULL = Sizes(tiny=False, model="resnet18", n_train=50_000, n_test=512, batch=128, warm=3,
-             steps=12, trials=3, stem_warm=2, stem_steps=4, ckpt_every=50, ckpt_tail=15,
+             steps=12, trials=5, slow_trials=3, stem_warm=2, stem_steps=4, ckpt_every=50, ckpt_tail=15,
              loader_batches=100, pil_batches=10, saves=6)
 TINY = Sizes(tiny=True, model="cnn_tiny", n_train=1024, n_test=64, batch=32, warm=2, steps=4,
-             trials=1, stem_warm=1, stem_steps=2, ckpt_every=4, ckpt_tail=2, loader_batches=4,
+             trials=1, slow_trials=1, stem_warm=1, stem_steps=2, ckpt_every=4, ckpt_tail=2, loader_batches=4,
              pil_batches=2, saves=2)
 
 

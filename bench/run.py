@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"benchmarks to run ({', '.join(BENCHMARKS)}; default: all)")
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke run for CI: tiny model, "
                     "few steps; the numbers mean nothing")
-    ap.add_argument("--trials", type=int, help="trials per arm (default 3, --tiny 1)")
+    ap.add_argument("--trials", type=int, help="trials per arm (default 5, and 3 for P5-P7; --tiny 1)")
     ap.add_argument("--work", help="work folder: data, logs, run dirs (default: $TMPDIR/ddpjob-bench-UID)")
     ap.add_argument("--json", help="also write the rows (with details) to this file")
     args = ap.parse_args(argv)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown benchmark id(s) {', '.join(unknown)}, expected some of {', '.join(BENCHMARKS)}")
     sizes = harness.TINY if args.tiny else harness.FULL
     if args.trials:
-        sizes = dataclasses.replace(sizes, trials=args.trials)
+        sizes = dataclasses.replace(sizes, trials=args.trials, slow_trials=args.trials)
 
     base = harness.work_dir(args.work)
     t0 = time.monotonic()

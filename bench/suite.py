@@ -47,10 +47,11 @@ class Bench:
     def config(self, world: int, *overrides: str) -> str:
         return harness.job_config(self.root, self.sizes, world, *overrides)
 
-    def lockstep(self, a: Arm, b: Arm, steps: int | None = None) -> tuple[list[Trial], list[Trial]]:
+    def lockstep(self, a: Arm, b: Arm, steps: int | None = None,
+                 trials: int | None = None) -> tuple[list[Trial], list[Trial]]:
         s = self.sizes
         try:
-            return pool.lockstep(self.pools, a, b, s.trials, steps or s.warm + s.steps, self.base,
+            return pool.lockstep(self.pools, a, b, trials or s.trials, steps or s.warm + s.steps, self.base,
                                  log=self.log)
         finally:
             self.pools.reset()
@@ -97,7 +98,8 @@ class Compared:
         r = median(self.wall)
         return Row(id, measure, goal, f"{r:.{digits}f}x", r >= need,
                    {"trial_ratios": [round(x, 3) for x in self.wall],
-                    "by_cpu_time": f"{median(self.cpu):.{digits}f}x", **details})
+                    "by_cpu_time": f"{median(self.cpu):.{digits}f}x {[round(x, 3) for x in self.cpu]}",
+                    **details})
 
 
 # ------------------------------------------------------------------------------------ P1
@@ -169,11 +171,16 @@ def p5(b: Bench) -> list[Row]:
                                       ["train.cifar_stem=true"], s.stem_warm, s.stem_steps)):
         over = [*stem, f"train.max_steps={warm + steps}"]
         two, one = b.lockstep(Arm("P5-2ranks", "fit", 2, {"config": b.config(2, *over)}),
-                              Arm("P5-1rank", "fit", 1, {"config": b.config(1, *over)}), steps=warm + steps)
+                              Arm("P5-1rank", "fit", 1, {"config": b.config(1, *over)}),
+                              steps=warm + steps, trials=s.slow_trials)
         c = Compared.of(two, one, warm, warm + steps, a_scale=2 * s.batch, b_scale=s.batch)
-        rows.append(c.row("P5", f"2 ranks x 1 thread / 1 rank x 1 thread, images/s, {label}", ">= 1.7x",
-                          1.7, two_ranks_img_s=round(2 * s.batch * c.a_rate, 1),
-                          one_rank_img_s=round(s.batch * c.b_rate, 1)))
+        row = c.row("P5", f"2 ranks x 1 thread / 1 rank x 1 thread, images/s, {label}", ">= 1.7x",
+                    1.7, two_ranks_img_s=round(2 * s.batch * c.a_rate, 1),
+                    one_rank_img_s=round(s.batch * c.b_rate, 1))
+        # 2 ranks need both cores, 1 rank leaves the neighbours the other: on a busy machine the
+        # wall clock is against the 2 ranks (README); the CPU-time ratio is what an idle one gives
+        row.measured += f" (CPU time: {median(c.cpu):.2f}x)"
+        rows.append(row)
     return rows
 
 
@@ -196,7 +203,7 @@ def p6(b: Bench) -> list[Row]:
     common = (f"train.max_steps={total}", "checkpoint.async=true", "checkpoint.every_minutes=0")
     # Whole trials in turn, not lockstep: the background writer would run during the other
     # arm's steps. The checkpoint after step `every` is timed where it happens (worker.py).
-    ck, no = b.interleave([
+    ck, no = b.interleave(trials=s.slow_trials, arms=[
         Arm("P6-ckpt", "fit", 2, {"config": b.config(2, *common, f"checkpoint.every_steps={every}")}),
         Arm("P6-none", "fit", 2, {"config": b.config(2, *common, "checkpoint.every_steps=0")})])
     step_s = median([1 / rate(t, s.warm, total) for t in no])  # a step without checkpoints
@@ -306,7 +313,7 @@ def p7(b: Bench) -> list[Row]:
                  "train.threads=1", "train.backend=\"gloo\"", "slurm.tasks_per_node=2",
                  "slurm.gpus_per_node=0", "slurm.cpus_per_task=1"]
     cold_s, resume_s, lost = [], [], []
-    for i in range(s.trials):
+    for i in range(s.slow_trials):
         run_dir = b.base / "runs" / f"P7-{i}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)
         total = 1000  # never reached: the signal stops the first run, the second is stopped too
