@@ -238,6 +238,22 @@ def preflight_slurm(cfg: JobConfig) -> None:
                           "set slurm.partition (or --partition) to one of them")
 
 
+def _doctor_checks(cfgs: list[JobConfig], backend: str, root: Path) -> None:
+    """`ddpjob doctor`'s cheap checks (partition limits, GPUs vs tasks, signal routing, dataset,
+    port window): a job that would fail on the nodes fails here, in one line, before anything
+    is written. Warnings are printed and do not stop the submission."""
+    from ddpjob import doctor
+
+    for cfg in cfgs:
+        # the run dir itself is checked (with a more precise message) when it is created
+        checks = [c for c in doctor.cheap_checks(cfg, backend=backend, runs_root=root.parent)
+                  if c.name != "run dir"]
+        doctor.raise_on_failures(checks)
+    for c in checks:
+        if c.status == doctor.WARN:
+            console.warn(f"preflight '{c.name}': {c.detail}" + (f" (hint: {c.hint})" if c.hint else ""))
+
+
 def submit_slurm(cfgs: list[JobConfig], run_dirs: list[Path], log_folder: Path,
                  command: list[str]) -> list[dict[str, Any]]:
     """One job, or one job array for a sweep. Returns the job.json records (one per run dir)."""
@@ -381,6 +397,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         preflight_slurm(cfgs[0])
     name = cfgs[0].name + ("-sweep" if points else "")
     root = Path(args.run_dir) if args.run_dir else rundir.new_run_dir("runs", name)
+    _doctor_checks(cfgs, backend, root)
     created = _make_root(root)
     command = _command(args, str(job), backend)
     try:

@@ -303,3 +303,14 @@ def test_unknown_partition_and_sbatch_refusals_are_one_line_and_leave_nothing(sl
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith("ddpjob: error: sbatch refused the job: ") and "Hint:" in out.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_submit_runs_doctors_cheap_checks_first(tmp_path):
+    """A job that would fail on the nodes (CIFAR-10 never prepared) is refused on the login
+    node, in one line with doctor's hint, and nothing is written."""
+    out = run_cli("submit", SMOKE, "--backend", "local", "--set", "data.dataset=cifar10",
+                  "--set", f"data.root={tmp_path / 'nodata'}", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("ddpjob: error: preflight check 'dataset' failed")
+    assert out.stderr.count("\n") == 1 and "Hint:" in out.stderr and "ddpjob data cifar10" in out.stderr
+    assert not (tmp_path / "runs").exists()
