@@ -163,7 +163,7 @@ def p4(b: Bench) -> list[Row]:
 # ------------------------------------------------------------------------------------ P5
 def p5(b: Bench) -> list[Row]:
     """Twice: on the seeds' network (as everywhere else), and on the job file's own network
-    (CIFAR stem: ~9x the compute per image for the same gradient size to all-reduce)."""
+    (CIFAR stem: ~8x the step time for the same 45 MB of gradients to all-reduce)."""
     s = b.sizes
     rows = []
     for label, stem, warm, steps in (("seeds' network", [], s.warm, s.steps),
