@@ -56,9 +56,10 @@ _ckpt_events: list[dict[str, Any]] | None = None  # P6 timings of this trial
 
 def _time_checkpoints() -> None:
     """P6: time what a checkpoint costs the training loop, where it happens: the main thread
-    blocked in TrainState.save / commit_pending / finish_pending (wall), and the CPU the
+    blocked in StateStore.save / commit_pending / finish_pending (wall), and the CPU the
     background writer thread takes (on a 1-core rank, from the training thread)."""
-    from ddpjob import checkpoint, trainstate
+    from ddpjob import checkpoint
+    from ddpjob.state import StateStore
 
     def wrap(cls: Any, name: str, clock: Any) -> None:
         original = getattr(cls, name)
@@ -77,14 +78,14 @@ def _time_checkpoints() -> None:
         setattr(cls, name, timed)
 
     for name in ("save", "commit_pending", "finish_pending"):
-        wrap(trainstate.TrainState, name, time.perf_counter)
+        wrap(StateStore, name, time.perf_counter)
     wrap(checkpoint.AsyncWrite, "_run", time.thread_time)  # runs in the writer thread
 
 
 def fit(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     """ddpjob's trainer, exactly as `ddpjob run` calls it, into a fresh run dir per trial;
     the losses are the trainer's own metrics.jsonl records."""
-    from ddpjob import preemption, trainer
+    from ddpjob import api, trainer
 
     cfg = _config(spec)
     _mark_log_steps()
@@ -96,9 +97,11 @@ def fit(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
         run_dir.mkdir(parents=True, exist_ok=True)
         marks, events = Marks(), list[dict[str, Any]]()
         _fit_marks, _ckpt_events = marks, events
+        job = api.init(cfg, run_dir=run_dir)  # joins the process group the pool made
         try:
-            trainer.fit(cfg, ctx, run_dir, preemption.StopFlag())
+            trainer.fit(job)
         finally:
+            job.close()
             _fit_marks = _ckpt_events = None
         if ctx.env.rank != 0:
             return {"marks": marks, "checkpoint": events}
@@ -165,10 +168,11 @@ def train_loop(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
 
 def async_save(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     """P6: how long an async checkpoint of ResNet-18 + SGD state blocks the training loop
-    (TrainState.save(blocking=False): the snapshot to host memory; the write runs behind)."""
+    (StateStore.save(blocking=False): the snapshot to host memory; the write runs behind)."""
     import torch
     import torch.nn.functional as F
-    from ddpjob import models, trainer, trainstate
+    from ddpjob import dist, models, trainer
+    from ddpjob.state import StateStore
 
     cfg = _config(spec)
     t = cfg.train
@@ -180,14 +184,17 @@ def async_save(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     scaler = torch.amp.GradScaler("cpu", enabled=False)
 
     def trial(params: dict[str, Any]) -> dict[str, Any]:
-        state = trainstate.TrainState(cfg, ctx, Path(params["run_dir"]))
-        state.progress.global_batch = t.batch_size
+        store = StateStore(Path(params["run_dir"]) / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                           config_hash=cfg.hash(), async_save=True, rank=ctx.env.rank,
+                           world_size=ctx.env.world_size, restart=0, job_id=None,
+                           control=dist.Control(ctx))
+        state = {"model": model, "optimizer": optimizer, "scaler": scaler}
         blocking = []
         for k in range(params["saves"]):
             t0 = time.perf_counter()
-            state.save(k + 1, model, optimizer, scaler, blocking=False)
+            store.save(k + 1, state, blocking=False)
             blocking.append(time.perf_counter() - t0)
-            state.finish_pending()  # the training steps between two saves, in the real loop
+            store.finish_pending()  # the training steps between two saves, in the real loop
         return {"blocking_s": blocking}
 
     return trial

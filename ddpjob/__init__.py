@@ -1,7 +1,34 @@
 """ddpjob: preemption-proof PyTorch DDP training on SLURM clusters.
 
-Login node: `ddpjob submit|sbatch|status|logs|cancel|ls|doctor` (ddpjob.cli).
-Compute nodes: `ddpjob run` -> ClusterEnv -> process group -> trainer <-> checkpoint store.
+Login node: `ddpjob submit|sbatch|status|logs|cancel|ls|doctor` (ddpjob.cli), never importing torch.
+Compute nodes, from your own script (docs/api.md):
+
+    import ddpjob
+    job = ddpjob.init()
+    sampler = ddpjob.StepSampler(len(dataset), global_batch=256, seed=0)
+
+The public names load lazily, so `import ddpjob` on a login node stays light.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+__all__ = ["Job", "StepSampler", "init"]
+
+if TYPE_CHECKING:
+    from ddpjob.api import Job, init
+    from ddpjob.sampler import StepSampler
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("init", "Job"):
+        from ddpjob import api
+
+        return getattr(api, name)
+    if name == "StepSampler":
+        from ddpjob.sampler import StepSampler
+
+        return StepSampler
+    raise AttributeError(f"module 'ddpjob' has no attribute {name!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import sys
 import typing
@@ -31,6 +32,9 @@ _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 # Names, partitions, accounts: what SLURM itself allows, and nothing a shell or a file
 # pattern (%j) could interpret.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+# train.entry: a script path (no control characters) or an importable "package.module:function".
+_ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
+_ENTRY_FUNC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _SBATCH_EXTRA_RE = re.compile(r"^--[a-z][a-z0-9-]*(=.*)?$")
 # sbatch options ddpjob derives from the job file or needs for itself (logs, signal routing,
 # the script body): setting them again through sbatch_extra would silently break resume.
@@ -118,6 +122,8 @@ class TrainConfig:
     dist_timeout_s: int = 300
     deterministic_reduce: bool = True  # >2 ranks: sum gradients in rank order (bit-exact resume)
     log_sample_ids: bool = False  # each rank logs its samples per step to RUN_DIR/samples/ (tests)
+    entry: str = ""  # "" = the built-in trainer; "path/to/script.py" or "package.module:function"
+    args: tuple[str, ...] = ()  # sys.argv[1:] of the entry
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,8 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # The job file's free-form [user] table: the entry script's own settings (job.user).
+    user: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {_key(f): _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -182,7 +190,40 @@ def _to_plain(v: Any) -> Any:
         return {_key(f): _to_plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, tuple):
         return list(v)
+    if isinstance(v, Mapping):
+        return {k: _to_plain(x) for k, x in v.items()}
     return v
+
+
+_USER_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,63}")
+
+
+def _user_value(where: str, v: Any, depth: int = 0) -> Any:
+    """[user] values: what TOML and JSON share (no dates), nested at most 4 deep."""
+    if isinstance(v, (bool, int, str)) or (isinstance(v, float) and math.isfinite(v)):
+        if isinstance(v, str) and len(v) > 4096:
+            raise UsageError(f"{where} is a string of {len(v)} characters, expected at most 4096",
+                             "keep long text in a file and put its path in [user]")
+        return v
+    if depth < 4 and isinstance(v, list) and len(v) <= 1000:
+        return [_user_value(f"{where}[{i}]", x, depth + 1) for i, x in enumerate(v)]
+    if depth < 4 and isinstance(v, Mapping) and len(v) <= 1000:
+        return _user_table(where, v, depth + 1)
+    raise UsageError(f"{where} is {v!r} ({type(v).__name__}), expected a string, number, boolean, "
+                     "or a list or table of those", f"write e.g. {where.split('.')[-1]} = 0.1")
+
+
+def _user_table(where: str, raw: Any, depth: int = 0) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise UsageError(f"'{where}' is {type(raw).__name__}, expected a table",
+                         f"write it as a [{where}] section of key = value lines")
+    out = {}
+    for k, v in raw.items():
+        if not isinstance(k, str) or not _USER_KEY.fullmatch(k):
+            raise UsageError(f"key {k!r} in [{where}] is not a plain name, expected letters, digits, "
+                             "_ and - (at most 64)", "rename the key, e.g. lr or hidden_size")
+        out[k] = _user_value(f"{where}.{k}", v, depth)
+    return out
 
 
 def _type_name(t: Any) -> str:
@@ -238,11 +279,11 @@ def _did_you_mean(key: str, valid: Sequence[str]) -> str:
 
 def from_dict(raw: Mapping[str, Any], source: str = "the job file") -> JobConfig:
     """Build and validate a JobConfig from parsed TOML/JSON."""
-    unknown = set(raw) - set(SECTIONS) - {"name"}
+    unknown = set(raw) - set(SECTIONS) - {"name", "user"}
     if unknown:
         k = sorted(unknown)[0]
         raise UsageError(f"unknown key '{k}' in {source}, expected one of: name, "
-                         f"{', '.join(SECTIONS)}", _did_you_mean(k, ["name", *SECTIONS]))
+                         f"{', '.join(SECTIONS)}, user", _did_you_mean(k, ["name", *SECTIONS, "user"]))
     sections = {}
     for name, cls in SECTIONS.items():
         sec = raw.get(name, {})
@@ -251,7 +292,7 @@ def from_dict(raw: Mapping[str, Any], source: str = "the job file") -> JobConfig
                              f"write it as a [{name}] section")
         sections[name] = _build_section(name, cls, sec, source)
     name = _coerce("name", raw.get("name", "ddpjob"), str)
-    cfg = JobConfig(name=name, **sections)
+    cfg = JobConfig(name=name, user=_user_table("user", raw.get("user", {})), **sections)
     validate(cfg)
     return cfg
 
@@ -269,8 +310,21 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
                 raise UsageError(f"override '{item}' targets '{path[0]}', which is not a section, "
                                  "expected section.key=value",
                                  "use --set section.key=value")
+            old = out[path[0]].get(path[1])
+            if path[0] == "user" and old is not None and not _same_kind(old, value):
+                raise UsageError(f"override '{item}' gives user.{path[1]} a {type(value).__name__}, but "
+                                 f"the job file has {old!r} ({type(old).__name__}), expected the same type",
+                                 f"e.g. --set user.{path[1]}={json.dumps(old)}")
             out[path[0]][path[1]] = value
     return out
+
+
+def _same_kind(old: Any, new: Any) -> bool:
+    if isinstance(old, bool) or isinstance(new, bool):
+        return isinstance(old, bool) and isinstance(new, bool)
+    if isinstance(old, (int, float)):
+        return isinstance(new, (int, float))
+    return type(old) is type(new)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -279,9 +333,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
                          "e.g. --set train.lr=0.05")
     key, text = item.split("=", 1)
     path = key.strip().split(".")
-    if not (len(path) == 2 and path[0] in SECTIONS or path == ["name"]) or not all(path):
+    if not (len(path) == 2 and (path[0] in SECTIONS or path[0] == "user") or path == ["name"]) \
+            or not all(path):
         raise UsageError(f"override key '{key}' is not section.key, expected a section among "
-                         f"{', '.join(SECTIONS)} (or 'name')", "e.g. --set train.lr=0.05")
+                         f"{', '.join(SECTIONS)}, user (or 'name')", "e.g. --set train.lr=0.05")
     return path, parse_value(text)
 
 
@@ -385,6 +440,14 @@ def validate(cfg: JobConfig) -> None:
         _check(t.global_batch_size % per_step == 0,
                f"train.global_batch_size {t.global_batch_size} is not a multiple of batch_size x "
                f"ranks = {t.batch_size} x {s.world_size}, expected a multiple of {per_step}", "change batch_size or global_batch_size")
+    _check(t.entry == "" or bool(_ENTRY_SCRIPT.fullmatch(t.entry) or _ENTRY_FUNC.fullmatch(t.entry)),
+           f"train.entry {t.entry!r} is neither a Python script nor a function, expected "
+           "\"path/to/script.py\" or \"package.module:function\" (or \"\" for the built-in trainer)",
+           "e.g. entry = \"examples/charlm/train.py\"")
+    for arg in t.args:
+        _check(len(arg) <= 4096 and not re.search(r"[\x00-\x1f\x7f]", arg),
+               f"train.args entry {arg[:60]!r} has a control character or is over 4096 characters, "
+               "expected one plain argument", "split it into several list entries")
     _check(d.dataset in ("cifar10", "synthetic") or ":" in d.dataset,
            f"data.dataset is {d.dataset!r}, expected cifar10, synthetic or \"package.module:function\"",
            "e.g. dataset = \"cifar10\"")
@@ -441,7 +504,23 @@ def resolve(job: str | Path, overrides: Sequence[str] = (), flags: Mapping[str, 
                          "check the path and its permissions") from None
     raw = apply_overrides(raw, overrides)
     raw = with_cli_flags(raw, flags or {})
-    return from_dict(raw, f"'{job}'")
+    cfg = from_dict(raw, f"'{job}'")
+    return _absolute_entry(cfg, p)
+
+
+def _absolute_entry(cfg: JobConfig, job: Path) -> JobConfig:
+    """A script entry is found relative to the working directory (like `python script.py`),
+    then relative to the job file; the nodes get its absolute path."""
+    entry = cfg.train.entry
+    if not _ENTRY_SCRIPT.fullmatch(entry):
+        return cfg
+    for base in (Path.cwd(), job.resolve().parent):
+        script = base / entry
+        if script.is_file():
+            return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, entry=str(script.resolve())))
+    raise UsageError(f"train.entry script '{entry}' not found (looked in {Path.cwd()} and "
+                     f"{job.resolve().parent}), expected an existing Python file",
+                     "give the path relative to where you run ddpjob, or to the job file")
 
 
 def from_json(text: str, source: str = "config.json") -> JobConfig:

@@ -29,6 +29,7 @@ class DistContext:
     device: torch.device
     initialized: bool
     timeout_s: float = 300.0
+    owned: bool = True  # False: the group existed before (a benchmark pool): leave it standing
 
     @property
     def is_rank0(self) -> bool:
@@ -37,7 +38,7 @@ class DistContext:
     def destroy(self, barrier_timeout_s: float = 30.0) -> None:
         """Best-effort barrier (so no rank tears down while another still sends), then
         destroy_process_group. Never raises: it runs on the way out, often after an error."""
-        if not self.initialized or not dist.is_initialized():
+        if not self.initialized or not self.owned or not dist.is_initialized():
             return
         try:
             if self.backend == "gloo":
@@ -124,7 +125,8 @@ def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float 
     if not env.is_distributed:
         return DistContext(env, "none", device, initialized=False, timeout_s=timeout_s)
     if dist.is_initialized():
-        return DistContext(env, dist.get_backend(), device, initialized=True, timeout_s=timeout_s)
+        return DistContext(env, dist.get_backend(), device, initialized=True, timeout_s=timeout_s,
+                           owned=False)
 
     start = time.monotonic()
     if env.rank != 0:
@@ -204,3 +206,73 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+class Control:
+    """The channel for small control messages: the per-step stop vote and the checkpoint
+    barriers. On NCCL a vote every step would sync the host with the GPU, so control goes
+    through a CPU (gloo) group there; on gloo it is the default group."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.active = ctx.initialized
+        self.group: Any = None
+        if ctx.initialized and ctx.backend == "nccl":
+            self.group = dist.new_group(backend="gloo")
+
+    def agree(self, values: list[int]) -> list[int]:
+        """Element-wise MAX of small integers over all ranks: one all-reduce of a few int64s,
+        so every rank takes the same decision at the same step."""
+        if not self.active:
+            return list(values)
+        t = torch.tensor(list(values), dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier(group=self.group)
+
+
+def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In place over all ranks: "sum", "mean" or "max" (a no-op for one process)."""
+    if not _active():
+        return t
+    if op == "max":
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    else:
+        dist.all_reduce(t)
+        if op == "mean":
+            t /= dist.get_world_size()
+    return t
+
+
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Rank 0's buffers (BatchNorm statistics) everywhere. DDP broadcasts them at the start of
+    each forward, so after the last step every other rank still holds its own update: without
+    this, the ranks would evaluate slightly different models."""
+    if _active():
+        for buf in model.buffers():
+            dist.broadcast(buf, src=0)
+
+
+def ordered_sum_hook(group, bucket):
+    """DDP comm hook: mean of the ranks' gradients, summed in rank order (bit-reproducible).
+
+    Ring all-reduce (gloo and NCCL) adds the ranks' values in an order that depends on the
+    element's offset in its bucket, and DDP rebuilds its buckets after the first iteration of
+    every process: a resumed process would sum (a+b)+c where the uninterrupted one summed
+    a+(b+c). Summing an all-gather in rank order makes the result independent of bucket layout.
+    (No annotations: DDP checks them against the real classes, and this module's annotations
+    are strings under `from __future__ import annotations`.)"""
+    buf = bucket.buffer()
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(buf) for _ in range(world)]
+    fut = dist.all_gather(parts, buf, group=group, async_op=True).get_future()
+
+    def reduce(_: Any) -> torch.Tensor:
+        acc = parts[0].clone()
+        for p in parts[1:]:
+            acc.add_(p)
+        return buf.copy_(acc.div_(world))
+
+    return fut.then(reduce)

@@ -11,10 +11,14 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ddpjob.errors import DDPJobError
+from ddpjob.errors import DDPJobError, UsageError
+
+if TYPE_CHECKING:
+    from ddpjob.config import JobConfig
 
 CONFIG = "config.json"
 JOB = "job.json"
@@ -32,26 +36,50 @@ def new_run_dir(runs_root: str | Path, name: str) -> Path:
     return Path(runs_root) / f"{name}-{stamp}-{secrets.token_hex(2)}"
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> None:
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], mode: int = 0o644) -> None:
+    """The one atomic file write: `write(f)` fills a temp file beside `path`, which is fsynced and
+    renamed over `path`, so a reader (or a resume after a kill) sees the old file or the new one,
+    never half of one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def write_text_atomic(path: str | Path, text: str, mode: int = 0o644) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: f.write(text.encode()), mode)
+
+
+def prepare(path: Path, cfg: JobConfig) -> Path:
+    """Make `path` the run dir of `cfg`: new, or one of the same training (then config.json takes
+    the new resources and length: elastic resume). Another training is refused with one line."""
+    from ddpjob import config, console
+
+    path.mkdir(parents=True, exist_ok=True)
+    if is_run_dir(path):
+        old = config.read_run_config(path)
+        if old.hash() != cfg.hash():
+            raise UsageError(f"run directory {path} holds another job (config hash {old.hash()}, this "
+                             f"job has {cfg.hash()}), expected the same model, data and optimizer",
+                             "use a new --run-dir, or the job file that made this one")
+        if old.to_json() == cfg.to_json():
+            return path
+        console.print0(f"ddpjob: {path}/config.json updated (resources or length changed)")
+    write_text_atomic(path / CONFIG, cfg.to_json())
+    return path
 
 
 def read_json(path: str | Path, default: Any = None) -> Any:

@@ -1,55 +1,75 @@
-"""The training loop: `fit()` reads top to bottom (build, resume, loop, final save) and
-`train_step()` is one optimizer step (accumulation with no_sync, autocast, scaler, clip).
+"""The built-in trainer: a client of ddpjob's public API (api.py) like any user script.
 
-runner.py calls fit() with the resolved config, the DistContext from dist.py, the run dir and
-the StopFlag from preemption.py; fit() returns how it ended. What a checkpoint holds and how a
-resume (also at another world size) restores it lives in trainstate.py.
+`main()` is the default `train.entry`; `fit(job)` reads top to bottom (build, resume, loop,
+finish) and `train_step()` is one optimizer step (accumulation with no_sync, autocast, scaler,
+clip). The stop vote, checkpoints, requeue and resume all come from `job`: nothing here is a
+private shortcut.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import torch
-import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpjob import data, models, preemption, rundir, syncbn, trainstate
-from ddpjob.config import JobConfig
-from ddpjob.console import print0
-from ddpjob.dist import DistContext
-from ddpjob.metrics import Meter, MetricsLog, Progress
+import ddpjob
+from ddpjob import data, models, syncbn
+from ddpjob.api import Job
+from ddpjob.config import JobConfig, accumulation_for
+from ddpjob.errors import DDPJobError
+from ddpjob.metrics import Meter, Progress as Bar
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def main() -> None:
+    """The built-in trainer as an entry: `train.entry = ""` (the default) runs this."""
+    fit(ddpjob.init())
 
 
 @dataclass
 class FitResult:
     step: int
     total_steps: int
-    stop_code: int = preemption.NONE  # NONE: training finished
     accuracy: float | None = None
     resumed_from: int | None = None
-    agree_s: float = 0.0  # time spent in the per-step stop all-reduce (reported by benchmarks)
+    vote_s: float = 0.0  # time spent in the per-step stop all-reduce (reported by benchmarks)
     steps_run: int = 0
 
-    @property
-    def finished(self) -> bool:
-        return self.stop_code == preemption.NONE
+
+@dataclass
+class Progress:
+    """The trainer's own state, checkpointed like the model (torchtitan's idea): the global
+    batch that defines "step N" at any world size, and the evaluation record."""
+
+    global_batch: int = 0
+    best_acc: float | None = None
+    last_eval_acc: float | None = None
+    last_eval_step: int | None = None
+
+    def record_eval(self, step: int, acc: float) -> None:
+        self.last_eval_step, self.last_eval_acc = step, acc
+        self.best_acc = acc if self.best_acc is None else max(self.best_acc, acc)
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            if hasattr(self, key):
+                setattr(self, key, value)
 
 
-def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.StopFlag,
-        deadline: preemption.DeadlineWatch | None = None) -> FitResult:
-    t, env, device = cfg.train, ctx.env, ctx.device
+def fit(job: Job) -> FitResult:
+    cfg = job.config
+    t, device = cfg.train, job.device
     amp_dtype = amp_dtype_for(t.amp, device)
     fmt = torch.channels_last if t.channels_last else torch.contiguous_format
 
@@ -58,165 +78,107 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
     torch.manual_seed(t.seed)
     raw = models.build_model(t.model, t.num_classes, cifar_stem=t.cifar_stem,
                              pretrained=t.pretrained, freeze_backbone=t.freeze_backbone)
-    if t.sync_batchnorm and ctx.initialized:  # before DDP: DDP must see the final modules
+    if t.sync_batchnorm and job.world_size > 1:  # before DDP: DDP must see the final modules
         raw = syncbn.convert(raw, device)
     raw.to(device)
     raw.to(memory_format=fmt)  # channels_last for 4-d weights
     optimizer = build_optimizer(raw, cfg)
     # One code path for every precision: the scaler is a no-op unless fp16 (bf16 needs none).
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-
-    # ---- resume: the newest valid checkpoint (weights before DDP: it then broadcasts them)
-    state = trainstate.TrainState(cfg, ctx, Path(run_dir))
-    progress = state.resume(raw, optimizer, scaler)
-    accumulation = progress.accumulation
-    if ctx.is_rank0:
-        rundir.record_event(run_dir, "start", restart=env.restart_count, job_id=env.job_id,
-                            world_size=env.world_size, source=env.source, host=env.hostname,
-                            resumed_step=progress.resumed_from, accumulation=accumulation)
-
-    # ---- data: the position in the data is the global optimizer step, at any world size
+    model = job.wrap(raw)  # DDP (+ rank-ordered reduction for >2 ranks)
+    if t.compile:
+        model = cast(nn.Module, torch.compile(model))
     train_set, test_set = data.build_datasets(cfg.data.dataset, cfg.data.root, t.seed,
                                               cfg.data.synthetic_train, cfg.data.synthetic_test)
+    progress = Progress(global_batch=t.batch_size * job.world_size
+                        * accumulation_for(cfg, job.world_size))
+
+    # ---- resume: last, because building the model and data above consumed random numbers
+    state = {"model": model, "optimizer": optimizer, "scaler": scaler, "progress": progress}
+    start = job.resume(state)
+
+    # ---- data: the position in the data is the global optimizer step, at any world size.
+    # Elastic resume keeps the global batch (and so the meaning of "step N"); the accumulation
+    # absorbs the change in world size.
+    per_step = t.batch_size * job.world_size
+    if progress.global_batch % per_step:
+        raise DDPJobError(
+            f"the checkpoint at step {start} was trained with a global batch of "
+            f"{progress.global_batch}, which {job.world_size} ranks x batch_size {t.batch_size} "
+            "cannot reproduce",
+            f"resume with a world size and batch_size whose product divides {progress.global_batch}")
+    accumulation = progress.global_batch // per_step
+    old = job.resumed_world_size
+    if old is not None and old != job.world_size:
+        old_accumulation = progress.global_batch // (t.batch_size * old)
+        bar_note = (f"elastic resume: world size {old} -> {job.world_size}, accumulation "
+                    f"{old_accumulation} -> {accumulation}, global batch {progress.global_batch} kept, "
+                    f"data continues at step {start}")
+    else:
+        bar_note = ""
     loader = data.make_train_loader(
         train_set, num_workers=cfg.data.num_workers, micro_batch=t.batch_size,
-        accumulation=accumulation, rank=env.rank, world_size=env.world_size, seed=t.seed,
+        accumulation=accumulation, rank=job.rank, world_size=job.world_size, seed=t.seed,
         augment=cfg.data.augment, device=device, channels_last=t.channels_last)
-    if state.world_changed and isinstance(loader, data.PluginLoader):
-        print0("note: plugin datasets are sharded by DistributedSampler, whose order depends on "
-               "the world size: the rest of this epoch sees another sample order")
     spe = loader.steps_per_epoch
     total = t.max_steps or t.epochs * spe
-    samples = None
-    if t.log_sample_ids:
-        if isinstance(loader, data.TensorLoader):
-            samples = SampleLog(Path(run_dir), env.rank, env.restart_count, env.world_size)
-        else:
-            print0("note: train.log_sample_ids needs the synthetic or cifar10 dataset: off")
     warmup = t.warmup_steps or round(t.warmup_epochs * spe)
 
     def lr_at(step: int) -> float:
         return lr_schedule(step, base=t.lr, total=total, warmup=warmup, schedule=t.schedule,
                            steps_per_epoch=spe, step_epochs=t.lr_step_epochs, gamma=t.lr_gamma)
 
-    # ---- wrap: DDP (+ rank-ordered reduction for >2 ranks), then compile
-    model = wrap_ddp(raw, ctx, deterministic=t.deterministic_reduce)
-    if t.compile:
-        model = cast(nn.Module, torch.compile(model))
     loss_fn = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
-    state.restore_rng()  # last: building the model and data above consumed the global RNG
-
-    # ---- the loop
-    step = progress.step
-    meter = Meter(images_per_step=loader.global_batch)
-    log = MetricsLog(run_dir, enabled=ctx.is_rank0, restart=env.restart_count)
-    bar = Progress(total, step, enabled=ctx.is_rank0)
-    result = FitResult(step=step, total_steps=total, resumed_from=progress.resumed_from)
-    bar.message(f"training {t.model} on {cfg.data.dataset}: {env.world_size} rank(s) x batch "
-                f"{t.batch_size} x accumulation {accumulation} = global batch {loader.global_batch}, "
-                f"{spe} steps/epoch, steps {step}..{total}, amp {_dtype_name(amp_dtype)}")
     eval_due = (lambda s: s % t.eval_every == 0) if t.eval_every else (lambda s: s % spe == 0)
-    stop_agreed = preemption.NONE
-    stop.current_step = step
-    while step < total and not stop_agreed:
-        epoch, start = divmod(step, spe)
-        for micro_batches in meter.timed(loader.batches(epoch, start)):
+
+    # ---- the loop: job.steps() votes on stopping and saves between steps
+    meter = Meter(images_per_step=loader.global_batch)
+    bar = Bar(total, start, enabled=job.is_rank0)
+    result = FitResult(step=start, total_steps=total, resumed_from=start or None)
+    bar.message(f"training {t.model} on {cfg.data.dataset}: {job.world_size} rank(s) x batch "
+                f"{t.batch_size} x accumulation {accumulation} = global batch {loader.global_batch}, "
+                f"{spe} steps/epoch, steps {start}..{total}, amp {_dtype_name(amp_dtype)}")
+    if bar_note:
+        bar.message(bar_note)
+    batches = None
+    try:
+        for step in job.steps(state, total, accumulation=accumulation):
+            epoch, within = divmod(step, spe)
+            if batches is None or within == 0:
+                batches = meter.timed(loader.batches(epoch, within))
+            micro_batches = next(batches)
             lr = lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss = train_step(model, optimizer, scaler, micro_batches, loss_fn=loss_fn,
                               amp_dtype=amp_dtype, grad_clip=t.grad_clip)
-            if samples is not None:
-                ids = cast(data.TensorLoader, loader).sample_ids(epoch, step - epoch * spe)
-                samples.write(step + 1, epoch, ids)
-            step += 1
-            stop.current_step = step
+            done = step + 1
+            if t.log_sample_ids:
+                job.log_samples(done, epoch, loader.sample_ids(epoch, within))
             meter.step_done()
             result.steps_run += 1
-            if deadline is not None:
-                deadline.observe_step(meter.last_step_s)
-            if step % t.log_every == 0 or step == total:
-                mean_loss = _mean_over_ranks(loss, ctx)  # the only host sync of the step
+            if done % t.log_every == 0 or done == total:
                 timing = meter.window()
-                log.step(step=step, epoch=epoch, loss=mean_loss, lr=lr, **timing)
-                bar.update(step, epoch, mean_loss, lr, timing)
-            if eval_due(step) or step == total:
-                t0 = time.monotonic()
-                sync_buffers(raw, ctx)
-                acc, eval_loss = evaluate(raw, test_set, ctx,
-                                          batch_size=max(t.batch_size, 256), amp_dtype=amp_dtype,
-                                          channels_last=t.channels_last)
-                progress.record_eval(step, acc, eval_loss)
-                log.eval(step=step, epoch=(step - 1) // spe, eval_acc=acc, eval_loss=eval_loss)
-                bar.message(f"eval step {step}: accuracy {acc:.4f} loss {eval_loss:.4f}")
-                if deadline is not None:
-                    deadline.observe_eval(time.monotonic() - t0)
+                # the loss average is the only host sync of the step
+                logged = job.log(done, average=["loss"], epoch=epoch, loss=loss, lr=lr, **timing)
+                bar.update(done, epoch, logged["loss"], lr, timing)
+            if eval_due(done) or done == total:
+                job.broadcast_buffers(raw)  # rank 0's BatchNorm statistics: one model evaluated
+                acc, eval_loss = evaluate(raw, test_set, job, batch_size=max(t.batch_size, 256),
+                                          amp_dtype=amp_dtype, channels_last=t.channels_last)
+                progress.record_eval(done, acc)
+                job.log(done, epoch=(done - 1) // spe, eval_acc=acc, eval_loss=eval_loss)
+                bar.message(f"eval step {done}: accuracy {acc:.4f} loss {eval_loss:.4f}")
                 meter.pause()
-            if step >= total:
-                break  # finishing costs no more than stopping would: the final save below
-            # ---- step boundary: every rank takes the same decision (one small all-reduce)
-            if deadline is not None and deadline.expired():
-                stop.request(preemption.DEADLINE)
-            t0 = time.perf_counter()
-            stop_agreed, save_due, busy = preemption.agree(
-                [stop.code, int(state.schedule.due(step)), int(state.async_busy())],
-                group=state.control_group, device=state.control_device)
-            result.agree_s += time.perf_counter() - t0
-            if not busy:
-                state.commit_pending()  # every rank's background write is done: the vote said so
-            if stop_agreed or save_due:
-                t0 = time.monotonic()
-                state.save(step, raw, optimizer, scaler, blocking=bool(stop_agreed))
-                if deadline is not None:
-                    deadline.observe_checkpoint(time.monotonic() - t0)
-                meter.pause()
-            if stop_agreed:
-                break
+    finally:
+        bar.close()
 
-    # ---- the end: a final checkpoint (optimizer included), the plain weights, the marker
-    result.step, result.stop_code = step, stop_agreed
-    if stop_agreed:
-        mine = f"; this rank got {stop.describe()}" if stop.signum is not None else ""
-        bar.message(f"stopping at step {step}/{total} ({preemption.REASONS[stop_agreed]}{mine}): "
-                    "checkpoint written")
-    else:
-        state.save(step, raw, optimizer, scaler, blocking=True)
-        result.accuracy = progress.last_eval_acc
-        if ctx.is_rank0:
-            final = Path(run_dir) / rundir.FINAL
-            final.mkdir(exist_ok=True)
-            trainstate.save_plain(final / "model.pt", trainstate.model_state(raw))
-            rundir.mark_completed(run_dir, step=step, accuracy=result.accuracy,
-                                  best_accuracy=progress.best_acc)
-        vote_us = 1e6 * result.agree_s / max(result.steps_run, 1)
-        bar.message(f"finished: step {step}, accuracy {result.accuracy} "
-                    f"(stop vote {vote_us:.0f} us/step)")
-    bar.close()
-    if samples is not None:
-        samples.close()
-    state.barrier()
+    # ---- the end: job.steps() wrote the final checkpoint; the plain weights and the marker
+    result.step, result.accuracy, result.vote_s = total, progress.last_eval_acc, job.vote_s
+    job.finish(raw, accuracy=result.accuracy, best_accuracy=progress.best_acc)
+    vote_us = 1e6 * job.vote_s / max(result.steps_run, 1)
+    bar.message(f"finished: step {total}, accuracy {result.accuracy} (stop vote {vote_us:.0f} us/step)")
     return result
-
-
-class SampleLog:
-    """train.log_sample_ids: this rank's global sample ids of every optimizer step, one JSON line
-    per step in RUN_DIR/samples/rank-R.jsonl, so a test can check that each sample is used once
-    per epoch, also across an elastic resume. Steps replayed after a kill are appended again:
-    readers keep, per step, the lines of the newest restart."""
-
-    def __init__(self, run_dir: Path, rank: int, restart: int, world_size: int) -> None:
-        folder = run_dir / "samples"
-        folder.mkdir(exist_ok=True)
-        self._head = {"rank": rank, "restart": restart, "world_size": world_size}
-        self._file = open(folder / f"rank-{rank}.jsonl", "a", encoding="utf-8", buffering=1)
-
-    def write(self, step: int, epoch: int, ids: torch.Tensor) -> None:
-        # Whole lines (line buffering): a kill leaves at most one torn line, which readers skip.
-        record = {"step": step, "epoch": epoch, **self._head, "ids": ids.tolist()}
-        self._file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -251,17 +213,17 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, test_set: Any, ctx: DistContext, *, batch_size: int,
+def evaluate(model: nn.Module, test_set: Any, job: Job, *, batch_size: int,
              amp_dtype: torch.dtype | None, channels_last: bool) -> tuple[float, float]:
     """Accuracy and mean loss over the whole test set, each rank evaluating a contiguous share.
     Counts are summed exactly (float64 holds integers exactly), so accuracy equals a
     one-process evaluation; the loss sum differs only by summation order."""
     was_training = model.training
     model.eval()
-    device = ctx.device
+    device = job.device
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, count, loss sum
-    for x, y in data.eval_batches(test_set, batch_size=batch_size, rank=ctx.env.rank,
-                                  world_size=ctx.env.world_size, device=device,
+    for x, y in data.eval_batches(test_set, batch_size=batch_size, rank=job.rank,
+                                  world_size=job.world_size, device=device,
                                   channels_last=channels_last):
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             logits = model(x)
@@ -269,8 +231,7 @@ def evaluate(model: nn.Module, test_set: Any, ctx: DistContext, *, batch_size: i
         sums[0] += (logits.argmax(1) == y).sum()
         sums[1] += y.numel()
         sums[2] += F.cross_entropy(logits, y, reduction="sum").double()
-    if ctx.initialized:
-        tdist.all_reduce(sums)
+    job.all_reduce(sums)
     model.train(was_training)
     correct, count, loss_sum = sums.tolist()
     return correct / max(count, 1), loss_sum / max(count, 1)
@@ -339,53 +300,3 @@ def lr_schedule(step: int, *, base: float, total: int, warmup: int, schedule: st
         return base * gamma ** ((step // steps_per_epoch) // step_epochs)
     frac = (step - warmup) / max(1, total - warmup)
     return base * 0.5 * (1.0 + math.cos(math.pi * min(frac, 1.0)))
-
-
-def wrap_ddp(model: nn.Module, ctx: DistContext, *, deterministic: bool = True) -> nn.Module:
-    if not ctx.initialized:
-        return model
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    ddp = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    if deterministic and ctx.env.world_size > 2:
-        # Ring all-reduce (gloo and NCCL) adds the ranks' values in an order that depends on
-        # the element's offset in its bucket, and DDP rebuilds its buckets after the first
-        # iteration of every process: a resumed process would sum (a+b)+c where the
-        # uninterrupted one summed a+(b+c). Summing an all-gather in rank order makes the
-        # result independent of bucket layout. (With 2 ranks a+b == b+a: not needed.)
-        ddp.register_comm_hook(None, ordered_sum_hook)
-    return ddp
-
-
-def ordered_sum_hook(group, bucket):
-    """DDP comm hook: mean of the ranks' gradients, summed in rank order (bit-reproducible).
-    (No annotations: DDP checks them against the real classes, and this module's annotations
-    are strings under `from __future__ import annotations`.)"""
-    buf = bucket.buffer()
-    world = tdist.get_world_size(group)
-    parts = [torch.empty_like(buf) for _ in range(world)]
-    fut = tdist.all_gather(parts, buf, group=group, async_op=True).get_future()
-
-    def reduce(_: Any) -> torch.Tensor:
-        acc = parts[0].clone()
-        for p in parts[1:]:
-            acc.add_(p)
-        return buf.copy_(acc.div_(world))
-
-    return fut.then(reduce)
-
-
-def sync_buffers(model: nn.Module, ctx: DistContext) -> None:
-    """Rank 0's BatchNorm statistics everywhere. DDP broadcasts them at the start of each
-    forward, so after the last step every other rank still holds its own update: without this,
-    the ranks would evaluate slightly different models."""
-    if ctx.initialized:
-        for buf in model.buffers():
-            tdist.broadcast(buf, src=0)
-
-
-def _mean_over_ranks(loss: torch.Tensor, ctx: DistContext) -> float:
-    if ctx.initialized:
-        loss = loss.detach().clone()
-        tdist.all_reduce(loss)
-        loss /= ctx.env.world_size
-    return float(loss.item())

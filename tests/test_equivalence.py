@@ -21,9 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddpjob import data, models, trainer
-from ddpjob.cluster import ClusterEnv
-from ddpjob.dist import DistContext
+from ddpjob import api, config, data, models, trainer
 from ranks import metrics, run, write_job
 from test_trainer import fit_here
 
@@ -107,8 +105,11 @@ def test_distributed_eval_equals_one_process_eval_exactly(syncbn_run: Path) -> N
     model = models.build_model("cnn_tiny", 10)
     model.load_state_dict(_final(syncbn_run))
     _, test_set = data.build_datasets("synthetic", "", 3, 1280, 509)
-    ctx = DistContext(ClusterEnv(), "none", torch.device("cpu"), initialized=False)
-    acc, loss = trainer.evaluate(model, test_set, ctx, batch_size=256, amp_dtype=None, channels_last=False)
+    job = api.init(config.JobConfig(), run_dir=syncbn_run.parent / "eval-alone")
+    try:
+        acc, loss = trainer.evaluate(model, test_set, job, batch_size=256, amp_dtype=None, channels_last=False)
+    finally:
+        job.close()
     assert acc == logged
     assert acc == round(acc * 509) / 509  # a count over the whole set: no padding, no duplicates
     assert loss == pytest.approx(metrics(syncbn_run, "eval")[final]["eval_loss"], rel=1e-6)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddpjob import cli, config, preemption, rundir, runner
+from ddpjob import cli, config, preemption, requeue, rundir
 from ddpjob.cluster import ClusterEnv
 from ranks import (PYTHON, REPO, assert_bit_equal, base_env, free_port, final_state, metrics, run,
                    write_job)
@@ -122,7 +122,7 @@ def test_requeue_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source:
     monkeypatch.setattr(preemption, "requeue", lambda job_id: calls.append(job_id))
     monkeypatch.setattr(preemption, "being_preempted", lambda job_id: preempting)
     env = ClusterEnv(source=source, job_id="123" if source == "slurm" else "local-1", restart_count=0)
-    runner._after_stop(config.JobConfig(), env, tmp_path, code, 17)
+    requeue.after_stop(config.JobConfig(), env, tmp_path, code, 17)
     assert calls == (["123"] if expect_requeue else [])
     stop = rundir.events(tmp_path)[-1]
     assert stop["event"] == "stop" and stop["step"] == 17 and stop["reason"] == preemption.REASONS[code]
@@ -133,7 +133,7 @@ def test_no_requeue_when_max_requeues_is_used_up(tmp_path: Path, monkeypatch: py
     calls: list[str] = []
     monkeypatch.setattr(preemption, "requeue", lambda job_id: calls.append(job_id))
     cfg = config.from_dict({"slurm": {"max_requeues": 2}})
-    runner._after_stop(cfg, ClusterEnv(source="slurm", job_id="9", restart_count=2), tmp_path,
+    requeue.after_stop(cfg, ClusterEnv(source="slurm", job_id="9", restart_count=2), tmp_path,
                        preemption.REQUEUE, 3)
     assert calls == [] and "max_requeues = 2 reached" in rundir.events(tmp_path)[-1]["note"]
 

@@ -1,0 +1,421 @@
+"""The public API: ddpjob's preemption-proof core for any training loop.
+
+    job = ddpjob.init()                      # environment, process group, device, run dir, stop handlers
+    model = job.wrap(model)                  # to the device, DDP
+    sampler = ddpjob.StepSampler(len(ds), global_batch=256, seed=0)
+    state = {"model": model, "optimizer": opt, "sampler": sampler}
+    job.resume(state)                        # newest valid checkpoint + every RNG
+    batches = iter(DataLoader(ds, batch_sampler=sampler))
+    for step in job.steps(state, total):     # stop vote, checkpoints, deadline, requeue
+        ...one optimizer step on next(batches)...
+        job.log(step + 1, loss=loss)
+    job.finish(model)
+
+`ddpjob run` (and so submit, sbatch and the local backend) prepares the config and the run dir
+and then runs the job file's `train.entry`, whose `ddpjob.init()` picks them up; a script started
+alone or under torchrun gets a new run dir under ./runs/. The built-in trainer uses only this.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpjob import config, console, rundir
+from ddpjob.cluster import ClusterEnv
+from ddpjob.config import JobConfig
+from ddpjob.errors import DDPJobError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REQUEUE = 0, 1, 2, 3
+
+
+class StopForRequeue(SystemExit):
+    """Raised out of `job.steps()` once every rank agreed to stop and the checkpoint is written:
+    the process ends with EXIT_REQUEUE. A SystemExit, so `except Exception` in user code lets it
+    through and `finally` blocks still run."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(EXIT_REQUEUE)
+        self.step = step
+
+
+class AlreadyCompleted(SystemExit):
+    """Raised by `init()` when the run dir holds a finished run: nothing to do, exit 0."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_OK)
+
+
+@dataclass
+class Launch:
+    """What `ddpjob run` hands to the entry's `init()`: the resolved config, the run dir (None:
+    choose one like a script started alone), argv for the legacy --local_rank, the stop flag
+    installed before torch was imported."""
+
+    cfg: JobConfig
+    run_dir: Path | None = None
+    wanted_dir: Path | None = None
+    argv: Sequence[str] | None = None
+    stop: Any = None
+
+
+_launch: Launch | None = None
+_current: Job | None = None
+
+
+def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] = (),
+         run_dir: str | Path | None = None) -> Job:
+    """Set this process up as one rank of the job and return its Job (once per process).
+
+    Under `ddpjob run` the job file and run dir come from there and the arguments are ignored.
+    Otherwise `job` is a job file (or JobConfig; default: every key at its default) with
+    `--set`-style `overrides`, and `run_dir` an existing or new run directory (default: a new
+    one under ./runs/, or runs/<name>-<job id> under SLURM so a requeued job finds it)."""
+    global _current
+    if _current is not None:
+        return _current
+    launch = _launch
+    if launch is None:
+        if isinstance(job, JobConfig):
+            cfg = job
+        elif job is not None:
+            cfg = config.resolve(Path(job), overrides, {})
+        else:
+            cfg = config.from_dict(config.apply_overrides({}, overrides), "--set")
+        launch = Launch(cfg, wanted_dir=Path(run_dir) if run_dir is not None else None,
+                        argv=sys.argv[1:])
+    cfg = launch.cfg
+    env = ClusterEnv.from_environ(argv=launch.argv)  # GPUs not counted yet: torch is slow to import
+    console.set_rank(env.rank)
+    if env.restart_count > cfg.slurm.max_requeues:
+        if env.is_rank0 and launch.run_dir is not None:
+            rundir.record_event(launch.run_dir, "stop", reason="failed", step=None, job_id=env.job_id,
+                                restart=env.restart_count, error="max_requeues exceeded")
+        raise DDPJobError(f"this is restart {env.restart_count} of job {env.job_id}, more than "
+                          f"slurm.max_requeues = {cfg.slurm.max_requeues}",
+                          "raise slurm.max_requeues, or find out why the job keeps stopping "
+                          "(`ddpjob status RUN_DIR` lists every stop)")
+    from ddpjob import preemption
+
+    # Flag-only handlers before torch loads: a signal during the slow start must not kill us.
+    stop = launch.stop or preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
+    import torch
+
+    from ddpjob import dist
+
+    env = ClusterEnv.from_environ(argv=launch.argv, num_gpus=torch.cuda.device_count())
+    ctx = dist.init_process_group(env, backend=cfg.train.backend, timeout_s=cfg.train.dist_timeout_s,
+                                  threads=cfg.train.threads)
+    try:
+        path = launch.run_dir or _shared_run_dir(cfg, env, launch.wanted_dir)
+    except BaseException:
+        ctx.destroy(barrier_timeout_s=1.0)
+        raise
+    if rundir.completed(path) is not None:  # e.g. a job requeued after it finished
+        console.print0(f"ddpjob: {path} already completed: nothing to do")
+        ctx.destroy()
+        raise AlreadyCompleted()
+    _current = Job(cfg, ctx, path, stop, standalone=_launch is None)
+    return _current
+
+
+def current() -> Job | None:
+    return _current
+
+
+class Job:
+    """One rank's handle on the job. Attributes: rank, local_rank, world_size, device, run_dir,
+    is_rank0, config (the JobConfig; `config.user` is the job file's [user] table), user."""
+
+    def __init__(self, cfg: JobConfig, ctx: Any, run_dir: Path, stop: Any, *, standalone: bool) -> None:
+        self._standalone = standalone
+        from ddpjob import dist, preemption
+        from ddpjob.state import StateStore
+
+        self.config, self.env, self._ctx, self.run_dir, self._stop = cfg, ctx.env, ctx, run_dir, stop
+        self.rank, self.local_rank = ctx.env.rank, ctx.env.local_rank
+        self.world_size, self.device, self.is_rank0 = ctx.env.world_size, ctx.device, ctx.env.is_rank0
+        self.user: dict[str, Any] = dict(cfg.user)
+        self.restart, self.job_id = ctx.env.restart_count, ctx.env.job_id
+        self.finished = False
+        self.stopped_at: int | None = None
+        self._control = dist.Control(ctx)
+        c = cfg.checkpoint
+        self._store = StateStore(run_dir / rundir.CHECKPOINTS, keep_last=c.keep_last,
+                                 config_hash=cfg.hash(), async_save=c.async_save, rank=self.rank,
+                                 world_size=self.world_size, restart=self.restart,
+                                 job_id=self.job_id, control=self._control)
+        self._schedule = _schedule(c.every_steps, c.every_minutes)
+        self._deadline = preemption.DeadlineWatch(_end_time(self.env))
+        self._step: int | None = None  # set by resume()
+        self.resumed_world_size: int | None = None  # the checkpoint's, after resume()
+        self._samples: Any = None
+        self._closed = False
+        self.vote_s = 0.0
+        console.print0(f"ddpjob run {run_dir}: {self.env.describe()}")
+        if standalone:
+            atexit.register(self.close)
+
+    # ------------------------------------------------------------------ model
+    def wrap(self, model: Any, **ddp_kwargs: Any) -> Any:
+        """Move `model` to this rank's device and wrap it in DDP (when there are several ranks).
+        With train.deterministic_reduce and more than 2 ranks the gradients are summed in rank
+        order, so a resumed run adds them exactly as the uninterrupted one did."""
+        from ddpjob import dist
+
+        model.to(self.device)
+        if not self._ctx.initialized:
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if self.device.type == "cuda":
+            ddp_kwargs.setdefault("device_ids", [self.device.index])
+        ddp_kwargs.setdefault("gradient_as_bucket_view", True)
+        ddp = DDP(model, **ddp_kwargs)
+        if self.config.train.deterministic_reduce and self.world_size > 2:
+            ddp.register_comm_hook(None, dist.ordered_sum_hook)
+        return ddp
+
+    # ------------------------------------------------------------------ resume / steps
+    def resume(self, state: dict[str, Any], *, seed: int | None = None) -> int:
+        """Load the newest valid checkpoint into `state` (objects in place, plain values replaced
+        in the dict), restore every RNG of this rank, and return the step to continue from (0
+        for a fresh run, where each rank's RNGs are seeded from (seed, rank)). Call it last
+        before the loop: building models and data consumes random numbers."""
+        from ddpjob.sampler import StepSampler
+
+        seed = self.config.train.seed if seed is None else int(seed)
+        step = self._store.resume(state, enabled=self.config.checkpoint.resume, seed=seed)
+        old_world = self._store.resumed_meta.get("world_size")
+        self.resumed_world_size = old_world if step else None
+        if step and old_world not in (None, self.world_size):
+            console.print0(f"resumed at another world size: {old_world} -> {self.world_size} ranks "
+                           f"(step {step})")
+        for obj in state.values():
+            if isinstance(obj, StepSampler):
+                obj.set_step(step)
+        self._step = step
+        return step
+
+    def steps(self, state: dict[str, Any], total: int, **info: Any) -> Iterator[int]:
+        """Optimizer-step numbers from the resumed step to `total` - 1. Between two steps every
+        rank votes (one small all-reduce) on stopping and on a due checkpoint; when they agree to
+        stop, the checkpoint is written, the requeue decided and the process ends with
+        EXIT_REQUEUE (StopForRequeue). After the last step a final checkpoint is written.
+        `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
+        from ddpjob import preemption
+        from ddpjob.sampler import StepSampler
+
+        if self._step is None:
+            self.resume(state)
+        step = int(self._step or 0)
+        if self.is_rank0:
+            rundir.record_event(self.run_dir, "start", restart=self.restart, job_id=self.job_id,
+                                world_size=self.world_size, source=self.env.source,
+                                host=self.env.hostname, resumed_step=step or None, **info)
+        samplers = [o for o in state.values() if isinstance(o, StepSampler)]
+        self._stop.current_step = step
+        t_step = time.monotonic()
+        while step < total:
+            yield step
+            step += 1
+            self._step = step
+            self._stop.current_step = step
+            now = time.monotonic()
+            self._deadline.observe_step(now - t_step)
+            if step >= total:
+                break  # finishing costs no more than stopping would: the final save below
+            if self._deadline.expired():
+                self._stop.request(preemption.DEADLINE)
+            t0 = time.perf_counter()
+            stop, save_due, busy = self._control.agree(
+                [self._stop.code, int(self._schedule.due(step)), int(self._store.busy())])
+            self.vote_s += time.perf_counter() - t0
+            if not busy:
+                self._store.commit_pending()  # every rank's background write is done: the vote said so
+            if stop or save_due:
+                for s in samplers:
+                    s.set_step(step)
+                t0 = time.monotonic()
+                self._store.save(step, state, blocking=bool(stop))
+                self._deadline.observe_checkpoint(time.monotonic() - t0)
+                self._schedule.mark_saved()
+            if stop:
+                self._stop_for_requeue(step, stop)
+            t_step = time.monotonic()
+        for s in samplers:
+            s.set_step(step)
+        self._store.save(step, state, blocking=True)
+
+    def _stop_for_requeue(self, step: int, code: int) -> None:
+        from ddpjob import preemption, requeue
+
+        self.stopped_at = step
+        self._record_signal(step)
+        mine = f"; this rank got {self._stop.describe()}" if self._stop.signum is not None else ""
+        console.print0(f"stopping at step {step} ({preemption.REASONS[code]}{mine}): checkpoint written")
+        if self.is_rank0:
+            requeue.after_stop(self.config, self.env, self.run_dir, code, step)
+        self._control.barrier()  # nobody exits (srun --kill-on-bad-exit) before rank 0 requeued
+        raise StopForRequeue(step)
+
+    def _record_signal(self, step: int) -> None:
+        import signal
+
+        if self._stop.signum is not None:  # per rank: which signal reached it, and when
+            rundir.record_event(self.run_dir, "signal", rank=self.rank,
+                                signal=signal.Signals(self._stop.signum).name,
+                                at_step=self._stop.signal_step, stop_step=step,
+                                job_id=self.job_id, restart=self.restart)
+
+    # ------------------------------------------------------------------ records
+    def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
+        """`tensor` summed ("sum"), averaged ("mean") or maximised ("max") over the ranks, in
+        place; returns it. A collective: every rank calls it."""
+        from ddpjob import dist
+
+        if op not in ("sum", "mean", "max"):
+            raise DDPJobError(f"all_reduce op {op!r} is unknown, expected sum, mean or max", "use op=\"sum\"")
+        return dist.all_reduce_(tensor, op)
+
+    def broadcast_buffers(self, model: Any) -> None:
+        """Rank 0's buffers (BatchNorm running statistics) on every rank, e.g. before an
+        evaluation, so that every rank evaluates the same model. A collective."""
+        from ddpjob import dist
+        from ddpjob.state import plain_module
+
+        dist.broadcast_buffers(plain_module(model))
+
+    def log(self, step: int, *, average: bool | Sequence[str] = False, **scalars: Any) -> dict[str, Any]:
+        """Rank 0 appends {step, restart, time, **scalars} to RUN_DIR/metrics.jsonl (what
+        `ddpjob plot` and `status` read; names starting with eval_ make an eval record).
+        `average=True` (or a list of names) first averages those values over the ranks (one
+        all-reduce): a collective, so every rank must call log() at that step. Returns the
+        values as logged (tensors read with .item(), which waits for the device)."""
+        import math
+
+        import torch
+
+        from ddpjob import dist
+
+        names = list(scalars) if average is True else list(average or ())
+        if names:
+            values = torch.stack([torch.as_tensor(scalars[n]).detach().to(self.device, torch.float64)
+                                  for n in names])
+            dist.all_reduce_(values, "mean")
+            scalars.update(zip(names, values.tolist()))
+        record = {name: (v.item() if hasattr(v, "item") else v) for name, v in scalars.items()}
+        if self.is_rank0:
+            # JSON has no NaN/inf: keep the line parseable, as "nan"/"inf" strings
+            line = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                    for k, v in record.items()}
+            kind = "eval" if line and all(k.startswith("eval_") or k == "epoch" for k in line) else "train"
+            rundir.append_jsonl(self.run_dir / rundir.METRICS,
+                                {"kind": kind, "time": time.time(), "step": int(step),
+                                 "restart": self.restart, **line})
+        return record
+
+    def log_samples(self, step: int, epoch: int, ids: Any) -> None:
+        """This rank's global sample ids of optimizer step `step` (1-based: the step just done)
+        to RUN_DIR/samples/rank-R.jsonl, for exactly-once-per-epoch checks across requeues.
+        Steps replayed after a kill are appended again: readers keep the newest restart's."""
+        import json
+
+        if self._samples is None:
+            folder = self.run_dir / "samples"
+            folder.mkdir(exist_ok=True)
+            self._samples = open(folder / f"rank-{self.rank}.jsonl", "a", encoding="utf-8", buffering=1)
+        record = {"step": int(step), "epoch": int(epoch), "rank": self.rank, "restart": self.restart,
+                  "world_size": self.world_size, "ids": [int(i) for i in ids]}
+        self._samples.write(json.dumps(record) + "\n")  # whole lines: a kill tears at most one
+
+    def finish(self, model: Any = None, **info: Any) -> None:
+        """The end of training: RUN_DIR/final/model.pt (a plain state_dict, no `module.`
+        prefixes) and the COMPLETED marker with `info` (e.g. accuracy=0.93). Collective."""
+        from ddpjob.state import plain_state_dict
+
+        self._store.finish_pending()
+        step = self._step if self._step is not None else 0
+        self._record_signal(step)
+        if self.is_rank0:
+            if model is not None:
+                import torch
+
+                final = self.run_dir / rundir.FINAL
+                final.mkdir(exist_ok=True)
+                weights = plain_state_dict(model)
+                rundir.write_atomic(final / "model.pt", lambda f: torch.save(weights, f))
+            rundir.mark_completed(self.run_dir, step=step, **info)
+            rundir.record_event(self.run_dir, "stop", reason="finished", step=step, job_id=self.job_id,
+                                restart=self.restart, **{k: v for k, v in info.items() if k == "accuracy"})
+        self._control.barrier()
+        self.finished = True
+
+    # ------------------------------------------------------------------ teardown
+    def close(self, failed: bool = False) -> None:
+        """Tear the process group down (ddpjob run does it; atexit for scripts run alone)."""
+        global _current
+        if self._closed:
+            return
+        self._closed = True
+        if self._samples is not None:
+            self._samples.close()
+        if self._standalone:
+            self._stop.uninstall()  # ddpjob run installed its own and removes it itself
+        # After a failure the peers are stuck in some collective, not in our exit barrier.
+        self._ctx.destroy(barrier_timeout_s=1.0 if failed else 30.0)
+        if _current is self:
+            _current = None
+        # The interpreter's final garbage collection walks torch's module graph: seconds per
+        # rank at every exit. Everything is closed and flushed by now.
+        gc.freeze()
+
+
+def _schedule(every_steps: int, every_minutes: float) -> Any:
+    from ddpjob import checkpoint
+
+    return checkpoint.SaveSchedule(every_steps, every_minutes)
+
+
+def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Path:
+    """The same run dir on every rank: the one asked for, else runs/<name>-<job id> (so a
+    requeued SLURM job finds its checkpoints), else a new folder that rank 0 creates."""
+    from ddpjob import dist
+
+    path: Any = None
+    if env.is_rank0:
+        if wanted is not None:
+            path = wanted
+        elif env.job_id:
+            path = Path("runs") / f"{cfg.name}-{env.job_id}"
+        else:
+            path = rundir.new_run_dir("runs", cfg.name)
+        try:
+            path = rundir.prepare(Path(path).resolve(), cfg)
+        except DDPJobError as exc:
+            path = exc  # tell the other ranks, so that they stop too instead of waiting
+    path = dist.broadcast_object(path)
+    if isinstance(path, DDPJobError):
+        raise path
+    return Path(path)
+
+
+def _end_time(env: ClusterEnv) -> float | None:
+    """SLURM_JOB_END_TIME, else one `squeue` on rank 0 (broadcast): for the deadline watch."""
+    from ddpjob import dist, preemption
+
+    if env.end_time is not None:
+        return env.end_time
+    if env.source not in ("slurm", "torchrun") or not env.job_id:
+        return None
+    end = preemption.query_end_time(env.job_id) if env.is_rank0 else None
+    return dist.broadcast_object(end)
+
+
+__all__ = ["AlreadyCompleted", "EXIT_REQUEUE", "Job", "Launch", "StopForRequeue", "current", "init"]

@@ -1,0 +1,55 @@
+"""Runs the job file's `train.entry` in this rank's process: a script ("path/to/script.py", run
+as `__main__` with `sys.argv = [script, *train.args]`) or a function ("package.module:function",
+called with no arguments and the same sys.argv, like a console-script entry point).
+The built-in trainer is the default entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ddpjob.errors import DDPJobError
+
+BUILTIN = "ddpjob.trainer:main"
+
+
+def describe(entry: str) -> str:
+    return entry or f"{BUILTIN} (the built-in trainer)"
+
+
+def run(entry: str, args: Sequence[str]) -> None:
+    """Run the entry to its end; its exceptions (SystemExit included) propagate."""
+    spec = entry or BUILTIN
+    if spec.endswith(".py"):
+        script = Path(spec)
+        if not script.is_file():
+            raise DDPJobError(f"train.entry script '{script}' does not exist on this node, expected "
+                              "the Python file the job was submitted with",
+                              "put the script on a filesystem every node shares, or fix train.entry")
+        sys.argv = [str(script), *args]
+        sys.path.insert(0, str(script.resolve().parent))  # as `python script.py` would
+        runpy.run_path(str(script), run_name="__main__")
+        return
+    module_name, _, func_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        # Only a missing entry module is ours to explain; a missing import inside it is the
+        # user's bug and keeps its traceback.
+        if exc.name is None or not (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise
+        raise DDPJobError(f"train.entry module '{module_name}' cannot be imported (no module named "
+                          f"'{exc.name}'), expected an importable package.module",
+                          "install the package on the nodes, or run ddpjob from the folder that "
+                          "contains it (it is put on sys.path)") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise DDPJobError(f"train.entry '{spec}': module '{module_name}' has no function "
+                          f"'{func_name}', expected a callable taking no arguments",
+                          f"define `def {func_name}():` in {getattr(module, '__file__', module_name)}")
+    sys.argv = [spec, *args]
+    func()

@@ -1,0 +1,209 @@
+"""Checkpointing a dict of state objects: what `job.resume(state)` loads and `job.steps()` saves.
+
+A state is a dict like torchtitan's: values with `state_dict`/`load_state_dict` (model, optimizer,
+LR scheduler, GradScaler, StepSampler, the user's own objects) and plain values (numbers,
+strings, tensors, lists and dicts of them). A checkpoint `step-N/` holds `<key>.pt` for each
+stateful value and `values.pt` for the plain ones, written by rank 0 (DDP keeps them equal on
+every rank), and `rank-<R>.pt` with every RNG of each rank. Loads use weights_only=True.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import secrets
+from collections.abc import Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddpjob import checkpoint, dist
+from ddpjob.console import print0
+from ddpjob.errors import DDPJobError
+
+State = MutableMapping[str, Any]
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_RESERVED = {"values", "manifest"}
+
+
+def check_state(state: Any) -> None:
+    if not isinstance(state, MutableMapping) or not state:
+        raise DDPJobError(f"the state is {type(state).__name__}, expected a non-empty dict of name -> "
+                          "object with state_dict()/load_state_dict() or plain value",
+                          "pass e.g. {'model': model, 'optimizer': optimizer, 'sampler': sampler}")
+    for key in state:
+        if not isinstance(key, str) or not _KEY.fullmatch(key) or key in _RESERVED:
+            raise DDPJobError(f"state key {key!r} is not usable as a checkpoint file name, expected "
+                              "letters, digits and _ (not 'values' or 'manifest')",
+                              "rename the key, e.g. 'optimizer' or 'lr_scheduler'")
+
+
+def _target(obj: Any) -> Any:
+    """What to load into: DDP's and torch.compile's wrapped module, so checkpoints hold plain
+    names (`fc.weight`, not `module.fc.weight`) and load at any world size, also unwrapped."""
+    for attr in ("_orig_mod", "module"):
+        while isinstance(obj, torch.nn.Module) and isinstance(getattr(obj, attr, None), torch.nn.Module) \
+                and type(obj).__name__ in ("DistributedDataParallel", "OptimizedModule"):
+            obj = getattr(obj, attr)
+    return obj
+
+
+def plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP / torch.compile wrappers."""
+    return _target(model)
+
+
+def plain_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    return dict(_target(model).state_dict())
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def seed_for(*parts: Any) -> int:
+    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest(), "little")
+
+
+class StateStore:
+    """Resume and collective saves (blocking or async) of one state dict, for one process."""
+
+    def __init__(self, root: Path, *, keep_last: int, config_hash: str, async_save: bool,
+                 rank: int, world_size: int, restart: int, job_id: str | None,
+                 control: dist.Control) -> None:
+        self.store = checkpoint.CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
+        self.async_save = async_save
+        self.rank, self.world_size, self.restart, self.job_id = rank, world_size, restart, job_id
+        self.control = control
+        # Same staging name on every rank, new for each (re)start: a folder left by a killed
+        # incarnation (half-written .tmp files) is never reused.
+        token = dist.broadcast_object(secrets.token_hex(4) if rank == 0 else None)
+        self.attempt = f"r{restart}-{token}"
+        self.saved_step: int | None = None
+        self.resumed_meta: dict[str, Any] = {}
+        self._pending: tuple[checkpoint.AsyncWrite, Path, int, dict[str, Any]] | None = None
+
+    # ---------------------------------------------------------------- resume
+    def resume(self, state: State, *, enabled: bool, seed: int) -> int:
+        """Load the newest valid checkpoint into `state` (in place) and restore this rank's
+        RNGs; returns its step, or 0 (then every RNG is seeded from (seed, rank))."""
+        check_state(state)
+        info = None
+        if enabled:
+            # latest() hashes whole checkpoints: rank 0 does it, the others get the answer. A
+            # checkpoint that verifies but does not load is skipped like a damaged one.
+            info = self._pick(state) if self.rank == 0 else None
+            info = dist.broadcast_object(info)
+        if info is None:
+            self._seed(seed, 0)
+            return 0
+        self._load_into(state, info)
+        rng_file = f"rank-{self.rank}.pt"
+        if rng_file in info.manifest.get("files", {}):
+            checkpoint.restore_rng_state(self.store.load(info, rng_file))
+        else:  # the job grew: this rank has no saved streams
+            self._seed(seed, info.step)
+        self.saved_step = info.step
+        self.resumed_meta = dict(info.manifest)
+        print0(f"resumed from {info.path.name} (step {info.step}, restart {self.restart})")
+        return info.step
+
+    def _pick(self, state: State) -> checkpoint.CheckpointInfo | None:
+        for info in self.store.list():
+            reason = self.store.verify(info)
+            if reason is None:
+                missing = [f"{k}.pt" for k, v in state.items()
+                           if _stateful(v) and f"{k}.pt" not in info.manifest.get("files", {})]
+                if missing:
+                    reason = f"it has no {', '.join(missing)} (saved by another state layout)"
+            if reason is None:
+                print0(f"resuming from step-{info.step}")
+                return info
+            print0(f"skipping step-{info.step}: {reason}")
+        return None
+
+    def _load_into(self, state: State, info: checkpoint.CheckpointInfo) -> None:
+        files = info.manifest.get("files", {})
+        values = self.store.load(info, "values.pt") if "values.pt" in files else {}
+        for key, obj in list(state.items()):
+            if _stateful(obj):
+                loaded = self.store.load(info, f"{key}.pt")
+                try:
+                    _target(obj).load_state_dict(loaded)
+                except DDPJobError:
+                    raise
+                except (RuntimeError, KeyError, ValueError, TypeError) as err:
+                    raise DDPJobError(
+                        f"state '{key}' in {info.path} does not fit this run's {type(obj).__name__} "
+                        f"({' '.join(str(err).split())[:200]})",
+                        "resume with the same model and optimizer setup, or use a new run dir") from None
+            elif key in values:
+                state[key] = values[key]
+
+    def _seed(self, seed: int, step: int) -> None:
+        s = seed_for(seed, "rank", self.rank, step)
+        torch.manual_seed(s)
+        random.seed(s)
+        np.random.seed(s)
+
+    # ---------------------------------------------------------------- saving
+    def _files(self, state: State) -> dict[str, Any]:
+        files: dict[str, Any] = {f"rank-{self.rank}.pt": checkpoint.capture_rng_state()}
+        if self.rank == 0:
+            values = {}
+            for key, obj in state.items():
+                if _stateful(obj):
+                    files[f"{key}.pt"] = _target(obj).state_dict()
+                else:
+                    values[key] = obj
+            if values:
+                files["values.pt"] = values
+        return files
+
+    def _meta(self, step: int, extra: dict[str, Any]) -> dict[str, Any]:
+        return {"step": step, "world_size": self.world_size, "restart": self.restart,
+                "job_id": self.job_id, **extra}
+
+    def save(self, step: int, state: State, *, blocking: bool, meta: dict[str, Any] | None = None,
+             before: Callable[[], None] | None = None) -> None:
+        """Collective: every rank calls it at the same step. Blocking saves return once the
+        checkpoint is committed; async ones once the state is copied to host memory."""
+        if self.saved_step == step:
+            return  # e.g. a periodic save at the step where training then stops
+        self.finish_pending()
+        staging = self.store.staging_dir(step, self.attempt)
+        files = self._files(state)
+        self.saved_step = step
+        extra = self._meta(step, meta or {})
+        if blocking or not self.async_save:
+            for name, obj in files.items():
+                self.store.write(staging, name, obj)
+            self.control.barrier()  # every rank's files are on disk before rank 0 commits
+            if self.rank == 0:
+                self.store.commit(staging, step, extra)
+            self.control.barrier()  # nobody moves on (or exits) before the checkpoint exists
+            return
+        snap = {name: checkpoint.CheckpointStore.snapshot(obj) for name, obj in files.items()}
+        self._pending = (self.store.write_async(staging, snap), staging, step, extra)
+
+    def busy(self) -> bool:
+        return self._pending is not None and not self._pending[0].done()
+
+    def commit_pending(self) -> None:
+        """After the step vote said no rank is still writing: the vote was the barrier."""
+        if self._pending is None:
+            return
+        aw, staging, step, meta = self._pending
+        self._pending = None
+        aw.wait()
+        if self.rank == 0:
+            self.store.commit(staging, step, meta)
+
+    def finish_pending(self) -> None:
+        if self._pending is not None:
+            self._pending[0].wait()
+            self.control.barrier()
+            self.commit_pending()
