@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
-__all__ = ["Job", "StepSampler", "init"]
+__all__ = ["Job", "SeededDataset", "StepSampler", "init"]
 
 if TYPE_CHECKING:
     from ddpjob.api import Job, init
-    from ddpjob.sampler import StepSampler
+    from ddpjob.sampler import SeededDataset, StepSampler
 
 
 def __getattr__(name: str) -> Any:
@@ -27,8 +27,8 @@ def __getattr__(name: str) -> Any:
         from ddpjob import api
 
         return getattr(api, name)
-    if name == "StepSampler":
-        from ddpjob.sampler import StepSampler
+    if name in ("StepSampler", "SeededDataset"):
+        from ddpjob import sampler
 
-        return StepSampler
+        return getattr(sampler, name)
     raise AttributeError(f"module 'ddpjob' has no attribute {name!r}")

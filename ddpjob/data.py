@@ -427,46 +427,49 @@ def _plugin_batch(x: torch.Tensor, y: torch.Tensor, device: torch.device, channe
 
 
 class PluginLoader:
-    """DataLoader + DistributedSampler for plugin datasets, with TensorLoader's interface.
-
-    The plugin's own transforms do augmentation (`augment` is ignored). Unlike TensorLoader,
-    the sample order depends on the world size (DistributedSampler interleaves by rank).
-    """
+    """A plain DataLoader over a plugin's map-style Dataset, ordered by ddpjob's public
+    StepSampler, with TensorLoader's interface: the order is a function of (seed, epoch, step)
+    only, so a resume (also at another world size) continues the same sample sequence.
+    The plugin's own transforms do augmentation (`augment` is ignored)."""
 
     def __init__(self, ds: torch.utils.data.Dataset, *, micro_batch: int, accumulation: int,
                  rank: int, world_size: int, seed: int, augment: bool = False,
                  device: torch.device | str = "cpu", channels_last: bool = False,
                  mean: Sequence[float] = CIFAR10_MEAN, std: Sequence[float] = CIFAR10_STD,
                  dtype: torch.dtype = torch.float32, num_workers: int = 0) -> None:
-        from torch.utils.data.distributed import DistributedSampler
+        from ddpjob.sampler import SeededDataset, StepSampler
 
         self.ds, self.micro_batch, self.accumulation = ds, micro_batch, accumulation
         self.device = torch.device(device)
         self.num_workers, self.channels_last, self.dtype = num_workers, channels_last, dtype
-        self.mean, self.std = mean, std
+        self.mean, self.std, self.seed = mean, std, seed
         self.global_batch = micro_batch * world_size * accumulation
-        # drop_last: every rank gets len(ds) // world_size samples, so all do the same steps
-        self.sampler: DistributedSampler = DistributedSampler(
-            ds, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.steps_per_epoch = len(self.sampler) // (micro_batch * accumulation)
-        if self.steps_per_epoch == 0:
-            n = len(ds)  # type: ignore[arg-type]
+        n = len(ds)  # type: ignore[arg-type]
+        if n < self.global_batch:
             raise DDPJobError(f"the training set has {n} samples, fewer than one global batch of "
                               f"{self.global_batch}", "lower train.batch_size or the accumulation, "
                               "or use more data")
+        # seeded: the plugin's random transforms depend on (seed, epoch, sample) only
+        self.sampler = StepSampler(n, self.global_batch, seed, accumulation=accumulation,
+                                   rank=rank, world_size=world_size, seeded=True)
+        self._seeded = SeededDataset(ds)
+        self.steps_per_epoch = self.sampler.steps_per_epoch
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
+    def sample_ids(self, epoch: int, step: int) -> torch.Tensor:
+        return self.sampler.indices(epoch * self.steps_per_epoch + step)
+
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[list[Batch]]:
-        self.sampler.set_epoch(epoch)
-        per_step = self.micro_batch * self.accumulation
         # Resume skips indices, not loaded batches: nothing before start_step is read.
-        order = list(self.sampler)[start_step * per_step:self.steps_per_epoch * per_step]
+        self.sampler.set_step(epoch * self.steps_per_epoch + start_step)
+        # The DataLoader draws its workers' base seed from this generator, not the global RNG,
+        # whose state a resumed run restores exactly and must not be shifted.
+        gen = torch.Generator().manual_seed(_mix(self.seed, "workers", epoch))
         loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
-            self.ds, batch_size=self.micro_batch, sampler=order, drop_last=True,
-            num_workers=self.num_workers, worker_init_fn=_ignore_preemption_signals,
-            pin_memory=self.device.type == "cuda")
+            self._seeded, batch_sampler=self.sampler, num_workers=self.num_workers, generator=gen,
+            worker_init_fn=_ignore_preemption_signals, pin_memory=self.device.type == "cuda")
         it = iter(loader)
         for _ in range(start_step, self.steps_per_epoch):
             step = []

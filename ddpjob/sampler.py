@@ -35,7 +35,7 @@ class StepSampler:
 
     def __init__(self, dataset_len: int, global_batch: int, seed: int = 0, shuffle: bool = True,
                  *, accumulation: int = 1, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, seeded: bool = False) -> None:
         if rank is None or world_size is None:
             import torch.distributed as tdist  # read only: the group is owned by ddpjob.init()
 
@@ -60,7 +60,7 @@ class StepSampler:
                               f"({dataset_len} samples), expected at most one batch per epoch",
                               "lower the global batch")
         self.dataset_len, self.global_batch, self.seed = dataset_len, global_batch, int(seed)
-        self.shuffle, self.accumulation = bool(shuffle), accumulation
+        self.shuffle, self.accumulation, self.seeded = bool(shuffle), accumulation, seeded
         self.rank, self.world_size = rank, world_size
         self.steps_per_epoch = dataset_len // global_batch
         self.per_rank = global_batch // world_size
@@ -87,11 +87,17 @@ class StepSampler:
         """This rank's share of step `step`: a contiguous slice of the global batch."""
         return self.global_indices(step)[self.rank * self.per_rank:(self.rank + 1) * self.per_rank]
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def sample_seed(self, epoch: int, index: int) -> int:
+        return _epoch_seed(self.seed, epoch * 1_000_003 + index) & 0x7FFFFFFF
+
+    def __iter__(self) -> Iterator[list[Any]]:
         step = self._step  # read when the DataLoader's iterator is made: after resume()
         micro = self.per_rank // self.accumulation
         while True:
-            ids = self.indices(step).tolist()
+            ids: list[Any] = self.indices(step).tolist()
+            if self.seeded:  # (index, seed) pairs for SeededDataset
+                epoch = self.epoch_of(step)
+                ids = [(i, self.sample_seed(epoch, i)) for i in ids]
             for k in range(self.accumulation):
                 yield ids[k * micro:(k + 1) * micro]
             step += 1
@@ -114,3 +120,37 @@ class StepSampler:
                     "would change mid-run)",
                     f"build the StepSampler with {key}={state[key]!r}, or start a new run dir")
         self._step = int(state.get("step", 0))
+
+
+class SeededDataset(torch.utils.data.Dataset):
+    """Random transforms that a resume reproduces: wraps a map-style dataset for a
+    `StepSampler(..., seeded=True)`, whose batches are (index, seed) pairs, and runs each
+    `dataset[index]` with torch's, numpy's and Python's RNGs seeded from (seed, epoch, index).
+
+    Why: DataLoader workers draw augmentations from their own RNG streams, which advance with
+    every sample they served and are in no checkpoint, so after a resume the same sample would
+    get another crop. Here a sample's augmentation depends on nothing else. The caller's RNG
+    states are put back afterwards (with num_workers=0 that is the training process's)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        import random
+
+        import numpy as np
+
+        index, seed = item
+        py, npy = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(py)
+                np.random.set_state(npy)

@@ -154,7 +154,7 @@ def fit(job: Job) -> FitResult:
                               amp_dtype=amp_dtype, grad_clip=t.grad_clip)
             done = step + 1
             if t.log_sample_ids:
-                job.log_samples(done, epoch, loader.sample_ids(epoch, within))
+                job.log_samples(done, epoch, loader.sample_ids(epoch, within))  # both loaders
             meter.step_done()
             result.steps_run += 1
             if done % t.log_every == 0 or done == total:
