@@ -185,9 +185,9 @@ class Job:
     # ------------------------------------------------------------------ resume / steps
     def resume(self, state: dict[str, Any], *, seed: int | None = None) -> int:
         """Load the newest valid checkpoint into `state` (objects in place, plain values replaced
-        in the dict), restore every RNG of this rank, and return the step to continue from (0
-        for a fresh run, where each rank's RNGs are seeded from (seed, rank)). Call it last
-        before the loop: building models and data consumes random numbers."""
+        in the dict) and return the step to continue from (0 for a fresh run). Every RNG of
+        this rank (CPU, CUDA, numpy, random) is restored when `steps()` starts the loop (a fresh
+        run's are seeded from (seed, rank)). Call it after building model and data."""
         from ddpjob.sampler import StepSampler
 
         seed = self.config.train.seed if seed is None else int(seed)
@@ -219,6 +219,7 @@ class Job:
             rundir.record_event(self.run_dir, "start", restart=self.restart, job_id=self.job_id,
                                 world_size=self.world_size, source=self.env.source,
                                 host=self.env.hostname, resumed_step=step or None, **info)
+        self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
         self._stop.current_step = step
         t_step = time.monotonic()

@@ -84,12 +84,14 @@ class StateStore:
         self.attempt = f"r{restart}-{token}"
         self.saved_step: int | None = None
         self.resumed_meta: dict[str, Any] = {}
+        self._rng: dict[str, Any] | None = None
+        self._rng_seed = (0, 0)
         self._pending: tuple[checkpoint.AsyncWrite, Path, int, dict[str, Any]] | None = None
 
     # ---------------------------------------------------------------- resume
     def resume(self, state: State, *, enabled: bool, seed: int) -> int:
-        """Load the newest valid checkpoint into `state` (in place) and restore this rank's
-        RNGs; returns its step, or 0 (then every RNG is seeded from (seed, rank))."""
+        """Load the newest valid checkpoint into `state` (in place) and this rank's saved RNG
+        states (put in place by restore_rng()); returns its step, or 0."""
         check_state(state)
         info = None
         if enabled:
@@ -97,15 +99,13 @@ class StateStore:
             # checkpoint that verifies but does not load is skipped like a damaged one.
             info = self._pick(state) if self.rank == 0 else None
             info = dist.broadcast_object(info)
+        self._rng_seed = (seed, 0 if info is None else info.step)
         if info is None:
-            self._seed(seed, 0)
             return 0
         self._load_into(state, info)
         rng_file = f"rank-{self.rank}.pt"
         if rng_file in info.manifest.get("files", {}):
-            checkpoint.restore_rng_state(self.store.load(info, rng_file))
-        else:  # the job grew: this rank has no saved streams
-            self._seed(seed, info.step)
+            self._rng = self.store.load(info, rng_file)
         self.saved_step = info.step
         self.resumed_meta = dict(info.manifest)
         print0(f"resumed from {info.path.name} (step {info.step}, restart {self.restart})")
@@ -143,7 +143,16 @@ class StateStore:
             elif key in values:
                 state[key] = values[key]
 
-    def _seed(self, seed: int, step: int) -> None:
+    def restore_rng(self) -> None:
+        """This rank's RNG streams as saved, or seeded from (seed, rank, step) when starting fresh
+        or when the checkpoint has none for this rank (the job grew). Called when the loop
+        starts, not in resume(): making a DataLoader iterator between the two draws a seed from
+        the global RNG, which the uninterrupted run drew before its first step too."""
+        if self._rng is not None:
+            checkpoint.restore_rng_state(self._rng)
+            self._rng = None
+            return
+        seed, step = self._rng_seed
         s = seed_for(seed, "rank", self.rank, step)
         torch.manual_seed(s)
         random.seed(s)

@@ -1,0 +1,83 @@
+"""A user script on ddpjob's public API, for tests/test_api.py: a small regression MLP with
+dropout (so the RNG matters), AdamW + a LambdaLR scheduler, a map-style dataset through a plain
+DataLoader with a StepSampler, a stateful object of the user's own and a plain value.
+
+[user] keys: steps, global_batch, workers, signal_at (rank:step, e.g. "1:7": that rank sends
+itself SIGUSR2 during that step: the stop is caused at that step, not by a timer), job (a job
+file for runs started alone).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset
+
+import ddpjob
+
+
+class Points(Dataset):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(123)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x @ torch.linspace(-1, 1, 8) + 0.1 * torch.randn(n, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.y[i], i
+
+
+class Counter:
+    """The user's own state: how many samples this run has trained on."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seen = int(state["seen"])
+
+
+def main() -> None:
+    job = ddpjob.init(sys.argv[1] if len(sys.argv) > 1 else None)
+    u = job.user
+    steps, global_batch = int(u.get("steps", 20)), int(u.get("global_batch", 16))
+    torch.manual_seed(0)
+    model = job.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    data = Points(256)
+    sampler = ddpjob.StepSampler(len(data), global_batch, seed=3)
+    counter = Counter()
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "sampler": sampler,
+             "counter": counter, "note": "fresh"}
+    job.resume(state)
+    batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=int(u.get("workers", 0))))
+    who, _, when = str(u.get("signal_at", "")).partition(":")
+    for step in job.steps(state, steps):
+        x, y, ids = next(batches)
+        if who and int(who) == job.rank and int(when) == step and job.restart == 0:
+            os.kill(os.getpid(), signal.SIGUSR2)  # arrives mid-step, like SLURM's warning
+        loss = nn.functional.mse_loss(model(x).squeeze(1), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        counter.seen += len(ids)
+        state["note"] = f"at {step + 1}"
+        logged = job.log(step + 1, average=["loss"], loss=loss, lr=sched.get_last_lr()[0])
+        assert isinstance(logged["loss"], float)
+        job.log_samples(step + 1, sampler.epoch_of(step), ids)
+    job.finish(model, seen=counter.seen, note=state["note"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The public API (ddpjob.init, Job, StepSampler) driven by a user script (tests/api_script.py)
+in real processes: alone, and as 2 ranks under `ddpjob run` with a stop caused at a chosen step,
+a resume, and a result bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ranks import REPO, TESTS, Ranks, assert_bit_equal, base_env, events, metrics, write_job
+
+SCRIPT = TESTS / "api_script.py"
+
+
+def _job(path: Path, **user: object) -> Path:
+    return write_job(path, train={"entry": str(SCRIPT), "threads": 1},
+                     checkpoint={"every_steps": 5, "keep_last": 2}, user={"steps": 20, **user})
+
+
+def _two_ranks(job: Path, run_dir: Path, restart: int) -> tuple[list[int], Ranks]:
+    ranks = Ranks([str(job), "--run-dir", str(run_dir)], 2, run_dir.parent / "logs",
+                  job_id="api", restart=restart)
+    return ranks.wait(180), ranks
+
+
+def test_script_started_alone_makes_its_own_run_dir(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT)], cwd=tmp_path, env=base_env(),
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    done = json.loads((run / "COMPLETED").read_text())
+    assert done["step"] == 20 and done["seen"] == 20 * 16 and done["note"] == "at 20"
+    weights = torch.load(run / "final" / "model.pt", weights_only=True)
+    assert set(weights) == {"0.weight", "0.bias", "3.weight", "3.bias"}  # no DDP prefix
+    assert sorted(metrics(run)) == list(range(1, 21))
+    ckpt = sorted((run / "checkpoints").iterdir())[-1]
+    assert {p.name for p in ckpt.iterdir()} >= {"model.pt", "optimizer.pt", "scheduler.pt",
+                                                "sampler.pt", "counter.pt", "values.pt", "rank-0.pt"}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stop_at_a_step_then_resume_is_bit_identical(tmp_path: Path, workers: int) -> None:
+    """Rank 1 alone gets SIGUSR2 during step 7; both ranks stop after step 8 (the vote at that
+    boundary), write the checkpoint and exit 3; the second start resumes there and ends exactly
+    like an uninterrupted run: weights, every logged loss, the user's counter."""
+    ref_job = _job(tmp_path / "ref.toml", workers=workers)
+    codes, ranks = _two_ranks(ref_job, tmp_path / "ref", 0)
+    assert codes == [0, 0], ranks.output()
+
+    job = _job(tmp_path / "job.toml", workers=workers, signal_at="1:7")
+    codes, ranks = _two_ranks(job, tmp_path / "run", 0)
+    assert codes == [3, 3], ranks.output()
+    stop = [e for e in events(tmp_path / "run") if e["event"] == "stop"][-1]
+    assert stop["reason"] == "requeue" and stop["step"] == 8
+    (signal,) = [e for e in events(tmp_path / "run") if e["event"] == "signal"]
+    assert signal["rank"] == 1 and signal["signal"] == "SIGUSR2" and signal["at_step"] == 7
+    assert (tmp_path / "run" / "checkpoints" / "step-000000008" / "manifest.json").is_file()
+    assert not (tmp_path / "run" / "COMPLETED").exists()
+
+    codes, ranks = _two_ranks(job, tmp_path / "run", 1)
+    assert codes == [0, 0], ranks.output()
+    assert "resumed from step-000000008" in ranks.output(0)
+    a = torch.load(tmp_path / "ref" / "final" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "run" / "final" / "model.pt", weights_only=True)
+    assert_bit_equal(a, b, "final model")
+    ref_losses = {s: r["loss"] for s, r in metrics(tmp_path / "ref").items()}
+    run_losses = {s: r["loss"] for s, r in metrics(tmp_path / "run").items()}
+    assert run_losses == ref_losses and len(run_losses) == 20
+    done = json.loads((tmp_path / "run" / "COMPLETED").read_text())
+    assert done["seen"] == 20 * 8 and done["note"] == "at 20"  # per rank: 8 samples a step
+
+
+def test_samples_are_each_seen_once_per_epoch_across_the_stop(tmp_path: Path) -> None:
+    job = _job(tmp_path / "job.toml", signal_at="0:3", steps=32)  # 256 / 16 = 16 steps an epoch
+    assert _two_ranks(job, tmp_path / "run", 0)[0] == [3, 3]
+    assert _two_ranks(job, tmp_path / "run", 1)[0] == [0, 0]
+    newest: dict[tuple[int, int], tuple[int, list[int]]] = {}
+    for path in (tmp_path / "run" / "samples").glob("rank-*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            key = (r["step"], r["rank"])
+            if key not in newest or r["restart"] >= newest[key][0]:
+                newest[key] = (r["restart"], r["ids"])
+    for epoch in range(2):
+        ids = [i for (step, _), (_, got) in newest.items() if epoch * 16 < step <= (epoch + 1) * 16
+               for i in got]
+        assert sorted(ids) == list(range(256)), f"epoch {epoch}: repeats or gaps"
+
+
+def test_bad_state_keys_are_refused_with_one_line(tmp_path: Path) -> None:
+    script = tmp_path / "bad.py"
+    script.write_text("import ddpjob, torch\njob = ddpjob.init()\n"
+                      "job.resume({'my model': torch.nn.Linear(2, 2)})\n")
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "run", str(write_job(
+        tmp_path / "job.toml", train={"entry": str(script)}))], cwd=tmp_path, env=base_env(),
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if line.startswith("ddpjob: error:")]
+    assert len(errors) == 1 and "'my model'" in errors[0] and "Hint:" in errors[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_ddpjob_package_import_stays_light() -> None:
+    """`import ddpjob` on a login node must not import torch; ddpjob.init loads it on demand."""
+    code = "import sys, ddpjob; assert 'torch' not in sys.modules; ddpjob.StepSampler; " \
+           "assert 'torch' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env=base_env(), cwd=REPO, timeout=60)
