@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from ddpjob import data, models, trainer
-from ddpjob.cluster import ClusterEnv
-from ddpjob.dist import DistContext
+from ddpjob.node.cluster import ClusterEnv
+from ddpjob.node.dist import DistContext
+from ddpjob.train import data, models, trainer
 from ranks import metrics, run, write_job
 from test_trainer import fit_here
 

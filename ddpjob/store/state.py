@@ -1,5 +1,5 @@
 """What a checkpoint holds and how training gets it back: the bridge between trainer.py and the
-atomic store in checkpoint.py.
+atomic store in commit.py.
 
 A checkpoint is taken at an optimizer-step boundary: model.pt, optimizer.pt, trainer.pt
 (progress, GradScaler) from rank 0 and rank-<R>.pt (RNG states) from every rank; with the data
@@ -19,14 +19,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as tdist
 import torch.nn as nn
 
-from ddpjob import checkpoint, dist, rundir
+from ddpjob import rundir
 from ddpjob.config import JobConfig, accumulation_for
 from ddpjob.console import print0
-from ddpjob.dist import DistContext
 from ddpjob.errors import DDPJobError
+from ddpjob.node import dist
+from ddpjob.node.dist import DistContext
+from ddpjob.store import commit, rng, schedule, snapshot
 
 
 @dataclass
@@ -79,15 +80,15 @@ class TrainState:
     def __init__(self, cfg: JobConfig, ctx: DistContext, run_dir: Path) -> None:
         self.cfg, self.ctx, self.env = cfg, ctx, ctx.env
         c = cfg.checkpoint
-        self.store = checkpoint.CheckpointStore(run_dir / rundir.CHECKPOINTS, keep_last=c.keep_last,
-                                                config_hash=cfg.hash())
-        self.schedule = checkpoint.SaveSchedule(c.every_steps, c.every_minutes)
+        self.store = commit.CheckpointStore(run_dir / rundir.CHECKPOINTS, keep_last=c.keep_last,
+                                            config_hash=cfg.hash())
+        self.schedule = schedule.SaveSchedule(c.every_steps, c.every_minutes)
         # The stop vote runs every step: on NCCL it would sync the host with the GPU each step,
         # so control messages go through a CPU (gloo) group instead.
         self.control_group: Any = None
         self.control_device = torch.device("cpu")
         if ctx.initialized and ctx.backend == "nccl":
-            self.control_group = tdist.new_group(backend="gloo")
+            self.control_group = dist.control_group()
         # Same name on every rank (they all write into it), new for each (re)start: a staging
         # folder left by a killed incarnation (stale files, half-written .tmp) is never reused.
         token = secrets.token_hex(4) if ctx.is_rank0 else None
@@ -96,7 +97,7 @@ class TrainState:
         self._rng: dict[str, Any] | None = None
         self.world_changed = False  # resumed at another world size (elastic)
         self._saved_step: int | None = None
-        self._pending: tuple[checkpoint.AsyncWrite, Path, int, dict[str, Any]] | None = None
+        self._pending: tuple[snapshot.AsyncWrite, Path, int, dict[str, Any]] | None = None
 
     # ---------------------------------------------------------------- resume
     def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -149,7 +150,7 @@ class TrainState:
         """This rank's RNG streams: as saved, or seeded from (seed, rank, step) when starting
         fresh or when the checkpoint had no file for this rank (it grew)."""
         if self._rng is not None:
-            checkpoint.restore_rng_state(self._rng)
+            rng.restore_rng_state(self._rng)
             return
         seed = _seed_for(self.cfg.train.seed, "rank", self.env.rank, self.progress.step)
         torch.manual_seed(seed)
@@ -159,7 +160,7 @@ class TrainState:
     # ---------------------------------------------------------------- saving
     def _files(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                scaler: torch.amp.GradScaler) -> dict[str, Any]:
-        files: dict[str, Any] = {f"rank-{self.env.rank}.pt": checkpoint.capture_rng_state()}
+        files: dict[str, Any] = {f"rank-{self.env.rank}.pt": rng.capture_rng_state()}
         if self.ctx.is_rank0:
             files["model.pt"] = model_state(model)
             files["optimizer.pt"] = optimizer.state_dict()
@@ -192,7 +193,7 @@ class TrainState:
                 self.store.commit(staging, step, self._meta(step))
             self.barrier()  # nobody moves on (or exits) before the checkpoint exists
             return
-        snap = {name: checkpoint.CheckpointStore.snapshot(obj) for name, obj in files.items()}
+        snap = {name: commit.CheckpointStore.snapshot(obj) for name, obj in files.items()}
         self._pending = (self.store.write_async(staging, snap), staging, step, self._meta(step))
 
     def async_busy(self) -> bool:
@@ -216,4 +217,4 @@ class TrainState:
 
     def barrier(self) -> None:
         if self.ctx.initialized:
-            tdist.barrier(group=self.control_group)
+            dist.barrier(self.control_group)

@@ -1,9 +1,11 @@
-"""Process group setup and teardown, and the few collectives the trainer needs.
+"""Process group setup and teardown, and every collective ddpjob runs.
 
 Second step on the nodes: runner.py / selftest.py hand the ClusterEnv from cluster.py to
 `init_process_group`, which picks backend and device and returns a DistContext. The only
-module that sets torch.distributed up. With one process there is no group and the helpers
-below become no-ops, so the trainer has a single code path.
+module that sets torch.distributed up and the only one that calls its collectives (the
+trainer, the checkpoint state, the stop vote, SyncBatchNorm and selftest call the helpers
+below; tests/test_layout.py checks it). With one process there is no group and the helpers on
+the default group become no-ops, so the trainer has a single code path.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 
-from ddpjob.cluster import ClusterEnv
 from ddpjob.errors import DDPJobError
+from ddpjob.node.cluster import ClusterEnv
 
 
 @dataclass
@@ -174,9 +177,13 @@ def is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def barrier() -> None:
+def barrier(group: Any = None) -> None:
+    """All ranks of `group` (default: the job's) meet; a no-op with one process."""
     if _active():
-        dist.barrier()
+        if group is None:
+            dist.barrier()
+        else:
+            dist.barrier(group=group)
 
 
 def all_reduce_max_int(value: int) -> int:
@@ -204,3 +211,69 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def agree_max(values: Sequence[int], *, group: Any = None, device: Any = "cpu") -> list[int]:
+    """Element-wise MAX of small integers over all ranks: one all-reduce of a few int64s.
+
+    Called at every optimizer-step boundary with [stop code, save due, async write busy], so
+    every rank takes the same decision at the same step (a signal may reach the ranks at
+    different moments, or only one of them)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def control_group() -> Any:
+    """A new gloo group over all ranks for small CPU-side control messages (the per-step stop
+    vote, checkpoint barriers): on NCCL they would sync the host with the GPU. Collective:
+    every rank must call it, in the same order as any other new group."""
+    return dist.new_group(backend="gloo")
+
+
+# ------------------------------------------------------------ tensor collectives (in place)
+# Callers check that a group exists (DistContext.initialized) before calling these.
+def all_reduce_sum(t: torch.Tensor) -> None:
+    """Sum of `t` over all ranks, in place."""
+    dist.all_reduce(t)
+
+
+def broadcast_tensor(t: torch.Tensor, src: int = 0) -> None:
+    """Rank `src`'s `t` on every rank, in place."""
+    dist.broadcast(t, src=src)
+
+
+def ordered_sum_hook(group, bucket):
+    """DDP comm hook: mean of the ranks' gradients, summed in rank order (bit-reproducible).
+    Ring all-reduce adds the ranks' values in an order that depends on the element's offset
+    in its bucket (and DDP rebuilds its buckets after the first iteration of every process);
+    summing an all-gather in rank order does not. (No annotations: DDP checks them against
+    the real classes, and this module's annotations are strings under
+    `from __future__ import annotations`.)"""
+    buf = bucket.buffer()
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(buf) for _ in range(world)]
+    fut = dist.all_gather(parts, buf, group=group, async_op=True).get_future()
+
+    def reduce(_: Any) -> torch.Tensor:
+        acc = parts[0].clone()
+        for p in parts[1:]:
+            acc.add_(p)
+        return buf.copy_(acc.div_(world))
+
+    return fut.then(reduce)
+
+
+# ------------------------------------------------------------ autograd collectives (SyncBatchNorm)
+def group_active(group: Any = None) -> bool:
+    """A process group exists and `group` (default: the job's) has more than one rank."""
+    return (dist.is_available() and dist.is_initialized()
+            and dist.get_world_size(group if group is not None else dist.group.WORLD) > 1)
+
+
+def all_reduce_sum_autograd(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Differentiable sum over the ranks of `group` (default: the job's): the backward pass
+    all-reduces the gradient too. Returns a new tensor."""
+    return dist_nn.all_reduce(t, group=group if group is not None else dist.group.WORLD)

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import config, console, rundir
-from ddpjob.cluster import ClusterEnv
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.node.cluster import ClusterEnv
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REQUEUE = 0, 1, 2, 3
 _FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
@@ -84,13 +84,14 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
                           f"slurm.max_requeues = {cfg.slurm.max_requeues}",
                           "raise slurm.max_requeues, or find out why the job keeps stopping "
                           "(`ddpjob status RUN_DIR` lists every stop)")
-    from ddpjob import preemption
+    from ddpjob.node import preemption
 
     # Flag-only handlers first: a signal during the (slow) start must not kill the process.
     stop = preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
     import torch
 
-    from ddpjob import dist, trainer
+    from ddpjob.node import dist
+    from ddpjob.train import trainer
 
     env = ClusterEnv.from_environ(argv=argv, num_gpus=torch.cuda.device_count())
     ctx = dist.init_process_group(env, backend=cfg.train.backend, timeout_s=cfg.train.dist_timeout_s,
@@ -139,7 +140,7 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
 
 def _after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int) -> None:
     """Rank 0: record the stop and, where nobody else will, requeue the job."""
-    from ddpjob import preemption
+    from ddpjob.node import preemption
 
     if not env.is_rank0:
         return
@@ -178,7 +179,7 @@ def _after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step:
 def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Path:
     """The same run dir on every rank: --run-dir, else runs/<name>-<job id> (so a requeued SLURM
     job finds its checkpoints), else a new folder that rank 0 creates and broadcasts."""
-    from ddpjob import dist
+    from ddpjob.node import dist
 
     path: Any = None
     if env.is_rank0:
@@ -215,7 +216,7 @@ def _prepare_run_dir(path: Path, cfg: JobConfig) -> None:
 
 def _end_time(env: ClusterEnv) -> float | None:
     """SLURM_JOB_END_TIME, else one `squeue` on rank 0 (broadcast): for the deadline watch."""
-    from ddpjob import dist, preemption
+    from ddpjob.node import dist, preemption
 
     if env.end_time is not None:
         return env.end_time

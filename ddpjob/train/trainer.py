@@ -3,7 +3,7 @@
 
 runner.py calls fit() with the resolved config, the DistContext from dist.py, the run dir and
 the StopFlag from preemption.py; fit() returns how it ended. What a checkpoint holds and how a
-resume (also at another world size) restores it lives in trainstate.py.
+resume (also at another world size) restores it lives in store/state.py.
 """
 
 from __future__ import annotations
@@ -18,16 +18,18 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as tdist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpjob import data, models, preemption, rundir, syncbn, trainstate
+from ddpjob import rundir
 from ddpjob.config import JobConfig
 from ddpjob.console import print0
-from ddpjob.dist import DistContext
-from ddpjob.metrics import Meter, MetricsLog, Progress
+from ddpjob.node import dist, preemption
+from ddpjob.node.dist import DistContext
+from ddpjob.node.metrics import Meter, MetricsLog, Progress
+from ddpjob.store import state as trainstate
+from ddpjob.train import data, models, syncbn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -158,7 +160,7 @@ def fit(cfg: JobConfig, ctx: DistContext, run_dir: str | Path, stop: preemption.
             if deadline is not None and deadline.expired():
                 stop.request(preemption.DEADLINE)
             t0 = time.perf_counter()
-            stop_agreed, save_due, busy = preemption.agree(
+            stop_agreed, save_due, busy = dist.agree_max(
                 [stop.code, int(state.schedule.due(step)), int(state.async_busy())],
                 group=state.control_group, device=state.control_device)
             result.agree_s += time.perf_counter() - t0
@@ -270,7 +272,7 @@ def evaluate(model: nn.Module, test_set: Any, ctx: DistContext, *, batch_size: i
         sums[1] += y.numel()
         sums[2] += F.cross_entropy(logits, y, reduction="sum").double()
     if ctx.initialized:
-        tdist.all_reduce(sums)
+        dist.all_reduce_sum(sums)
     model.train(was_training)
     correct, count, loss_sum = sums.tolist()
     return correct / max(count, 1), loss_sum / max(count, 1)
@@ -352,26 +354,8 @@ def wrap_ddp(model: nn.Module, ctx: DistContext, *, deterministic: bool = True) 
         # iteration of every process: a resumed process would sum (a+b)+c where the
         # uninterrupted one summed a+(b+c). Summing an all-gather in rank order makes the
         # result independent of bucket layout. (With 2 ranks a+b == b+a: not needed.)
-        ddp.register_comm_hook(None, ordered_sum_hook)
+        ddp.register_comm_hook(None, dist.ordered_sum_hook)
     return ddp
-
-
-def ordered_sum_hook(group, bucket):
-    """DDP comm hook: mean of the ranks' gradients, summed in rank order (bit-reproducible).
-    (No annotations: DDP checks them against the real classes, and this module's annotations
-    are strings under `from __future__ import annotations`.)"""
-    buf = bucket.buffer()
-    world = tdist.get_world_size(group)
-    parts = [torch.empty_like(buf) for _ in range(world)]
-    fut = tdist.all_gather(parts, buf, group=group, async_op=True).get_future()
-
-    def reduce(_: Any) -> torch.Tensor:
-        acc = parts[0].clone()
-        for p in parts[1:]:
-            acc.add_(p)
-        return buf.copy_(acc.div_(world))
-
-    return fut.then(reduce)
 
 
 def sync_buffers(model: nn.Module, ctx: DistContext) -> None:
@@ -380,12 +364,12 @@ def sync_buffers(model: nn.Module, ctx: DistContext) -> None:
     the ranks would evaluate slightly different models."""
     if ctx.initialized:
         for buf in model.buffers():
-            tdist.broadcast(buf, src=0)
+            dist.broadcast_tensor(buf, src=0)
 
 
 def _mean_over_ranks(loss: torch.Tensor, ctx: DistContext) -> float:
     if ctx.initialized:
         loss = loss.detach().clone()
-        tdist.all_reduce(loss)
+        dist.all_reduce_sum(loss)
         loss /= ctx.env.world_size
     return float(loss.item())

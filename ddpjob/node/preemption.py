@@ -1,8 +1,9 @@
-"""Preemption mechanics on the nodes: flag-only signal handlers, the collective stop decision,
-the requeue, and the deadline watch.
+"""Preemption mechanics on the nodes: flag-only signal handlers, stop codes, the requeue, and
+the deadline watch.
 
 runner.py installs the StopFlag and turns a stop into an exit code (and `scontrol requeue`);
-trainer.py calls `agree()` once per optimizer step so that every rank stops at the same step.
+trainer.py votes on the stop codes with `dist.agree_max()` once per optimizer step so that
+every rank stops at the same step.
 Nothing here saves or exits inside a signal handler (that is how Lightning hangs, #21406).
 """
 
@@ -98,22 +99,6 @@ class StopFlag:
         if self.signum is not None:
             return f"{signal.Signals(self.signum).name} during step {(self.signal_step or 0) + 1}"
         return REASONS[self.code] or "no stop requested"
-
-
-def agree(values: Sequence[int], *, group: Any = None, device: Any = "cpu") -> list[int]:
-    """Element-wise MAX of small integers over all ranks: one all-reduce of a few int64s.
-
-    Called at every optimizer-step boundary with [stop code, save due, async write busy], so
-    every rank takes the same decision at the same step (a signal may reach the ranks at
-    different moments, or only one of them)."""
-    import torch
-    import torch.distributed as tdist
-
-    if not (tdist.is_available() and tdist.is_initialized()):
-        return list(values)
-    t = torch.tensor(list(values), dtype=torch.int64, device=device)
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
-    return [int(v) for v in t.tolist()]
 
 
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
