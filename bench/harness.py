@@ -82,9 +82,9 @@ def work_dir(path: str | None) -> Path:
 
 
 def dataset(base: Path, sizes: Sizes) -> Path:
-    """A CIFAR-10-format folder written by ddpjob.fixtures (cached: writing 50k images takes a
+    """A CIFAR-10-format folder written by ddpjob.train.fixtures (cached: writing 50k images takes a
     while); returns the data root to put in `data.root`."""
-    from ddpjob import fixtures
+    from ddpjob.train import fixtures
 
     root = base / f"cifar-{sizes.n_train}-{sizes.n_test}"
     done = root / "COMPLETE"

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as tdist
 import torch.nn as nn
 
-from ddpjob import data, models
 from ddpjob.config import JobConfig
-from ddpjob.dist import DistContext
+from ddpjob.node.dist import DistContext
+from ddpjob.train import data, models
 
 from bench.marks import Marks
 
@@ -28,7 +28,7 @@ Trial = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def _amp_dtype(cfg: JobConfig) -> torch.dtype | None:
-    from ddpjob.trainer import amp_dtype_for  # the same precision choice, nothing else
+    from ddpjob.train.trainer import amp_dtype_for  # the same precision choice, nothing else
 
     return amp_dtype_for(cfg.train.amp, torch.device("cpu"))
 

@@ -36,7 +36,7 @@ def _mark_log_steps() -> None:
     """Mark every rank's clocks where the trainer logs a step (its MetricsLog.step runs on
     every rank, after the loss all-reduce; only rank 0's writes). A measuring hook only: the
     trainer's computation is untouched."""
-    from ddpjob import metrics
+    from ddpjob.node import metrics
 
     original = metrics.MetricsLog.step
     if getattr(original, "bench_hook", False):
@@ -58,8 +58,8 @@ def _time_checkpoints() -> None:
     """P6: time what a checkpoint costs the training loop, where it happens: the main thread
     blocked in StateStore.save / commit_pending / finish_pending (wall), and the CPU the
     background writer thread takes (on a 1-core rank, from the training thread)."""
-    from ddpjob import checkpoint
-    from ddpjob.state import StateStore
+    from ddpjob.store import snapshot
+    from ddpjob.store.state import StateStore
 
     def wrap(cls: Any, name: str, clock: Any) -> None:
         original = getattr(cls, name)
@@ -79,13 +79,14 @@ def _time_checkpoints() -> None:
 
     for name in ("save", "commit_pending", "finish_pending"):
         wrap(StateStore, name, time.perf_counter)
-    wrap(checkpoint.AsyncWrite, "_run", time.thread_time)  # runs in the writer thread
+    wrap(snapshot.AsyncWrite, "_run", time.thread_time)  # runs in the writer thread
 
 
 def fit(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     """ddpjob's trainer, exactly as `ddpjob run` calls it, into a fresh run dir per trial;
     the losses are the trainer's own metrics.jsonl records."""
-    from ddpjob import api, trainer
+    from ddpjob import api
+    from ddpjob.train import trainer
 
     cfg = _config(spec)
     _mark_log_steps()
@@ -117,7 +118,7 @@ def fit(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
 
 def tensor_loader(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     """P3: ddpjob's CIFAR loader alone (the job file's augmentation and layout), one core."""
-    from ddpjob import data
+    from ddpjob.train import data
 
     cfg = _config(spec)
     t = cfg.train
@@ -137,7 +138,7 @@ def train_loop(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     made beforehand ("ready"); both arms are otherwise the same code."""
     import torch
     import torch.nn as nn
-    from ddpjob import data, models, trainer
+    from ddpjob.train import data, models, trainer
 
     cfg = _config(spec)
     t = cfg.train
@@ -171,8 +172,9 @@ def async_save(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     (StateStore.save(blocking=False): the snapshot to host memory; the write runs behind)."""
     import torch
     import torch.nn.functional as F
-    from ddpjob import dist, models, trainer
-    from ddpjob.state import StateStore
+    from ddpjob.node import dist
+    from ddpjob.store.state import StateStore
+    from ddpjob.train import models, trainer
 
     cfg = _config(spec)
     t = cfg.train
@@ -218,8 +220,8 @@ def main() -> int:
     built: dict[str, recipes.Trial] = {}  # one per (kind, setup): setup is paid once per arm
     try:
         harness.pin_to(rank)
-        from ddpjob import dist
-        from ddpjob.cluster import ClusterEnv
+        from ddpjob.node import dist
+        from ddpjob.node.cluster import ClusterEnv
 
         env = ClusterEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                          master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),

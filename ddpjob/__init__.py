@@ -19,7 +19,7 @@ __all__ = ["Job", "SeededDataset", "StepSampler", "init"]
 
 if TYPE_CHECKING:
     from ddpjob.api import Job, init
-    from ddpjob.sampler import SeededDataset, StepSampler
+    from ddpjob.node.sampler import SeededDataset, StepSampler
 
 
 def __getattr__(name: str) -> Any:
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     if name in ("StepSampler", "SeededDataset"):
-        from ddpjob import sampler
+        from ddpjob.node import sampler
 
         return getattr(sampler, name)
     raise AttributeError(f"module 'ddpjob' has no attribute {name!r}")

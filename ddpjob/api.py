@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import config, console, rundir
-from ddpjob.cluster import ClusterEnv
+from ddpjob.node.cluster import ClusterEnv
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 
@@ -101,13 +101,13 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
                           f"slurm.max_requeues = {cfg.slurm.max_requeues}",
                           "raise slurm.max_requeues, or find out why the job keeps stopping "
                           "(`ddpjob status RUN_DIR` lists every stop)")
-    from ddpjob import preemption
+    from ddpjob.node import preemption
 
     # Flag-only handlers before torch loads: a signal during the slow start must not kill us.
     stop = launch.stop or preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
     import torch
 
-    from ddpjob import dist
+    from ddpjob.node import dist
 
     env = ClusterEnv.from_environ(argv=launch.argv, num_gpus=torch.cuda.device_count())
     ctx = dist.init_process_group(env, backend=cfg.train.backend, timeout_s=cfg.train.dist_timeout_s,
@@ -135,8 +135,8 @@ class Job:
 
     def __init__(self, cfg: JobConfig, ctx: Any, run_dir: Path, stop: Any, *, standalone: bool) -> None:
         self._standalone = standalone
-        from ddpjob import dist, preemption
-        from ddpjob.state import StateStore
+        from ddpjob.node import dist, preemption
+        from ddpjob.store.state import StateStore
 
         self.config, self.env, self._ctx, self.run_dir, self._stop = cfg, ctx.env, ctx, run_dir, stop
         self.rank, self.local_rank = ctx.env.rank, ctx.env.local_rank
@@ -167,7 +167,7 @@ class Job:
         """Move `model` to this rank's device and wrap it in DDP (when there are several ranks).
         With train.deterministic_reduce and more than 2 ranks the gradients are summed in rank
         order, so a resumed run adds them exactly as the uninterrupted one did."""
-        from ddpjob import dist
+        from ddpjob.node import dist
 
         model.to(self.device)
         if not self._ctx.initialized:
@@ -188,7 +188,7 @@ class Job:
         in the dict) and return the step to continue from (0 for a fresh run). Every RNG of
         this rank (CPU, CUDA, numpy, random) is restored when `steps()` starts the loop (a fresh
         run's are seeded from (seed, rank)). Call it after building model and data."""
-        from ddpjob.sampler import StepSampler
+        from ddpjob.node.sampler import StepSampler
 
         seed = self.config.train.seed if seed is None else int(seed)
         step = self._store.resume(state, enabled=self.config.checkpoint.resume, seed=seed)
@@ -209,8 +209,8 @@ class Job:
         stop, the checkpoint is written, the requeue decided and the process ends with
         EXIT_REQUEUE (StopForRequeue). After the last step a final checkpoint is written.
         `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
-        from ddpjob import preemption
-        from ddpjob.sampler import StepSampler
+        from ddpjob.node import preemption
+        from ddpjob.node.sampler import StepSampler
 
         if self._step is None:
             self.resume(state)
@@ -255,7 +255,7 @@ class Job:
         self._store.save(step, state, blocking=True)
 
     def _stop_for_requeue(self, step: int, code: int) -> None:
-        from ddpjob import preemption, requeue
+        from ddpjob.node import preemption, requeue
 
         self.stopped_at = step
         self._record_signal(step)
@@ -279,7 +279,7 @@ class Job:
     def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
         """`tensor` summed ("sum"), averaged ("mean") or maximised ("max") over the ranks, in
         place; returns it. A collective: every rank calls it."""
-        from ddpjob import dist
+        from ddpjob.node import dist
 
         if op not in ("sum", "mean", "max"):
             raise DDPJobError(f"all_reduce op {op!r} is unknown, expected sum, mean or max", "use op=\"sum\"")
@@ -288,8 +288,8 @@ class Job:
     def broadcast_buffers(self, model: Any) -> None:
         """Rank 0's buffers (BatchNorm running statistics) on every rank, e.g. before an
         evaluation, so that every rank evaluates the same model. A collective."""
-        from ddpjob import dist
-        from ddpjob.state import plain_module
+        from ddpjob.node import dist
+        from ddpjob.store.state import plain_module
 
         dist.broadcast_buffers(plain_module(model))
 
@@ -303,7 +303,7 @@ class Job:
 
         import torch
 
-        from ddpjob import dist
+        from ddpjob.node import dist
 
         names = list(scalars) if average is True else list(average or ())
         if names:
@@ -339,7 +339,7 @@ class Job:
     def finish(self, model: Any = None, **info: Any) -> None:
         """The end of training: RUN_DIR/final/model.pt (a plain state_dict, no `module.`
         prefixes) and the COMPLETED marker with `info` (e.g. accuracy=0.93). Collective."""
-        from ddpjob.state import plain_state_dict
+        from ddpjob.store.state import plain_state_dict
 
         self._store.finish_pending()
         step = self._step if self._step is not None else 0
@@ -379,15 +379,15 @@ class Job:
 
 
 def _schedule(every_steps: int, every_minutes: float) -> Any:
-    from ddpjob import checkpoint
+    from ddpjob.store.schedule import SaveSchedule
 
-    return checkpoint.SaveSchedule(every_steps, every_minutes)
+    return SaveSchedule(every_steps, every_minutes)
 
 
 def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Path:
     """The same run dir on every rank: the one asked for, else runs/<name>-<job id> (so a
     requeued SLURM job finds its checkpoints), else a new folder that rank 0 creates."""
-    from ddpjob import dist
+    from ddpjob.node import dist
 
     path: Any = None
     if env.is_rank0:
@@ -409,7 +409,7 @@ def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Pat
 
 def _end_time(env: ClusterEnv) -> float | None:
     """SLURM_JOB_END_TIME, else one `squeue` on rank 0 (broadcast): for the deadline watch."""
-    from ddpjob import dist, preemption
+    from ddpjob.node import dist, preemption
 
     if env.end_time is not None:
         return env.end_time

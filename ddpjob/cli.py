@@ -65,21 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the script and per-rank view; submit nothing")
     p.add_argument("--wait", action="store_true", help="block until the job ends, streaming rank 0's log")
     _add_job_overrides(p)
-    p.set_defaults(func=_handler("ddpjob.submit:cmd_submit"))
+    p.set_defaults(func=_handler("ddpjob.launch.submit:cmd_submit"))
 
     p = sub.add_parser("sbatch", help="write a standalone sbatch script for a job file")
     p.add_argument("job", help="job file (TOML)")
     p.add_argument("-o", "--output", required=True, help="where to write the script ('-' = stdout)")
     p.add_argument("--template", help="your own copy of templates/sbatch.sh.tmpl")
     _add_job_overrides(p)
-    p.set_defaults(func=_handler("ddpjob.sbatch:cmd_sbatch"))
+    p.set_defaults(func=_handler("ddpjob.launch.sbatch:cmd_sbatch"))
 
     p = sub.add_parser("run", help="train on this node (under srun, torchrun, or alone)")
     p.add_argument("target", help="job file (TOML) or an existing run directory")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help=argparse.SUPPRESS)  # torch.distributed.launch (legacy) passes this
     _add_job_overrides(p)
-    p.set_defaults(func=_handler("ddpjob.runner:cmd_run"))
+    p.set_defaults(func=_handler("ddpjob.node.runner:cmd_run"))
 
     p = sub.add_parser("selftest", help="check the process group: all-reduce, broadcast, bandwidth")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
@@ -87,32 +87,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the other ranks")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help=argparse.SUPPRESS)
-    p.set_defaults(func=_handler("ddpjob.selftest:cmd_selftest"))
+    p.set_defaults(func=_handler("ddpjob.node.selftest:cmd_selftest"))
 
     p = sub.add_parser("status", help="state, restarts, last step and checkpoint of runs")
     p.add_argument("target", nargs="?", help="run directory or SLURM job id (default: all runs)")
     p.add_argument("--runs-root", default="runs", help="where runs live (default: ./runs)")
-    p.set_defaults(func=_handler("ddpjob.control:cmd_status"))
+    p.set_defaults(func=_handler("ddpjob.launch.control:cmd_status"))
 
     p = sub.add_parser("logs", help="print a run's logs")
     p.add_argument("run", help="run directory")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("-f", "--follow", action="store_true", help="keep following, across requeues")
-    p.set_defaults(func=_handler("ddpjob.control:cmd_logs"))
+    p.set_defaults(func=_handler("ddpjob.launch.control:cmd_logs"))
 
     p = sub.add_parser("cancel", help="cancel a run's job")
     p.add_argument("run", help="run directory")
-    p.set_defaults(func=_handler("ddpjob.control:cmd_cancel"))
+    p.set_defaults(func=_handler("ddpjob.launch.control:cmd_cancel"))
 
     p = sub.add_parser("ls", help="list runs")
     p.add_argument("--runs-root", default="runs")
-    p.set_defaults(func=_handler("ddpjob.control:cmd_ls"))
+    p.set_defaults(func=_handler("ddpjob.launch.control:cmd_ls"))
 
     p = sub.add_parser("doctor", help="preflight checks on the login node")
     p.add_argument("job", nargs="?", help="job file to check against the cluster")
     p.add_argument("--srun", action="store_true", help="also run a tiny real srun on a compute node")
     _add_job_overrides(p)
-    p.set_defaults(func=_handler("ddpjob.doctor:cmd_doctor"))
+    p.set_defaults(func=_handler("ddpjob.launch.doctor:cmd_doctor"))
 
     p = sub.add_parser("data", help="download/verify/extract a dataset once, on the login node")
     p.add_argument("dataset", choices=["cifar10"])
@@ -122,12 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--md5", help="expected md5 of a custom archive (default: the official archive's)")
     p.add_argument("--no-verify", action="store_true",
                    help="skip the checksum of a custom archive (its contents are still validated)")
-    p.set_defaults(func=_handler("ddpjob.dataprep:cmd_data"))
+    p.set_defaults(func=_handler("ddpjob.launch.dataprep:cmd_data"))
 
     p = sub.add_parser("plot", help="plot loss/accuracy/lr/throughput of runs, with restart markers")
     p.add_argument("runs", nargs="+", help="run directories")
     p.add_argument("-o", "--output", required=True, help="PNG file to write")
-    p.set_defaults(func=_handler("ddpjob.plot:cmd_plot"))
+    p.set_defaults(func=_handler("ddpjob.launch.plot:cmd_plot"))
     return parser
 
 

@@ -1,1 +1,1 @@
-"""The sbatch template shipped with ddpjob (read through importlib.resources by ddpjob.render)."""
+"""The sbatch template shipped with ddpjob (read through importlib.resources by ddpjob.launch.render)."""

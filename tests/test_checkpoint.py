@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from ddpjob.checkpoint import (CheckpointInfo, CheckpointStore, SaveSchedule, capture_rng_state,
-                               restore_rng_state)
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.store.commit import CheckpointInfo, CheckpointStore
+from ddpjob.store.rng import capture_rng_state, restore_rng_state
+from ddpjob.store.schedule import SaveSchedule
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob.checkpoint import CheckpointStore
+from ddpjob.store.commit import CheckpointStore
 
 KILLS = 100
 
@@ -27,7 +27,7 @@ ZYGOTE = r'''
 import os, sys, traceback
 import torch
 torch.set_num_threads(1)
-from ddpjob.checkpoint import CheckpointStore
+from ddpjob.store.commit import CheckpointStore
 
 root, log_path = sys.argv[1], sys.argv[2]
 

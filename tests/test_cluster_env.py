@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob.cluster import PORT_BASE, PORT_SPAN, ClusterEnv, port_for_job
 from ddpjob.errors import DDPJobError
+from ddpjob.node.cluster import PORT_BASE, PORT_SPAN, ClusterEnv, port_for_job
 
 TORCHRUN = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
             "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400",
@@ -304,7 +304,7 @@ def test_nodelist_and_node_count_disagree() -> None:
 
 
 # ------------------------------------------------------------------- on the real cluster
-PROBE = ("from ddpjob.cluster import ClusterEnv\n"
+PROBE = ("from ddpjob.node.cluster import ClusterEnv\n"
          "e = ClusterEnv.from_environ()\n"
          "print('ENV', e.rank, e.local_rank, e.world_size, e.local_world_size, e.node_rank, "
          "e.num_nodes, e.hostname, e.master_addr, e.master_port, e.job_id, e.slurm_step, flush=True)\n")

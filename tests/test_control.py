@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from test_local_backend import fake_command, local_state, make_run, wait_for
 
-from ddpjob import control, rundir, submit
+from ddpjob import rundir
+from ddpjob.launch import control, submit
 
 ROOT = Path(__file__).resolve().parents[1]
 

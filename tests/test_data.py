@@ -1,4 +1,4 @@
-"""ddpjob.data: the CIFAR-10 reader, the synthetic set, TensorLoader, eval sharding, plugins."""
+"""ddpjob.train.data: the CIFAR-10 reader, the synthetic set, TensorLoader, eval sharding, plugins."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from ddpjob import data
-from ddpjob.data import (CIFAR10_MEAN, CIFAR10_STD, ArrayDataset, PluginLoader, TensorLoader,
+from ddpjob.train import data
+from ddpjob.train.data import (CIFAR10_MEAN, CIFAR10_STD, ArrayDataset, PluginLoader, TensorLoader,
                          build_datasets, eval_batches, load_cifar10, load_plugin, make_synthetic,
                          make_train_loader)
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.fixtures import (FOLDER, LABEL_NAMES, _py2_pickle, write_cifar10_archive,
+from ddpjob.train.fixtures import (FOLDER, LABEL_NAMES, _py2_pickle, write_cifar10_archive,
                              write_cifar10_folder)
 
 torch.set_num_threads(1)
@@ -318,17 +318,17 @@ def test_eval_with_more_ranks_than_samples_and_plugin_sets():
 
 # ------------------------------------------------------------------------------ plugins
 def test_load_plugin_resolves_and_explains_failures():
-    assert load_plugin("ddpjob.data:make_synthetic") is make_synthetic
-    assert load_plugin("ddpjob.data:TensorLoader.sample_ids") is TensorLoader.sample_ids
+    assert load_plugin("ddpjob.train.data:make_synthetic") is make_synthetic
+    assert load_plugin("ddpjob.train.data:TensorLoader.sample_ids") is TensorLoader.sample_ids
     with pytest.raises(DDPJobError, match="cannot import no_such_pkg_xyz") as err:
         load_plugin("no_such_pkg_xyz.mod:fn")
     assert "PYTHONPATH" in err.value.line()
     with pytest.raises(DDPJobError, match="has no attribute 'nope'"):
-        load_plugin("ddpjob.data:nope")
+        load_plugin("ddpjob.train.data:nope")
     with pytest.raises(DDPJobError, match="is a tuple, expected a function"):
-        load_plugin("ddpjob.data:CIFAR10_MEAN")
+        load_plugin("ddpjob.train.data:CIFAR10_MEAN")
     with pytest.raises(UsageError, match="package.module:function"):
-        load_plugin("ddpjob.data.make_synthetic")
+        load_plugin("ddpjob.train.data.make_synthetic")
 
 
 def test_plugin_module_with_import_error(tmp_path, monkeypatch):

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import dataprep
 from ddpjob.cli import main
-from ddpjob.fixtures import write_cifar10_archive
+from ddpjob.launch import dataprep
+from ddpjob.train.fixtures import write_cifar10_archive
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_download_from_loopback_server_verifies_and_extracts(archive: Path, serv
     assert {p.name for p in root.iterdir()} == {"cifar-10-batches-py"}  # the .part file is gone
     assert dataprep.cifar10_problem(root) is None
 
-    from ddpjob.data import load_cifar10
+    from ddpjob.train.data import load_cifar10
     assert len(load_cifar10(root, train=True)) == 50 and len(load_cifar10(root, train=False)) == 20
 
     # Already there: says so, does not download again (the server is no longer needed).

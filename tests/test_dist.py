@@ -13,14 +13,14 @@ import time
 import pytest
 import torch
 
-from ddpjob import dist as ddist
-from ddpjob.cluster import ClusterEnv
 from ddpjob.errors import DDPJobError
+from ddpjob.node import dist as ddist
+from ddpjob.node.cluster import ClusterEnv
 
 WORKER = textwrap.dedent("""
     import json, sys
-    from ddpjob.cluster import ClusterEnv
-    from ddpjob import dist as d
+    from ddpjob.node import dist as d
+    from ddpjob.node.cluster import ClusterEnv
     env = ClusterEnv.from_environ(argv=[])
     ctx = d.init_process_group(env, backend="gloo", timeout_s=60)
     import torch
@@ -153,9 +153,9 @@ def test_group_that_does_not_form_names_the_missing_ranks() -> None:
     port = free_port()
     rank0 = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
-            from ddpjob.cluster import ClusterEnv
-            from ddpjob import dist as d
             from ddpjob.errors import DDPJobError
+            from ddpjob.node import dist as d
+            from ddpjob.node.cluster import ClusterEnv
             try:
                 d.init_process_group(ClusterEnv(world_size=3, local_world_size=3, master_port={port},
                                                 hostname="n1"), backend="gloo", timeout_s=4)

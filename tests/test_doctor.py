@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import doctor
 from ddpjob.cli import build_parser, main
 from ddpjob.config import JobConfig, SlurmConfig
 from ddpjob.errors import DDPJobError
-from ddpjob.fixtures import write_cifar10_folder
+from ddpjob.launch import doctor
+from ddpjob.train.fixtures import write_cifar10_folder
 
 GOOD = """name = "doc"
 [slurm]

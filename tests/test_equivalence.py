@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from ddpjob import api, config, data, models, trainer
+from ddpjob import api, config
+from ddpjob.train import data, models, trainer
 from ranks import metrics, run, write_job
 from test_trainer import fit_here
 

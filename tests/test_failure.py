@@ -1,5 +1,5 @@
 """The preemption protocol and failures with the local backend (`ddpjob submit --backend local`:
-the supervisor in ddpjob/local.py plays SLURM's part), each run compared bit for bit with one
+the supervisor in ddpjob/launch/local.py plays SLURM's part), each run compared bit for bit with one
 uninterrupted run of the same job (2 local ranks, batch 16 x accumulation 2, 20 steps per epoch).
 
 - interrupted three times by three different routes: SIGUSR2 to the supervisor (forwarded to

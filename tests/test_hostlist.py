@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from ddpjob import cluster
 from ddpjob.errors import DDPJobError
-from ddpjob.hostlist import first_host, parse_hostlist, parse_tasks_per_node
+from ddpjob.node import cluster
+from ddpjob.node.hostlist import first_host, parse_hostlist, parse_tasks_per_node
 
 FORMS: list[tuple[str, list[str]]] = [
     ("n1", ["n1"]),

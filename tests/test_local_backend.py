@@ -1,4 +1,4 @@
-"""The local backend's supervisor (ddpjob/local.py) with real processes.
+"""The local backend's supervisor (ddpjob/launch/local.py) with real processes.
 
 Fake ranks (a few lines of Python, FAKE_RANK) make the supervisor's own behaviour fast and
 deterministic: the torchrun environment, signal forwarding and restart, kill-on-bad-exit,
@@ -71,7 +71,7 @@ def fake_command(tmp_path: Path) -> str:
 
 def start_supervisor(tmp_path: Path, *runs: Path) -> subprocess.Popen:
     log = open(tmp_path / "supervisor.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "ddpjob.local", *map(str, runs),
+    return subprocess.Popen([sys.executable, "-m", "ddpjob.launch.local", *map(str, runs),
                              "--rank-command", fake_command(tmp_path)],
                             stdout=log, stderr=subprocess.STDOUT)
 
@@ -191,7 +191,7 @@ def test_sweep_points_run_one_after_another(tmp_path):
 
 def test_submit_local_detaches_a_supervisor(tmp_path):
     """submit --backend local returns at once; the supervisor lives in its own session."""
-    from ddpjob import submit
+    from ddpjob.launch import submit
 
     run = make_run(tmp_path, "wait")
     rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"],

@@ -1,4 +1,4 @@
-"""ddpjob.models: built-ins, torchvision names with the CIFAR stem, plugins, pretrained, freezing."""
+"""ddpjob.train.models: built-ins, torchvision names with the CIFAR stem, plugins, pretrained, freezing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.models import build_model, freeze_backbone_, head_name, load_pretrained
+from ddpjob.train.models import build_model, freeze_backbone_, head_name, load_pretrained
 
 torch.set_num_threads(1)
 X = torch.randn(2, 3, 32, 32)

@@ -41,7 +41,8 @@ def test_wheel_contains_template_and_jobs(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"ddpjob/templates/sbatch.sh.tmpl", "ddpjob/jobs/smoke.toml",
             "ddpjob/jobs/cifar10_resnet18.toml", "ddpjob/jobs/cifar10_resnet50.toml",
-            "ddpjob/render.py", "ddpjob/sbatch.py"} <= names
+            "ddpjob/launch/render.py", "ddpjob/launch/sbatch.py", "ddpjob/node/dist.py",
+            "ddpjob/store/commit.py", "ddpjob/train/trainer.py"} <= names
     assert not any(n.startswith(("tests/", "templates/", "jobs/")) for n in names)
 
 

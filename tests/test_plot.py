@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import plot
 from ddpjob.cli import main
+from ddpjob.launch import plot
 from ranks import Ranks, events, run, send_at_step, write_job
 
 pytest.importorskip("matplotlib")  # the `plot` extra; in the `test` extra too

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import preemption
+from ddpjob.node import preemption
 
 from ranks import (Ranks, assert_bit_equal, events, final_state, metrics, run, send_at_step,
                    write_job)

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import __version__, config, render
+from ddpjob import __version__, config
 from ddpjob.errors import UsageError
+from ddpjob.launch import render
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs").glob("*.toml"))

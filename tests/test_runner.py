@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from ddpjob import cli, config, preemption, requeue, rundir
-from ddpjob.cluster import ClusterEnv
+from ddpjob import cli, config, rundir
+from ddpjob.node import preemption, requeue
+from ddpjob.node.cluster import ClusterEnv
 from ranks import (PYTHON, REPO, assert_bit_equal, base_env, free_port, final_state, metrics, run,
                    write_job)
 

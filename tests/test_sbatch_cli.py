@@ -154,7 +154,7 @@ echo "rank $SLURM_PROCID says hello"
 def test_hostile_run_dir_survives_real_sbatch_and_srun(slurm_cluster, tmp_path: Path) -> None:
     import slurmtools
 
-    from ddpjob import render
+    from ddpjob.launch import render
 
     base = tmp_path / "it's \"odd\" $(touch PWNED) `touch PWNED`; #x %j 100%"
     run = base / "run"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob.selftest import check_layout
+from ddpjob.node.selftest import check_layout
 
 PY = sys.executable
 VENV_BIN = Path(PY).parent

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import cli, config, rundir, submit
+from ddpjob import cli, config, rundir
+from ddpjob.launch import submit
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -83,7 +84,7 @@ def test_sbatch_text_is_valid_bash_and_quotes_hostile_paths(tmp_path):
 
 # ------------------------------------------------------------------ NodeTask
 def test_nodetask_pickles_and_translates_exit_codes(monkeypatch, tmp_path):
-    import ddpjob.runner as runner
+    import ddpjob.node.runner as runner
 
     task = pickle.loads(pickle.dumps(submit.NodeTask(tmp_path)))
     assert task.run_dir == str(tmp_path)
@@ -227,7 +228,7 @@ def _submit_slurm(tmp_path: Path, *extra: str, timeout: float = 120) -> tuple[Pa
 
 
 def _wait_step(run: Path, step: int, timeout: float) -> None:
-    from ddpjob import control
+    from ddpjob.launch import control
 
     deadline = time.monotonic() + timeout
     while (control.last_metric(run)[0] or 0) < step:

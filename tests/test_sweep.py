@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import config, rundir, submit
+from ddpjob import config, rundir
 from ddpjob.errors import UsageError
+from ddpjob.launch import submit
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -85,7 +86,7 @@ def test_local_sweep_runs_each_point_and_ls_status_show_the_grid(tmp_path):
 def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
     import slurmtools
 
-    from ddpjob import control
+    from ddpjob.launch import control
 
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen([sys.executable, "-m", "ddpjob", "submit", SMOKE, "--backend", "slurm",

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from ddpjob import api, config, models, rundir, trainer
+from ddpjob import api, config, rundir
+from ddpjob.train import models, trainer
 from ranks import base_env, free_port, metrics
 
 torch.set_num_threads(1)
@@ -129,7 +130,7 @@ _COUNT_SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from ddpjob import trainer
+    from ddpjob.train import trainer
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -181,13 +182,12 @@ def test_async_periodic_checkpoints_are_committed_and_change_nothing(tmp_path: P
     steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "async" / "checkpoints").glob("step-*"))
     assert steps == [2, 4, 6, 8, 9]
     assert not list((tmp_path / "async" / "checkpoints").glob(".tmp-*"))  # nothing left half-done
-    from ddpjob.checkpoint import CheckpointStore
+    from ddpjob.store.commit import CheckpointStore
 
     store = CheckpointStore(tmp_path / "async" / "checkpoints")
     assert all(store.verify(info) is None for info in store.list())
     a = torch.load(tmp_path / "async" / "final" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "sync" / "final" / "model.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    six = torch.load(tmp_path / "async" / "checkpoints" / "step-000000006" / "manifest.json".replace(
-        "manifest.json", "rank-0.pt"), weights_only=True)
+    six = torch.load(tmp_path / "async" / "checkpoints" / "step-000000006" / "rank-0.pt", weights_only=True)
     assert set(six) >= {"torch", "numpy", "python"}  # this rank's RNG streams at step 6

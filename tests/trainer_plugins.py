@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from ddpjob.models import TinyCNN
+from ddpjob.train.models import TinyCNN
 
 
 def conv_nobn(num_classes: int = 10) -> nn.Module:

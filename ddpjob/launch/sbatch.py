@@ -15,8 +15,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from ddpjob import config, console, render, rundir
+from ddpjob import config, console, rundir
 from ddpjob.errors import DDPJobError
+from ddpjob.launch import render
 
 SCRIPT = "job.sbatch"
 _FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")

@@ -3,22 +3,20 @@
 Every rank writes its files into one staging folder `.tmp-step-<N>-<attempt>/`; after a barrier
 rank 0 hashes them, writes manifest.json last and renames the folder to `step-<N>` in one atomic
 step, so a kill -9 at any moment leaves a complete checkpoint or none. `latest()` resumes from the
-newest one that verifies; every file loads with `torch.load(weights_only=True)`.
+newest one that verifies; every file loads with `torch.load(weights_only=True)`. Host snapshots
+and background writes live in snapshot.py, RNG state in rng.py, the save schedule in schedule.py.
 """
 
 from __future__ import annotations
 
-import copy
 import errno
 import hashlib
 import json
 import os
 import pickle
-import random
 import re
 import shutil
 import sys
-import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -26,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from ddpjob import __version__
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.store.snapshot import AsyncWrite, snapshot_tree
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -40,41 +38,11 @@ _STAGING = ".tmp-step-"
 _TRASH = ".del-"
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
-
 @dataclass(frozen=True)
 class CheckpointInfo:
     path: Path
     step: int
     manifest: dict[str, Any]  # parsed manifest.json; {} when missing or unparsable (see verify)
-
-
-class AsyncWrite:
-    """A background write of snapshotted files; `wait()` re-raises whatever the writer raised."""
-
-    def __init__(self, work: Callable[[], None], where: Path) -> None:
-        self._where = where
-        self._error: BaseException | None = None
-        # daemon: nothing is committed before wait() returned, so a write cut short by the
-        # process exiting leaves only a staging folder, which prune() removes later.
-        self._thread = threading.Thread(target=self._run, args=(work,), name="ddpjob-ckpt", daemon=True)
-        self._thread.start()
-
-    def _run(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except BaseException as err:  # handed to the waiting thread, never lost
-            self._error = err
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def wait(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise DDPJobError(f"checkpoint write into {self._where} still running after {timeout:g} s",
-                              "the checkpoint filesystem is slow or hung: check it on this node (df, mount)")
-        if self._error is not None:
-            raise self._error
 
 
 class CheckpointStore:
@@ -178,7 +146,7 @@ class CheckpointStore:
     def snapshot(obj: Any) -> Any:
         """Deep copy of nested dicts/lists/tuples of tensors to CPU (pinned when CUDA is there).
         When it returns, the caller may change the originals: the step blocks only for this copy."""
-        return _snapshot(obj)
+        return snapshot_tree(obj)
 
     # ---- load --------------------------------------------------------------------------------
     def list(self) -> list[CheckpointInfo]:
@@ -348,108 +316,6 @@ class _ErrnoRecorder:
         self.f.flush()
 
 
-def _snapshot(obj: Any) -> Any:
-    sources: dict[int, torch.Tensor] = {}  # by id: a tensor seen twice (tied weights) stays shared
-    _walk_tensors(obj, lambda t: sources.setdefault(id(t), t.detach()))
-    plain = [t for t in sources.values() if not t.is_cuda and t.layout == torch.strided and not t.is_quantized]
-    pooled = iter(_POOL.take(tuple((t.shape, t.dtype) for t in plain)) or [])
-    pin = torch.cuda.is_available()
-    memo: dict[int, torch.Tensor] = {}
-    cuda_devices = set()
-    for key, src in sources.items():  # same order as `plain`, so pooled buffers line up
-        if src.layout != torch.strided or src.is_quantized:
-            memo[key] = src.to("cpu", copy=True)
-            continue
-        dst = None if src.is_cuda else next(pooled, None)
-        if dst is None:
-            dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin and src.is_cuda)
-        memo[key] = dst.copy_(src, non_blocking=src.is_cuda)
-        if src.is_cuda:
-            cuda_devices.add(src.device)
-    for device in cuda_devices:  # non_blocking copies must land before the caller mutates
-        torch.cuda.synchronize(device)
-    return _rebuild(obj, memo)
-
-
-def _rebuild(o: Any, memo: dict[int, torch.Tensor]) -> Any:
-    # A module function, not a closure: a recursive closure is a reference cycle that would keep
-    # the copies (and so the pool's buffers) alive until the cyclic GC happens to run.
-    if isinstance(o, torch.Tensor):
-        return memo[id(o)]
-    if isinstance(o, dict):
-        return (OrderedDict if isinstance(o, OrderedDict) else dict)((k, _rebuild(v, memo)) for k, v in o.items())
-    if isinstance(o, list):
-        return [_rebuild(v, memo) for v in o]
-    if type(o) is tuple:
-        return tuple(_rebuild(v, memo) for v in o)
-    return copy.deepcopy(o)
-
-
-def _walk_tensors(o: Any, visit: Callable[[torch.Tensor], Any]) -> None:
-    if isinstance(o, torch.Tensor):
-        visit(o)
-    elif isinstance(o, dict):
-        for v in o.values():
-            _walk_tensors(v, visit)
-    elif isinstance(o, list) or type(o) is tuple:
-        for v in o:
-            _walk_tensors(v, visit)
-
-
-class _SnapshotPool:
-    """CPU buffers reused by snapshot(). Fresh memory costs a page fault per 4 KiB (~22k for
-    resnet18 + SGD momentum: 100-1000 ms on a busy VM); reused memory costs none (~10 ms).
-    A buffer set goes out again only when nothing but the pool holds any of its storages (the
-    write finished and the caller dropped the snapshot). At most 2 sets per layout (shapes and
-    dtypes) and 8 layouts are kept. Pinned copies are left to torch's caching host allocator."""
-
-    SETS_PER_LAYOUT, LAYOUTS = 2, 8  # layouts: e.g. model.pt, optimizer.pt, trainer.pt, rank-R.pt
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sets: OrderedDict[tuple, list[list[torch.Tensor]]] = OrderedDict()
-        self._enabled: bool | None = None  # decided on first use
-
-    def take(self, layout: tuple) -> list[torch.Tensor] | None:
-        with self._lock:
-            if self._enabled is None:
-                self._enabled = _use_count_works()
-            if not self._enabled or not layout:
-                return None
-            sets = self._sets.setdefault(layout, [])
-            self._sets.move_to_end(layout)
-            while len(self._sets) > self.LAYOUTS:
-                self._sets.popitem(last=False)
-            chosen = next((b for b in sets if all(_use_count(t) == 2 for t in b)), None)
-            if chosen is None:
-                if len(sets) >= self.SETS_PER_LAYOUT:
-                    return None  # the caller keeps old snapshots alive: do not grow
-                chosen = [torch.empty(shape, dtype=dtype) for shape, dtype in layout]
-                sets.append(chosen)
-            # Hand out views: each holds a reference to its storage, which is what marks it busy.
-            return [t.view(t.shape) for t in chosen]
-
-
-def _use_count(t: torch.Tensor) -> int:
-    """References to t's storage, counting the temporary one made to ask (so 2 = only t)."""
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
-def _use_count_works() -> bool:
-    """The pool relies on a private torch counter: check it behaves before trusting it."""
-    try:
-        t = torch.empty(1)
-        alone = _use_count(t)
-        view = t.view(1)
-        busy = _use_count(t)
-        del view
-        return (alone, busy, _use_count(t)) == (2, 3, 2)
-    except (AttributeError, RuntimeError, TypeError):
-        return False
-
-
-_POOL = _SnapshotPool()
-
 _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None),
                 torch.Tensor, torch.nn.Parameter, torch.Size, torch.device, torch.dtype)
 
@@ -554,60 +420,3 @@ def _io_error(err: OSError, path: Path, doing: str) -> DDPJobError:
                            "point the run directory at a writable folder on a filesystem every node shares")
     return DDPJobError(f"could not {doing} {path}: {err.strerror or err}",
                        "check that the run directory's filesystem is mounted and healthy on this node")
-
-
-# ---- per-rank RNG state (weights_only loadable: lists, ints, floats, tensors) -----------------
-def capture_rng_state() -> dict[str, Any]:
-    version, internal, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    state: dict[str, Any] = {
-        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    py = state["python"]
-    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
-    npy = state["numpy"]
-    np.random.set_state((npy["kind"], npy["keys"].cpu().numpy().astype(np.uint32), int(npy["pos"]),
-                         int(npy["has_gauss"]), float(npy["cached_gaussian"])))
-    torch.set_rng_state(state["torch"].cpu())
-    if "cuda" in state and torch.cuda.is_available():
-        # Bit-exact resume needs the same GPUs per rank; extra saved generators are ignored.
-        for i, gen_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(gen_state.cpu(), i)
-
-
-class SaveSchedule:
-    """Save every `every_steps` optimizer steps and/or every `every_minutes` (0 turns either off).
-
-    due() is cheap and local. Step answers agree on every rank by construction; minute answers do
-    not (each rank has its own clock), so the caller must agree on them: ask rank 0 and broadcast
-    the answer, or all-reduce MAX of every rank's answer and then call mark_saved() on every rank.
-    A True answer restarts the minute timer.
-    """
-
-    def __init__(self, every_steps: int, every_minutes: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if every_steps < 0 or every_minutes < 0:
-            raise UsageError(f"checkpoint interval every_steps={every_steps} every_minutes={every_minutes}, "
-                             "expected numbers >= 0", "use 0 to turn an interval off")
-        self.every_steps, self.every_minutes, self._clock = every_steps, every_minutes, clock
-        self._last = clock()
-
-    def due(self, step: int) -> bool:
-        by_steps = self.every_steps > 0 and step > 0 and step % self.every_steps == 0
-        by_time = self.every_minutes > 0 and self._clock() - self._last >= self.every_minutes * 60
-        if by_steps or by_time:
-            self.mark_saved()
-            return True
-        return False
-
-    def mark_saved(self) -> None:
-        self._last = self._clock()

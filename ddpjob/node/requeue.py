@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddpjob import console, preemption, rundir
-from ddpjob.cluster import ClusterEnv
+from ddpjob import console, rundir
+from ddpjob.node import preemption
+from ddpjob.node.cluster import ClusterEnv
 from ddpjob.config import JobConfig
 
 

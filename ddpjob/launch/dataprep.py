@@ -65,7 +65,7 @@ def cifar10_problem(root: str | Path, full: bool = True) -> str | None:
         except OSError as exc:
             return f"cannot read {folder / name} ({exc.strerror})"
     if full:
-        from ddpjob.data import load_cifar10  # imports torch: only for the full check
+        from ddpjob.train.data import load_cifar10  # imports torch: only for the full check
 
         try:
             load_cifar10(folder, train=True)

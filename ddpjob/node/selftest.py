@@ -13,11 +13,11 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from ddpjob import console
-from ddpjob.cluster import ClusterEnv
-from ddpjob.dist import DistContext, all_gather_object, barrier, broadcast_object, init_process_group
+from ddpjob.node.cluster import ClusterEnv
+from ddpjob.node.dist import (DistContext, all_gather_object, all_reduce_sum, barrier, broadcast_object,
+                              broadcast_tensor, init_process_group)
 
 WARMUP, TIMED = 2, 5
 
@@ -29,7 +29,7 @@ def _sync(device: torch.device) -> None:
 
 def _all_reduce(t: torch.Tensor, ctx: DistContext) -> None:
     if ctx.initialized:
-        dist.all_reduce(t)
+        all_reduce_sum(t)
 
 
 def check_sum(ctx: DistContext, device: torch.device) -> tuple[int, str | None]:
@@ -45,7 +45,7 @@ def check_broadcast(ctx: DistContext, device: torch.device) -> str | None:
     """Rank 0's random tensor must arrive bit-exact: compare sha256 of the raw bytes."""
     t = torch.rand(4096, generator=torch.Generator().manual_seed(time.time_ns())).to(device)
     if ctx.initialized:
-        dist.broadcast(t, src=0)
+        broadcast_tensor(t, src=0)
     digest = hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()
     reference = broadcast_object(digest)
     return None if digest == reference else f"broadcast differs on rank {ctx.env.rank}"

@@ -437,7 +437,7 @@ class PluginLoader:
                  device: torch.device | str = "cpu", channels_last: bool = False,
                  mean: Sequence[float] = CIFAR10_MEAN, std: Sequence[float] = CIFAR10_STD,
                  dtype: torch.dtype = torch.float32, num_workers: int = 0) -> None:
-        from ddpjob.sampler import SeededDataset, StepSampler
+        from ddpjob.node.sampler import SeededDataset, StepSampler
 
         self.ds, self.micro_batch, self.accumulation = ds, micro_batch, accumulation
         self.device = torch.device(device)

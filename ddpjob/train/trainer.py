@@ -20,11 +20,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ddpjob
-from ddpjob import data, models, syncbn
+from ddpjob.train import data, models, syncbn
 from ddpjob.api import Job
 from ddpjob.config import JobConfig, accumulation_for
 from ddpjob.errors import DDPJobError
-from ddpjob.metrics import Meter, Progress as Bar
+from ddpjob.node.metrics import Meter, Progress as Bar
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

@@ -21,7 +21,7 @@ from typing import Any
 from ddpjob import console, rundir
 from ddpjob.errors import DDPJobError, UsageError
 
-LOCAL = "local.json"  # written by ddpjob/local.py
+LOCAL = "local.json"  # written by ddpjob/launch/local.py
 SWEEP = "sweep.json"
 # SLURM states after which nothing more will happen (a requeued job goes back to PENDING).
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -99,7 +99,7 @@ def slurm_states(job_ids: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _pid_alive(pid: int | None, marker: str = "ddpjob.local") -> bool:
+def _pid_alive(pid: int | None, marker: str = "ddpjob.launch.local") -> bool:
     """Alive, not a zombie, and still our supervisor (pids are reused)."""
     if not pid:
         return False
@@ -263,7 +263,7 @@ def format_status(i: RunInfo) -> str:
              + (f"  loss {_fmt_loss(i.loss)}" if i.loss is not None else ""),
              f"checkpoint  {i.checkpoint or '-'}", f"completed   {'yes' if i.completed else 'no'}"]
     # progress, best accuracy and every restart with its reason, read from the run dir alone
-    from ddpjob.plot import summary
+    from ddpjob.launch.plot import summary
 
     lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts")
               and not ln.startswith("restarts    0")]

@@ -15,8 +15,9 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddpjob import api, config, console, entry, rundir
-from ddpjob.cluster import ClusterEnv
+from ddpjob import api, config, console, rundir
+from ddpjob.node import entry
+from ddpjob.node.cluster import ClusterEnv
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
 
@@ -75,7 +76,7 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
     argv = list(sys.argv[1:]) if argv is None else list(argv)
     env = ClusterEnv.from_environ(argv=argv)  # rank only: the Job builds the full one
     console.set_rank(env.rank)
-    from ddpjob import preemption
+    from ddpjob.node import preemption
 
     # Flag-only handlers first: a signal during the (slow) start must not kill the process.
     stop = preemption.StopFlag.install([cfg.slurm.signal, "TERM"])

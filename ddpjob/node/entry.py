@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ddpjob.errors import DDPJobError
 
-BUILTIN = "ddpjob.trainer:main"
+BUILTIN = "ddpjob.train.trainer:main"
 
 
 def describe(entry: str) -> str:

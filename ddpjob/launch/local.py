@@ -1,4 +1,4 @@
-"""The local backend's supervisor: `python -m ddpjob.local RUN_DIR [RUN_DIR ...]`.
+"""The local backend's supervisor: `python -m ddpjob.launch.local RUN_DIR [RUN_DIR ...]`.
 
 Started detached by `ddpjob submit --backend local`; plays SLURM's part on one machine. It starts
 nodes x tasks_per_node rank processes (`ddpjob run RUN_DIR`) with the torchrun variables, forwards
@@ -226,7 +226,7 @@ def supervise(run_dirs: Sequence[Path], command: list[str] | None = None) -> int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddpjob.local", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m ddpjob.launch.local", description=__doc__)
     p.add_argument("run_dirs", nargs="+", type=Path)
     # Internal (tests): run this instead of `ddpjob run`; the run dir is appended.
     p.add_argument("--rank-command", help=argparse.SUPPRESS)

@@ -104,7 +104,7 @@ def build_model(name: str, num_classes: int = 10, *, cifar_stem: bool = True, pr
     if num_classes < 1:
         raise UsageError(f"train.num_classes is {num_classes}, expected >= 1", "e.g. num_classes = 10")
     if ":" in name:
-        from ddpjob.data import load_plugin
+        from ddpjob.train.data import load_plugin
 
         model = load_plugin(name)(num_classes=num_classes)
         if not isinstance(model, nn.Module):

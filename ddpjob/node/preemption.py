@@ -1,5 +1,5 @@
-"""Preemption mechanics on the nodes: flag-only signal handlers, the collective stop decision,
-the requeue, and the deadline watch.
+"""Preemption mechanics on the nodes: flag-only signal handlers, stop codes, the requeue command
+and the deadline watch.
 
 runner.py (or ddpjob.init()) installs the StopFlag; api.Job.steps() votes on its code once per
 optimizer step (dist.Control.agree) so that every rank stops at the same step; requeue.py decides.

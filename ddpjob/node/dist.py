@@ -1,9 +1,11 @@
-"""Process group setup and teardown, and the few collectives the trainer needs.
+"""Process group setup and teardown, and every collective ddpjob runs.
 
 Second step on the nodes: runner.py / selftest.py hand the ClusterEnv from cluster.py to
 `init_process_group`, which picks backend and device and returns a DistContext. The only
-module that sets torch.distributed up. With one process there is no group and the helpers
-below become no-ops, so the trainer has a single code path.
+module that sets torch.distributed up and the only one that calls its collectives (the
+trainer, the checkpoint state, the stop vote, SyncBatchNorm and selftest call the helpers
+below; tests/test_layout.py checks it). With one process there is no group and the helpers on
+the default group become no-ops, so the trainer has a single code path.
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 
-from ddpjob.cluster import ClusterEnv
 from ddpjob.errors import DDPJobError
+from ddpjob.node.cluster import ClusterEnv
 
 
 @dataclass
@@ -176,9 +180,13 @@ def is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def barrier() -> None:
+def barrier(group: Any = None) -> None:
+    """All ranks of `group` (default: the job's) meet; a no-op with one process."""
     if _active():
-        dist.barrier()
+        if group is None:
+            dist.barrier()
+        else:
+            dist.barrier(group=group)
 
 
 def all_reduce_max_int(value: int) -> int:
@@ -255,6 +263,18 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
             dist.broadcast(buf, src=0)
 
 
+# ------------------------------------------------------------ tensor collectives (in place)
+# Callers check that a group exists (DistContext.initialized) before calling these.
+def all_reduce_sum(t: torch.Tensor) -> None:
+    """Sum of `t` over all ranks, in place."""
+    dist.all_reduce(t)
+
+
+def broadcast_tensor(t: torch.Tensor, src: int = 0) -> None:
+    """Rank `src`'s `t` on every rank, in place."""
+    dist.broadcast(t, src=src)
+
+
 def ordered_sum_hook(group, bucket):
     """DDP comm hook: mean of the ranks' gradients, summed in rank order (bit-reproducible).
 
@@ -276,3 +296,16 @@ def ordered_sum_hook(group, bucket):
         return buf.copy_(acc.div_(world))
 
     return fut.then(reduce)
+
+
+# ------------------------------------------------------------ autograd collectives (SyncBatchNorm)
+def group_active(group: Any = None) -> bool:
+    """A process group exists and `group` (default: the job's) has more than one rank."""
+    return (dist.is_available() and dist.is_initialized()
+            and dist.get_world_size(group if group is not None else dist.group.WORLD) > 1)
+
+
+def all_reduce_sum_autograd(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Differentiable sum over the ranks of `group` (default: the job's): the backward pass
+    all-reduces the gradient too. Returns a new tensor."""
+    return dist_nn.all_reduce(t, group=group if group is not None else dist.group.WORLD)

@@ -2,12 +2,12 @@
 
 Login-node side, after config.py: writes RUN_DIR/config.json once, then hands the run dir to
 the scheduler: a submitit SlurmExecutor job (a job array for a sweep) whose callable is
-`NodeTask(run_dir)`, or the detached local supervisor (ddpjob/local.py). Writes job.json and
+`NodeTask(run_dir)`, or the detached local supervisor (ddpjob/launch/local.py). Writes job.json and
 job.sbatch; status/logs/cancel (control.py) read them back.
 
 Requeue contract on SLURM. `NodeTask` is stateless (a run dir path): every incarnation resumes
 from the newest checkpoint in the run dir, so submitit may pickle it once and rerun it. On the
-node, `ddpjob.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
+node, `ddpjob.node.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
 stop it checkpoints on all ranks and returns 3, having asked `scontrol requeue` itself for a USR2
 stop. A TERM stop is scancel or preemption; SLURM requeues a preempted job only if it outlives
 GraceTime, so on 3 rank 0 requeues a job that is still RUNNING with a PreemptTime (scancel sets
@@ -51,7 +51,7 @@ class NodeTask:
         self.run_dir = str(run_dir)
 
     def __call__(self) -> int:
-        from ddpjob.runner import run_node  # imported on the node: torch stays off the login node
+        from ddpjob.node.runner import run_node  # imported on the node: torch stays off the login node
 
         code = int(run_node(self.run_dir))
         if code == 0:
@@ -71,8 +71,8 @@ class NodeTask:
         (exit 3). So: job still RUNNING, PreemptTime set, requeues left -> `scontrol requeue`.
         A USR2 stop was requeued by the runner already (state no longer RUNNING), and scancel
         sets no PreemptTime, so neither is requeued twice or brought back."""
-        from ddpjob import preemption
-        from ddpjob.cluster import ClusterEnv
+        from ddpjob.node import preemption
+        from ddpjob.node.cluster import ClusterEnv
 
         env = ClusterEnv.from_environ()
         if not env.is_rank0 or env.source != "slurm" or not env.job_id:
@@ -242,7 +242,7 @@ def _doctor_checks(cfgs: list[JobConfig], backend: str, root: Path) -> None:
     """`ddpjob doctor`'s cheap checks (partition limits, GPUs vs tasks, signal routing, dataset,
     port window): a job that would fail on the nodes fails here, in one line, before anything
     is written. Warnings are printed and do not stop the submission."""
-    from ddpjob import doctor
+    from ddpjob.launch import doctor
 
     for cfg in cfgs:
         # the run dir itself is checked (with a more precise message) when it is created
@@ -295,7 +295,7 @@ def submit_local(run_dirs: list[Path], log_dir: Path, command: list[str],
     """Start the supervisor in its own session (it outlives this command) and return.
     `rank_command` replaces `ddpjob run` (tests drive the supervisor with fake ranks)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "ddpjob.local", *[str(d.resolve()) for d in run_dirs]]
+    argv = [sys.executable, "-m", "ddpjob.launch.local", *[str(d.resolve()) for d in run_dirs]]
     if rank_command:
         argv += ["--rank-command", rank_command]
     with open(log_dir / "supervisor.log", "ab") as out:
@@ -378,7 +378,7 @@ def _make_root(path: Path) -> Path | None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from ddpjob.sbatch import locate_job  # `smoke` and jobs/smoke.toml also name the bundled jobs
+    from ddpjob.launch.sbatch import locate_job  # `smoke` and jobs/smoke.toml also name the bundled jobs
 
     job = locate_job(args.job)
     flags = {k: getattr(args, k, None) for k in FLAGS}
@@ -455,7 +455,7 @@ def _print_submitted(cfg: JobConfig, backend: str, run_dirs: list[Path], records
 
 def wait(run_dirs: list[Path]) -> int:
     """--wait: stream rank 0's log of each run until it ends; 0 only if every run completed."""
-    from ddpjob import control
+    from ddpjob.launch import control
 
     ok = True
     for d in run_dirs:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ddpjob.errors import DDPJobError
-from ddpjob.hostlist import first_host, parse_hostlist, parse_tasks_per_node
+from ddpjob.node.hostlist import first_host, parse_hostlist, parse_tasks_per_node
 
 __all__ = ["ClusterEnv", "first_host", "parse_hostlist", "port_for_job"]
 

@@ -83,7 +83,7 @@ def _py2_pickle(obj: Any) -> bytes:
 
 def _images(n: int, seed: int, split: str, learnable: bool) -> tuple[np.ndarray, list[int]]:
     if learnable:
-        from ddpjob.data import make_synthetic  # lazy: data imports torch
+        from ddpjob.train.data import make_synthetic  # lazy: data imports torch
 
         ds = make_synthetic(n, seed, split=split)
         return ds.images.reshape(n, 3072).numpy(), [int(v) for v in ds.labels]

@@ -20,9 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpjob import checkpoint, dist
 from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
+from ddpjob.node import dist
+from ddpjob.store import rng
+from ddpjob.store.commit import CheckpointInfo, CheckpointStore
+from ddpjob.store.snapshot import AsyncWrite
 
 State = MutableMapping[str, Any]
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -74,7 +77,7 @@ class StateStore:
     def __init__(self, root: Path, *, keep_last: int, config_hash: str, async_save: bool,
                  rank: int, world_size: int, restart: int, job_id: str | None,
                  control: dist.Control) -> None:
-        self.store = checkpoint.CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
+        self.store = CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
         self.async_save = async_save
         self.rank, self.world_size, self.restart, self.job_id = rank, world_size, restart, job_id
         self.control = control
@@ -86,7 +89,7 @@ class StateStore:
         self.resumed_meta: dict[str, Any] = {}
         self._rng: dict[str, Any] | None = None
         self._rng_seed = (0, 0)
-        self._pending: tuple[checkpoint.AsyncWrite, Path, int, dict[str, Any]] | None = None
+        self._pending: tuple[AsyncWrite, Path, int, dict[str, Any]] | None = None
 
     # ---------------------------------------------------------------- resume
     def resume(self, state: State, *, enabled: bool, seed: int) -> int:
@@ -111,7 +114,7 @@ class StateStore:
         print0(f"resumed from {info.path.name} (step {info.step}, restart {self.restart})")
         return info.step
 
-    def _pick(self, state: State) -> checkpoint.CheckpointInfo | None:
+    def _pick(self, state: State) -> CheckpointInfo | None:
         for info in self.store.list():
             reason = self.store.verify(info)
             if reason is None:
@@ -125,7 +128,7 @@ class StateStore:
             print0(f"skipping step-{info.step}: {reason}")
         return None
 
-    def _load_into(self, state: State, info: checkpoint.CheckpointInfo) -> None:
+    def _load_into(self, state: State, info: CheckpointInfo) -> None:
         files = info.manifest.get("files", {})
         values = self.store.load(info, "values.pt") if "values.pt" in files else {}
         for key, obj in list(state.items()):
@@ -149,7 +152,7 @@ class StateStore:
         starts, not in resume(): making a DataLoader iterator between the two draws a seed from
         the global RNG, which the uninterrupted run drew before its first step too."""
         if self._rng is not None:
-            checkpoint.restore_rng_state(self._rng)
+            rng.restore_rng_state(self._rng)
             self._rng = None
             return
         seed, step = self._rng_seed
@@ -160,7 +163,7 @@ class StateStore:
 
     # ---------------------------------------------------------------- saving
     def _files(self, state: State) -> dict[str, Any]:
-        files: dict[str, Any] = {f"rank-{self.rank}.pt": checkpoint.capture_rng_state()}
+        files: dict[str, Any] = {f"rank-{self.rank}.pt": rng.capture_rng_state()}
         if self.rank == 0:
             values = {}
             for key, obj in state.items():
@@ -195,7 +198,7 @@ class StateStore:
                 self.store.commit(staging, step, extra)
             self.control.barrier()  # nobody moves on (or exits) before the checkpoint exists
             return
-        snap = {name: checkpoint.CheckpointStore.snapshot(obj) for name, obj in files.items()}
+        snap = {name: CheckpointStore.snapshot(obj) for name, obj in files.items()}
         self._pending = (self.store.write_async(staging, snap), staging, step, extra)
 
     def busy(self) -> bool:

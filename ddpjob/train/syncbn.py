@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as tdist
-import torch.distributed.nn.functional as dist_nn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from ddpjob.node import dist
 
 
 class GlobalBatchNorm(_BatchNorm):
@@ -37,18 +37,17 @@ class GlobalBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = self.process_group or tdist.group.WORLD
-        if not (self.training and tdist.is_available() and tdist.is_initialized()
-                and tdist.get_world_size(group) > 1):
+        group = self.process_group or None  # None: the job's (default) group
+        if not (self.training and dist.group_active(group)):
             return super().forward(x)  # eval, or one process: plain BatchNorm
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         xf = x.float()  # statistics in fp32 also under autocast
         local = torch.cat([xf.sum(dims), xf.new_full((1,), x.numel() / x.size(1))])
-        total = dist_nn.all_reduce(local, group=group)
+        total = dist.all_reduce_sum_autograd(local, group)
         count, mean = total[-1], total[:-1] / total[-1]
         centered = xf - mean.view(shape)
-        var = dist_nn.all_reduce((centered * centered).sum(dims), group=group) / count
+        var = dist.all_reduce_sum_autograd((centered * centered).sum(dims), group) / count
         if self.track_running_stats:
             assert self.num_batches_tracked is not None and self.running_mean is not None
             assert self.running_var is not None
@@ -65,10 +64,32 @@ class GlobalBatchNorm(_BatchNorm):
 
 
 def convert(model: nn.Module, device: torch.device) -> nn.Module:
-    """Every BatchNorm layer -> the synchronised one for `device` (weights and stats kept)."""
+    """Every BatchNorm layer -> the synchronised one for `device` (weights, stats and hooks kept).
+
+    torch's convert_sync_batchnorm drops the replaced layers' hooks, among them
+    models.freeze_backbone_'s eval-mode pre-hook (frozen BN statistics would drift on GPUs):
+    they are carried over here, matched by module path."""
     if device.type != "cpu":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        old = {name: m for name, m in model.named_modules(remove_duplicate=False)
+               if isinstance(m, _BatchNorm)}
+        out = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        new = dict(out.named_modules(remove_duplicate=False))
+        for name, module in old.items():
+            if new[name] is not module:
+                _carry_hooks(module, new[name])
+        return out
     return _convert_cpu(model)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """The forward (pre-)hooks of `old` on its replacement `new`, in their order."""
+    for attr in _HOOK_DICTS:
+        if hasattr(old, attr) and hasattr(new, attr):
+            getattr(new, attr).update(getattr(old, attr))
 
 
 def _convert_cpu(module: nn.Module) -> nn.Module:
@@ -84,8 +105,8 @@ def _convert_cpu(module: nn.Module) -> nn.Module:
         out.running_var = module.running_var
         out.num_batches_tracked = module.num_batches_tracked
         out.training = module.training
-        # Hooks on the old layer (e.g. models.freeze_backbone's eval-mode hook) must survive.
-        out._forward_pre_hooks.update(module._forward_pre_hooks)
+        # Hooks on the old layer (e.g. models.freeze_backbone_'s eval-mode hook) must survive.
+        _carry_hooks(module, out)
     for name, child in module.named_children():
         out.add_module(name, _convert_cpu(child))
     return out

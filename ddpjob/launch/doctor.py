@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpjob import cluster, console
+from ddpjob import console
 from ddpjob.config import JobConfig, parse_time_s, resolve
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.node import cluster
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 MIN_LEAD_S = 30  # below this, a checkpoint of anything but a tiny model may not finish in time
@@ -280,7 +281,7 @@ def _data_check(cfg: JobConfig, full: bool) -> Check:
     if d.dataset == "synthetic":
         return Check("dataset", PASS, "synthetic (generated on the nodes, no files)")
     if d.dataset == "cifar10":
-        from ddpjob.dataprep import _hint, cifar10_problem
+        from ddpjob.launch.dataprep import _hint, cifar10_problem
 
         root = Path(d.root).absolute()
         problem = cifar10_problem(root, full=full)

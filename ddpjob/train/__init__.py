@@ -1,0 +1,1 @@
+"""Training: the loop (trainer.py), data, models, synchronised BatchNorm and test fixtures."""
