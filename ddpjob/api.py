@@ -220,6 +220,7 @@ class Job:
                                 world_size=self.world_size, source=self.env.source,
                                 host=self.env.hostname, resumed_step=step or None, **info)
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
+        self._store.rewind_rng()  # what ran since resume() (a DataLoader iterator) drew from the RNGs
         self._stop.current_step = step
         t_step = time.monotonic()
         while step < total:

@@ -84,6 +84,7 @@ class StateStore:
         self.attempt = f"r{restart}-{token}"
         self.saved_step: int | None = None
         self.resumed_meta: dict[str, Any] = {}
+        self._rng_at_resume: tuple[int, int, Any] | None = None  # (seed, step, streams): rewind_rng()
         self._pending: tuple[checkpoint.AsyncWrite, Path, int, dict[str, Any]] | None = None
 
     # ---------------------------------------------------------------- resume
@@ -102,11 +103,10 @@ class StateStore:
             return 0
         self._load_into(state, info)
         rng_file = f"rank-{self.rank}.pt"
-        if rng_file in info.manifest.get("files", {}):
-            checkpoint.restore_rng_state(self.store.load(info, rng_file))
-        else:  # the job grew: this rank has no saved streams
-            self._seed(seed, info.step)
+        rng = self.store.load(info, rng_file) if rng_file in info.manifest.get("files", {}) else None
+        self._rng_at_resume = (seed, info.step, rng)
         self.saved_step = info.step
+        self.rewind_rng()
         self.resumed_meta = dict(info.manifest)
         print0(f"resumed from {info.path.name} (step {info.step}, restart {self.restart})")
         return info.step
@@ -142,6 +142,19 @@ class StateStore:
                         "resume with the same model and optimizer setup, or use a new run dir") from None
             elif key in values:
                 state[key] = values[key]
+
+    def rewind_rng(self) -> None:
+        """Every RNG of this rank back to the resumed checkpoint's streams. Called again by
+        `job.steps()` before the first step, because code between resume() and the loop draws
+        from them: making a DataLoader iterator draws its worker seed from torch's RNG, which
+        the uninterrupted run drew at step 0, not at the resumed step."""
+        if self._rng_at_resume is None:
+            return  # a fresh run: keep what was drawn since seeding (the reference run did too)
+        seed, step, rng = self._rng_at_resume
+        if rng is not None:
+            checkpoint.restore_rng_state(rng)
+        else:  # the job grew: this rank has no saved streams
+            self._seed(seed, step)
 
     def _seed(self, seed: int, step: int) -> None:
         s = seed_for(seed, "rank", self.rank, step)
