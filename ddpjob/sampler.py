@@ -11,9 +11,11 @@ once per epoch.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddpjob.errors import DDPJobError
@@ -22,6 +24,34 @@ from ddpjob.errors import DDPJobError
 def _epoch_seed(seed: int, epoch: int) -> int:
     digest = hashlib.blake2b(f"stepsampler/{seed}/{epoch}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _sample_seed(seed: int, epoch: int, index: int) -> int:
+    digest = hashlib.blake2b(f"stepsampler/{seed}/{epoch}/{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+class _Batch(list):  # type: ignore[type-arg]
+    """A batch of sample indices that seeds a DataLoader worker's RNGs (torch, random, numpy)
+    from (seed, epoch, index) just before the worker reads each sample. Why: a worker's streams
+    start from a seed drawn when the iterator is made and advance with every batch it reads, so
+    after a resume random augmentations (RandomCrop, flips) would differ from the uninterrupted
+    run. In the main process (num_workers=0) nothing is seeded: job.resume() restores that RNG."""
+
+    def __init__(self, ids: list[int], seed: int, epoch: int) -> None:
+        super().__init__(ids)
+        self.seed, self.epoch = seed, epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if torch.utils.data.get_worker_info() is None:
+            yield from list.__iter__(self)
+            return
+        for index in list.__iter__(self):
+            s = _sample_seed(self.seed, self.epoch, index)
+            torch.manual_seed(s)
+            random.seed(s)
+            np.random.seed(s)
+            yield index
 
 
 class StepSampler:
@@ -91,9 +121,9 @@ class StepSampler:
         step = self._step  # read when the DataLoader's iterator is made: after resume()
         micro = self.per_rank // self.accumulation
         while True:
-            ids = self.indices(step).tolist()
+            ids, epoch = self.indices(step).tolist(), self.epoch_of(step)
             for k in range(self.accumulation):
-                yield ids[k * micro:(k + 1) * micro]
+                yield _Batch(ids[k * micro:(k + 1) * micro], self.seed, epoch)
             step += 1
 
     # ---- position and checkpoint state -------------------------------------------------------
