@@ -382,3 +382,27 @@ def test_sampler_as_batch_sampler_with_two_workers_is_reproducible_after_a_resum
         ids, draws = next(loader)
         assert ids.tolist() == reference[step][0].tolist()
         assert draws.tolist() == reference[step][1].tolist()
+
+
+def test_script_alone_reads_its_job_file_from_any_working_directory(tmp_path: Path) -> None:
+    """`python path/to/train.py` (or torchrun) started elsewhere than the repository root: the
+    job file's relative train.entry does not resolve from there, and need not (this script is
+    what runs); the run dir records the script's absolute path."""
+    script = tmp_path / "proj" / "sub" / "s.py"
+    script.parent.mkdir(parents=True)
+    (tmp_path / "proj" / "job.toml").write_text('name = "t"\n[train]\nentry = "proj/sub/s.py"\nthreads = 1\n'
+                                                '[user]\nsteps = 2\n')
+    script.write_text("import os, torch, ddpjob\n"
+                      "job = ddpjob.init(os.path.join(os.path.dirname(__file__), '..', 'job.toml'))\n"
+                      "model = job.wrap(torch.nn.Linear(2, 1))\n"
+                      "state = {'model': model}\njob.resume(state)\n"
+                      "for step in job.steps(state, job.user['steps']):\n    job.log(step + 1, x=step)\n"
+                      "job.finish(model)\nprint('run dir', job.run_dir)\n")
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    p = subprocess.run([PYTHON, str(script)], cwd=cwd, env=base_env(), text=True, capture_output=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (run_dir,) = (cwd / "runs").iterdir()
+    _assert_completed(run_dir)
+    assert json.loads((run_dir / "config.json").read_text())["train"]["entry"] == str(script)
