@@ -1,7 +1,7 @@
 """A character-level language model (a GRU) on examples/charlm/data/tiny.txt, trained with ddpjob.
 
     ddpjob submit examples/charlm/job.toml --backend local --wait
-    torchrun --nproc-per-node 2 examples/charlm/train.py        # from the repository root
+    torchrun --nproc-per-node 2 examples/charlm/train.py        # a new run dir under ./runs/
 
 Every setting is in job.toml's [user] table (`--set user.lr=3e-3`). The data order comes from a
 StepSampler, so the job can be stopped at any step and resumed, also on another number of ranks.
