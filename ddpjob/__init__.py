@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
-__all__ = ["Job", "SeededDataset", "StepSampler", "init"]
+__all__ = ["Job", "StepSampler", "init"]
 
 if TYPE_CHECKING:
     from ddpjob.api import Job, init
-    from ddpjob.node.sampler import SeededDataset, StepSampler
+    from ddpjob.node.sampler import StepSampler
 
 
 def __getattr__(name: str) -> Any:
@@ -27,8 +27,8 @@ def __getattr__(name: str) -> Any:
         from ddpjob import api
 
         return getattr(api, name)
-    if name in ("StepSampler", "SeededDataset"):
-        from ddpjob.node import sampler
+    if name == "StepSampler":
+        from ddpjob.node.sampler import StepSampler
 
-        return getattr(sampler, name)
+        return StepSampler
     raise AttributeError(f"module 'ddpjob' has no attribute {name!r}")

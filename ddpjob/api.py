@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -85,7 +86,11 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
         if isinstance(job, JobConfig):
             cfg = job
         elif job is not None:
-            cfg = config.resolve(Path(job), overrides, {})
+            # What runs is this script: the job file's train.entry, relative to the directory
+            # `ddpjob` is started from, need not resolve from wherever torchrun was started.
+            me = Path(sys.argv[0])
+            pin = [f"train.entry={json.dumps(str(me.resolve()))}"] if me.suffix == ".py" and me.is_file() else []
+            cfg = config.resolve(Path(job), [*overrides, *pin], {})
         else:
             cfg = config.from_dict(config.apply_overrides({}, overrides), "--set")
         launch = Launch(cfg, wanted_dir=Path(run_dir) if run_dir is not None else None,

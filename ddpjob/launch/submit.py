@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpjob import config, console, rundir
+from ddpjob import config, console, entry, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
 
@@ -348,6 +348,9 @@ def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, job: 
     else:
         console.info(f"# local backend: a supervisor would start {cfg.slurm.world_size} rank(s), each:")
         console.info(shlex.join([sys.executable, "-u", "-m", "ddpjob", "run", str(where)]))
+    # what each rank then runs: a wrong script is the first thing to spot before submitting
+    console.info(f"# train.entry: {entry.describe(cfg.train.entry)}; train.args: "
+                 f"{shlex.join(cfg.train.args) or '(none)'}")
     console.table("per-rank view", RANK_COLUMNS, rank_rows(cfg, backend))
     if points:
         console.table("sweep points", ["point", "values"],

@@ -11,9 +11,11 @@ once per epoch.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddpjob.errors import DDPJobError
@@ -22,6 +24,34 @@ from ddpjob.errors import DDPJobError
 def _epoch_seed(seed: int, epoch: int) -> int:
     digest = hashlib.blake2b(f"stepsampler/{seed}/{epoch}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _sample_seed(seed: int, epoch: int, index: int) -> int:
+    digest = hashlib.blake2b(f"stepsampler/{seed}/{epoch}/{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+class _Batch(list):  # type: ignore[type-arg]
+    """A batch of sample indices that seeds a DataLoader worker's RNGs (torch, random, numpy)
+    from (seed, epoch, index) just before the worker reads each sample. Why: a worker's streams
+    start from a seed drawn when the iterator is made and advance with every batch it reads, so
+    after a resume random augmentations (RandomCrop, flips) would differ from the uninterrupted
+    run. In the main process (num_workers=0) nothing is seeded: job.resume() restores that RNG."""
+
+    def __init__(self, ids: list[int], seed: int, epoch: int) -> None:
+        super().__init__(ids)
+        self.seed, self.epoch = seed, epoch
+
+    def __iter__(self) -> Iterator[int]:
+        if torch.utils.data.get_worker_info() is None:
+            yield from list.__iter__(self)
+            return
+        for index in list.__iter__(self):
+            s = _sample_seed(self.seed, self.epoch, index)
+            torch.manual_seed(s)
+            random.seed(s)
+            np.random.seed(s)
+            yield index
 
 
 class StepSampler:
@@ -35,7 +65,7 @@ class StepSampler:
 
     def __init__(self, dataset_len: int, global_batch: int, seed: int = 0, shuffle: bool = True,
                  *, accumulation: int = 1, rank: int | None = None,
-                 world_size: int | None = None, seeded: bool = False) -> None:
+                 world_size: int | None = None) -> None:
         if rank is None or world_size is None:
             import torch.distributed as tdist  # read only: the group is owned by ddpjob.init()
 
@@ -60,7 +90,7 @@ class StepSampler:
                               f"({dataset_len} samples), expected at most one batch per epoch",
                               "lower the global batch")
         self.dataset_len, self.global_batch, self.seed = dataset_len, global_batch, int(seed)
-        self.shuffle, self.accumulation, self.seeded = bool(shuffle), accumulation, seeded
+        self.shuffle, self.accumulation = bool(shuffle), accumulation
         self.rank, self.world_size = rank, world_size
         self.steps_per_epoch = dataset_len // global_batch
         self.per_rank = global_batch // world_size
@@ -87,19 +117,13 @@ class StepSampler:
         """This rank's share of step `step`: a contiguous slice of the global batch."""
         return self.global_indices(step)[self.rank * self.per_rank:(self.rank + 1) * self.per_rank]
 
-    def sample_seed(self, epoch: int, index: int) -> int:
-        return _epoch_seed(self.seed, epoch * 1_000_003 + index) & 0x7FFFFFFF
-
-    def __iter__(self) -> Iterator[list[Any]]:
+    def __iter__(self) -> Iterator[list[int]]:
         step = self._step  # read when the DataLoader's iterator is made: after resume()
         micro = self.per_rank // self.accumulation
         while True:
-            ids: list[Any] = self.indices(step).tolist()
-            if self.seeded:  # (index, seed) pairs for SeededDataset
-                epoch = self.epoch_of(step)
-                ids = [(i, self.sample_seed(epoch, i)) for i in ids]
+            ids, epoch = self.indices(step).tolist(), self.epoch_of(step)
             for k in range(self.accumulation):
-                yield ids[k * micro:(k + 1) * micro]
+                yield _Batch(ids[k * micro:(k + 1) * micro], self.seed, epoch)
             step += 1
 
     # ---- position and checkpoint state -------------------------------------------------------
@@ -120,37 +144,3 @@ class StepSampler:
                     "would change mid-run)",
                     f"build the StepSampler with {key}={state[key]!r}, or start a new run dir")
         self._step = int(state.get("step", 0))
-
-
-class SeededDataset(torch.utils.data.Dataset):
-    """Random transforms that a resume reproduces: wraps a map-style dataset for a
-    `StepSampler(..., seeded=True)`, whose batches are (index, seed) pairs, and runs each
-    `dataset[index]` with torch's, numpy's and Python's RNGs seeded from (seed, epoch, index).
-
-    Why: DataLoader workers draw augmentations from their own RNG streams, which advance with
-    every sample they served and are in no checkpoint, so after a resume the same sample would
-    get another crop. Here a sample's augmentation depends on nothing else. The caller's RNG
-    states are put back afterwards (with num_workers=0 that is the training process's)."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, item: tuple[int, int]) -> Any:
-        import random
-
-        import numpy as np
-
-        index, seed = item
-        py, npy = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed)
-            try:
-                return self.dataset[index]
-            finally:
-                random.setstate(py)
-                np.random.set_state(npy)

@@ -437,7 +437,7 @@ class PluginLoader:
                  device: torch.device | str = "cpu", channels_last: bool = False,
                  mean: Sequence[float] = CIFAR10_MEAN, std: Sequence[float] = CIFAR10_STD,
                  dtype: torch.dtype = torch.float32, num_workers: int = 0) -> None:
-        from ddpjob.node.sampler import SeededDataset, StepSampler
+        from ddpjob.node.sampler import StepSampler
 
         self.ds, self.micro_batch, self.accumulation = ds, micro_batch, accumulation
         self.device = torch.device(device)
@@ -449,10 +449,10 @@ class PluginLoader:
             raise DDPJobError(f"the training set has {n} samples, fewer than one global batch of "
                               f"{self.global_batch}", "lower train.batch_size or the accumulation, "
                               "or use more data")
-        # seeded: the plugin's random transforms depend on (seed, epoch, sample) only
+        # In workers, StepSampler's batches seed each sample's random transforms from
+        # (seed, epoch, sample): a resume reproduces them.
         self.sampler = StepSampler(n, self.global_batch, seed, accumulation=accumulation,
-                                   rank=rank, world_size=world_size, seeded=True)
-        self._seeded = SeededDataset(ds)
+                                   rank=rank, world_size=world_size)
         self.steps_per_epoch = self.sampler.steps_per_epoch
 
     def __len__(self) -> int:
@@ -468,7 +468,7 @@ class PluginLoader:
         # whose state a resumed run restores exactly and must not be shifted.
         gen = torch.Generator().manual_seed(_mix(self.seed, "workers", epoch))
         loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
-            self._seeded, batch_sampler=self.sampler, num_workers=self.num_workers, generator=gen,
+            self.ds, batch_sampler=self.sampler, num_workers=self.num_workers, generator=gen,
             worker_init_fn=_ignore_preemption_signals, pin_memory=self.device.type == "cuda")
         it = iter(loader)
         for _ in range(start_step, self.steps_per_epoch):
