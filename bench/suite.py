@@ -123,6 +123,25 @@ def p1(b: Bench) -> list[Row]:
     return [row]
 
 
+# ------------------------------------------------------------------------------------ P9
+def p9(b: Bench) -> list[Row]:
+    """The public API's cost: examples/charlm/train.py as written against the same script with
+    job.steps/job.log replaced by a plain range and a hand-written loss all-reduce."""
+    s = b.sizes
+    steps = s.warm + s.steps
+    cfg = harness.charlm_config(steps)
+    a, hand = b.lockstep(Arm("P9-api", "charlm", 2, {"config": cfg, "mode": "api"}),
+                         Arm("P9-hand", "charlm", 2, {"config": cfg, "mode": "hand"}))
+    c = Compared.of(a, hand, s.warm, steps)
+    equal = all(x[0]["loss"] == y[0]["loss"] for x, y in zip(a, hand)) and bool(a[0][0]["loss"])
+    row = c.row("P9", "charlm example: API loop steps/s / same loop by hand (2 ranks x 1 thread)",
+                ">= 0.99x; equal losses", 0.99, digits=3, api_steps_s=round(c.a_rate, 3),
+                hand_steps_s=round(c.b_rate, 3), api_loss=a[0][0]["loss"], hand_loss=hand[0][0]["loss"])
+    row.measured += f"; losses {'equal' if equal else 'DIFFER'}"
+    row.passed = bool(row.passed) and equal
+    return [row]
+
+
 # ------------------------------------------------------------------------------------ P2
 def p2(b: Bench) -> list[Row]:
     s = b.sizes
@@ -380,4 +399,4 @@ def p8(b: Bench) -> list[Row]:
 
 
 BENCHMARKS: dict[str, Callable[[Bench], list[Row]]] = {
-    "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8}
+    "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9}

@@ -202,7 +202,71 @@ def async_save(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     return trial
 
 
-KINDS = {"fit": fit, "bare": recipes.bare_ddp, "seeds": recipes.seeds,
+def charlm(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
+    """P9: examples/charlm/train.py, run as `ddpjob run` runs an entry. mode "api": as written
+    (job.steps: stop vote, checkpoint schedule, deadline watch; job.log: the averaged loss to
+    metrics.jsonl). mode "hand": the same script with those replaced by what a hand-written
+    loop does (`range`, one all-reduce of the loss and a print on rank 0), so the two arms
+    differ only by the API's per-step machinery. Marks come after each step's body."""
+    import runpy
+
+    import torch
+    import torch.distributed as tdist
+
+    from ddpjob import api
+
+    cfg = _config(spec)
+    script = str(Path(__file__).resolve().parents[1] / "examples" / "charlm" / "train.py")
+    steps, log = api.Job.steps, api.Job.log
+
+    def trial(params: dict[str, Any]) -> dict[str, Any]:
+        marks, losses = Marks(), {}
+
+        def marked_steps(self: Any, state: Any, total: int, **info: Any) -> Any:
+            if spec["mode"] == "hand":
+                self._store.restore_rng()  # the same RNG streams as the API arm
+                source = iter(range(int(self._step or 0), total))
+            else:
+                source = steps(self, state, total, **info)
+            for step in source:
+                yield step
+                marks.mark(step + 1)
+
+        def hand_log(self: Any, step: int, *, average: Any = False, **scalars: Any) -> dict[str, Any]:
+            # averaged in float64 like job.log, so equal losses mean equal training
+            loss = scalars["loss"].detach().to(torch.float64)
+            tdist.all_reduce(loss)
+            losses[str(step)] = value = float(loss.item()) / self.world_size
+            if self.is_rank0:
+                print(f"step {step} loss {value:.4f}", flush=True)
+            return {"loss": value, "lr": scalars.get("lr")}
+
+        def api_log(self: Any, step: int, **kw: Any) -> dict[str, Any]:
+            out = log(self, step, **kw)
+            losses[str(step)] = out["loss"]
+            return out
+
+        api.Job.steps = marked_steps  # type: ignore[method-assign]
+        api.Job.log = hand_log if spec["mode"] == "hand" else api_log  # type: ignore[method-assign]
+        api._launch = api.Launch(cfg, run_dir=Path(params["run_dir"]), argv=[])
+        Path(params["run_dir"]).mkdir(parents=True, exist_ok=True)
+        saved_argv = sys.argv
+        try:
+            torch.manual_seed(0)
+            runpy.run_path(script, run_name="__main__")
+        finally:
+            sys.argv = saved_argv
+            api.Job.steps, api.Job.log = steps, log  # type: ignore[method-assign]
+            job = api.current()
+            if job is not None:
+                job.close()
+            api._launch = None
+        return {"marks": marks, "loss": losses}
+
+    return trial
+
+
+KINDS = {"fit": fit, "charlm": charlm, "bare": recipes.bare_ddp, "seeds": recipes.seeds,
          "tensor_loader": tensor_loader, "pil_loader": recipes.pil_loader,
          "train_loop": train_loop, "async_save": async_save}
 
