@@ -13,6 +13,7 @@ unambiguous prefix of a long option (`--sig` is `--signal`).
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -116,8 +117,23 @@ def setup_lines(lines: Iterable[str]) -> list[str]:
             raise UsageError(f"slurm.setup line {line[:80]!r} starts with '#', expected a shell "
                              "command (a comment there could be read as an #SBATCH directive)",
                              "remove the line, or put the comment behind a command: `: # note`")
+        _complete_shell(line)
         out.append(line)
     return out
+
+
+def _complete_shell(line: str) -> None:
+    """A setup line must end where it ends: an open quote, a trailing backslash or a here-doc
+    would swallow the script's next lines (ddpjob's own commands) into the user's."""
+    try:
+        shlex.split(line, comments=True)
+    except ValueError as exc:
+        raise UsageError(f"slurm.setup line {line[:80]!r} is not a complete shell line ({exc}), "
+                         "expected balanced quotes and no trailing backslash",
+                         "close the quote, or split the command into complete lines") from None
+    if re.search(r"<<(?!<)", line):
+        raise UsageError(f"slurm.setup line {line[:80]!r} starts a here-document, expected one "
+                         "complete shell line", "put the text in a file and read it from there")
 
 
 def reserved_by_prefix(option: str) -> str | None:
