@@ -376,9 +376,10 @@ def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, job: 
             run_dir: str | None) -> int:
     cfg = cfgs[0]
     where = Path(run_dir or Path("runs") / f"{cfg.name}{'-sweep' if points else ''}-<time>").absolute()
-    if backend == "slurm":
+    if backend == "slurm":  # the script first: a refused value prints nothing but its error
+        text = sbatch_text(cfg, where / rundir.LOGS, len(points) if len(points) > 1 else None)
         console.info(f"# sbatch script submitit would submit for {job} (nothing submitted)")
-        console.info(sbatch_text(cfg, where / rundir.LOGS, len(points) if len(points) > 1 else None))
+        console.info(text)
     else:
         console.info(f"# local backend: a supervisor would start {cfg.slurm.world_size} rank(s), each:")
         console.info(shlex.join([sys.executable, "-u", "-m", "ddpjob", "run", str(where)]))
