@@ -25,6 +25,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (in `{self.prog}`)", f"see `{self.prog} --help`")
 
 
+def _path(what: str):
+    """argparse type for a path argument: one the OS can open (no component over 255 bytes, no
+    control characters), checked before any command touches the filesystem with it."""
+    def check(value: str) -> str:
+        from ddpjob import scriptsafe
+
+        return scriptsafe.path_text(value, what, f"pass a shorter or plain {what}")
+
+    check.__name__ = what  # argparse names the type in its own messages
+    return check
+
+
 def _handler(spec: str):  # "module:function", imported only when the command runs
     def call(args: argparse.Namespace) -> int:
         module, func = spec.split(":")
@@ -46,7 +58,7 @@ def _add_job_overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--name", help="job name")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="typed override of any job-file key, e.g. --set train.lr=0.05 (repeatable)")
-    g.add_argument("--run-dir", help="run directory (default: a new folder under ./runs/)")
+    g.add_argument("--run-dir", type=_path("--run-dir"), help="run directory (default: a new folder under ./runs/)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("submit", help="submit a job file (submitit on SLURM, or local processes)")
-    p.add_argument("job", help="job file (TOML)")
+    p.add_argument("job", type=_path("job file"), help="job file (TOML)")
     p.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto",
                    help="auto = slurm when sbatch is on PATH, else local")
     p.add_argument("--sweep", action="append", default=[], metavar="SECTION.KEY=V1,V2",
@@ -68,14 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_handler("ddpjob.launch.submit:cmd_submit"))
 
     p = sub.add_parser("sbatch", help="write a standalone sbatch script for a job file")
-    p.add_argument("job", help="job file (TOML)")
-    p.add_argument("-o", "--output", required=True, help="where to write the script ('-' = stdout)")
-    p.add_argument("--template", help="your own copy of templates/sbatch.sh.tmpl")
+    p.add_argument("job", type=_path("job file"), help="job file (TOML)")
+    p.add_argument("-o", "--output", required=True, type=_path("-o"), help="where to write the script ('-' = stdout)")
+    p.add_argument("--template", type=_path("--template"), help="your own copy of templates/sbatch.sh.tmpl")
+    p.add_argument("--no-data-check", action="store_true",
+                   help="do not require data.root here (the compute nodes see another filesystem)")
     _add_job_overrides(p)
     p.set_defaults(func=_handler("ddpjob.launch.sbatch:cmd_sbatch"))
 
     p = sub.add_parser("run", help="train on this node (under srun, torchrun, or alone)")
-    p.add_argument("target", help="job file (TOML) or an existing run directory")
+    p.add_argument("target", type=_path("run target"), help="job file (TOML) or an existing run directory")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help=argparse.SUPPRESS)  # torch.distributed.launch (legacy) passes this
     _add_job_overrides(p)
@@ -90,33 +104,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_handler("ddpjob.node.selftest:cmd_selftest"))
 
     p = sub.add_parser("status", help="state, restarts, last step and checkpoint of runs")
-    p.add_argument("target", nargs="?", help="run directory or SLURM job id (default: all runs)")
-    p.add_argument("--runs-root", default="runs", help="where runs live (default: ./runs)")
+    p.add_argument("target", nargs="?", type=_path("status target"), help="run directory or SLURM job id (default: all runs)")
+    p.add_argument("--runs-root", default="runs", type=_path("--runs-root"), help="where runs live (default: ./runs)")
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_status"))
 
     p = sub.add_parser("logs", help="print a run's logs")
-    p.add_argument("run", help="run directory")
+    p.add_argument("run", type=_path("run directory"), help="run directory")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("-f", "--follow", action="store_true", help="keep following, across requeues")
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_logs"))
 
     p = sub.add_parser("cancel", help="cancel a run's job")
-    p.add_argument("run", help="run directory")
+    p.add_argument("run", type=_path("run directory"), help="run directory")
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_cancel"))
 
     p = sub.add_parser("ls", help="list runs")
-    p.add_argument("--runs-root", default="runs")
+    p.add_argument("--runs-root", default="runs", type=_path("--runs-root"))
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_ls"))
 
     p = sub.add_parser("doctor", help="preflight checks on the login node")
-    p.add_argument("job", nargs="?", help="job file to check against the cluster")
+    p.add_argument("job", nargs="?", type=_path("job file"), help="job file to check against the cluster")
     p.add_argument("--srun", action="store_true", help="also run a tiny real srun on a compute node")
     _add_job_overrides(p)
     p.set_defaults(func=_handler("ddpjob.launch.doctor:cmd_doctor"))
 
     p = sub.add_parser("data", help="download/verify/extract a dataset once, on the login node")
     p.add_argument("dataset", choices=["cifar10"])
-    p.add_argument("--root", required=True, help="data root (the job file's data.root)")
+    p.add_argument("--root", required=True, type=_path("--root"), help="data root (the job file's data.root)")
     p.add_argument("--from", dest="from_file", help="an archive fetched by other means")
     p.add_argument("--url", help="download address (default: the official one)")
     p.add_argument("--md5", help="expected md5 of a custom archive (default: the official archive's)")
@@ -125,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_handler("ddpjob.launch.dataprep:cmd_data"))
 
     p = sub.add_parser("plot", help="plot loss/accuracy/lr/throughput of runs, with restart markers")
-    p.add_argument("runs", nargs="+", help="run directories")
-    p.add_argument("-o", "--output", required=True, help="PNG file to write")
+    p.add_argument("runs", nargs="+", type=_path("run directory"), help="run directories")
+    p.add_argument("-o", "--output", required=True, type=_path("-o"), help="PNG file to write")
     p.set_defaults(func=_handler("ddpjob.launch.plot:cmd_plot"))
     return parser
 

@@ -20,38 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob.errors import UsageError
+from ddpjob.validate import SIGNALS, parse_time_s, validate  # noqa: F401 (re-exported)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-# Names are what SLURM accepts in --signal (without the SIG prefix).
-SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU", "QUIT", "ALRM")
-_TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
-# Names, partitions, accounts: what SLURM itself allows, and nothing a shell or a file
-# pattern (%j) could interpret.
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 # train.entry: a script path (no control characters) or an importable "package.module:function".
 _ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
-_ENTRY_FUNC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
-_SBATCH_EXTRA_RE = re.compile(r"^--[a-z][a-z0-9-]*(=.*)?$")
-# sbatch options ddpjob derives from the job file or needs for itself (logs, signal routing,
-# the script body): setting them again through sbatch_extra would silently break resume.
-_RESERVED_SBATCH = {
-    **{o: f"set slurm.{o.replace('-', '_')} instead" for o in
-       ("nodes", "gpus-per-node", "cpus-per-task", "mem", "partition", "account", "qos", "time",
-        "constraint")},
-    "job-name": "set name instead", "ntasks-per-node": "set slurm.tasks_per_node instead",
-    "ntasks": "set slurm.nodes and slurm.tasks_per_node instead",
-    "requeue": "set slurm.requeue instead", "no-requeue": "set slurm.requeue = false instead",
-    "signal": "set slurm.signal and slurm.signal_lead_s instead",
-    "output": "ddpjob writes the logs to RUN_DIR/logs; remove it",
-    "error": "ddpjob writes the logs to RUN_DIR/logs; remove it",
-    "open-mode": "ddpjob appends to the logs across requeues; remove it",
-    "wrap": "a job file cannot replace the script; use slurm.setup for shell lines",
-    "array": "use `ddpjob submit --sweep` for job arrays",
-}
 
 
 def _key(f: dataclasses.Field) -> str:  # TOML key of a field ("async" is a Python keyword)
@@ -78,6 +55,7 @@ class SlurmConfig:
     setup: tuple[str, ...] = ()  # shell lines before the job (module load ...), written verbatim
     sbatch_extra: tuple[str, ...] = ()  # extra "--option=value" sbatch arguments
     requeue: bool = True
+    share_group: bool = False  # run dirs 0750 / files 0640 (group can read) instead of 0700 / 0600
 
     @property
     def world_size(self) -> int:
@@ -279,6 +257,11 @@ def _did_you_mean(key: str, valid: Sequence[str]) -> str:
 
 def from_dict(raw: Mapping[str, Any], source: str = "the job file") -> JobConfig:
     """Build and validate a JobConfig from parsed TOML/JSON."""
+    if not isinstance(raw, Mapping):
+        raise UsageError(f"{source} holds {type(raw).__name__} {str(raw)[:40]!r}, expected a table "
+                         "of sections (name, slurm, train, ...)",
+                         "the run dir is damaged; resubmit" if source.endswith(".json")
+                         else "start from jobs/smoke.toml")
     unknown = set(raw) - set(SECTIONS) - {"name", "user"}
     if unknown:
         k = sorted(unknown)[0]
@@ -344,120 +327,15 @@ def parse_value(text: str) -> Any:
     """A TOML literal (0.05, true, [1, 2], "x"); anything else is taken as a plain string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as exc:
+        # A bare word is a string; but something that starts like a list, table or quoted
+        # string and does not parse is a typo (a missing ] or quote), never a string.
+        if text.lstrip()[:1] in ('[', '{', '"', "'"):
+            raise UsageError(f"value {text[:80]!r} starts like a TOML list, table or string but "
+                             f"does not parse ({exc}), expected a complete TOML literal",
+                             "close the brackets and quotes, e.g. "
+                             "--set 'slurm.setup=[\"echo a\", \"echo b\"]'") from None
         return text
-
-
-def parse_time_s(value: str) -> int:
-    """SLURM time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S -> seconds."""
-    m = _TIME_RE.match(value.strip())
-    if not m:
-        raise ValueError(value)
-    d, a, b, c = m.groups()
-    if d is not None:  # D-H[:M[:S]]
-        return int(d) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
-    if c is not None:  # H:M:S
-        return int(a) * 3600 + int(b) * 60 + int(c)
-    if b is not None:  # M:S
-        return int(a) * 60 + int(b)
-    return int(a) * 60  # M
-
-
-def _check(ok: bool, message: str, hint: str) -> None:
-    if not ok:
-        raise UsageError(message, hint)
-
-
-def validate(cfg: JobConfig) -> None:
-    """Reject values SLURM or the trainer would fail on later, far from the cause."""
-    s, t, d, c = cfg.slurm, cfg.train, cfg.data, cfg.checkpoint
-    _check(bool(_NAME_RE.match(cfg.name)) and len(cfg.name) <= 100,
-           f"name {cfg.name!r} has characters SLURM or a shell would interpret, expected letters, "
-           "digits and _ . + - (not first)", "e.g. name = \"cifar10-resnet18\"")
-    for key in ("nodes", "tasks_per_node", "cpus_per_task"):
-        v = getattr(s, key)
-        _check(v > 0, f"slurm.{key} is {v}, expected a positive integer", f"set slurm.{key} >= 1")
-    _check(s.gpus_per_node >= 0, f"slurm.gpus_per_node is {s.gpus_per_node}, expected >= 0",
-           "use 0 for a CPU job")
-    for key in ("partition", "account", "qos", "constraint"):
-        v = getattr(s, key)
-        ok = v == "" or bool(re.match(r"^[A-Za-z0-9_][A-Za-z0-9_.,&|\[\]*:-]*$", v) if key == "constraint"
-                             else _NAME_RE.match(v))
-        _check(ok, f"slurm.{key} {v!r} is not a valid SLURM name, expected letters, digits and _ . -",
-               f"check `sinfo`/`sacctmgr` for the {key} names of your cluster")
-    _check(s.mem == "" or bool(re.match(r"^\d+[KMGT]?$", s.mem)),
-           f"slurm.mem {s.mem!r} is not a SLURM memory size, expected e.g. 32G or 4000M",
-           "write mem = \"32G\"")
-    try:
-        secs = parse_time_s(s.time)
-    except ValueError:
-        secs = -1
-    _check(secs > 0, f"slurm.time {s.time!r} is not a SLURM time limit, expected minutes, "
-           "HH:MM:SS or D-HH:MM:SS", "e.g. time = \"04:00:00\"")
-    _check(s.signal.upper().removeprefix("SIG") in SIGNALS,
-           f"slurm.signal {s.signal!r} is not a signal ddpjob handles, expected one of "
-           f"{', '.join(SIGNALS)}", "use USR2 (the default; NCCL may own USR1). "
-           "Do not write B: - ddpjob routes the signal to the tasks itself")
-    _check(0 <= s.signal_lead_s < 65535, f"slurm.signal_lead_s is {s.signal_lead_s}, expected "
-           "0..65534 seconds", "typical: 120")
-    _check(s.signal_lead_s < secs or secs <= 0, f"slurm.signal_lead_s {s.signal_lead_s} is not "
-           f"below the time limit {s.time}, expected fewer than {secs} seconds",
-           "lower signal_lead_s or raise slurm.time")
-    _check(s.max_requeues >= 0, f"slurm.max_requeues is {s.max_requeues}, expected >= 0", "e.g. 20")
-    for line in s.setup:
-        _check("\n" not in line and "\r" not in line and "\0" not in line,
-               f"slurm.setup line {line!r} contains a newline, expected one shell line per entry",
-               "split it into several list entries")
-    for arg in s.sbatch_extra:
-        _check(bool(_SBATCH_EXTRA_RE.match(arg)) and not re.search(r"[\x00-\x1f\x7f]", arg),
-               f"slurm.sbatch_extra entry {arg!r} is not one '--option=value' argument, expected "
-               "a long option on one line", "e.g. sbatch_extra = [\"--exclusive\", \"--mail-type=END\"]")
-        option = arg[2:].split("=", 1)[0]
-        _check(option not in _RESERVED_SBATCH, f"slurm.sbatch_extra entry {arg!r} sets --{option}, "
-               "which ddpjob controls, expected other sbatch options",
-               _RESERVED_SBATCH.get(option, ""))
-    positive = ("batch_size", "accumulation_steps", "epochs", "log_every", "num_classes",
-                "dist_timeout_s")
-    for key in positive:
-        v = getattr(t, key)
-        _check(v > 0, f"train.{key} is {v}, expected a positive integer", f"set train.{key} >= 1")
-    for key in ("max_steps", "global_batch_size", "warmup_steps", "eval_every", "threads"):
-        v = getattr(t, key)
-        _check(v >= 0, f"train.{key} is {v}, expected >= 0", f"set train.{key} to 0 to disable")
-    _check(t.lr > 0, f"train.lr is {t.lr}, expected > 0", "e.g. lr = 0.1")
-    for key, options in (("optimizer", ("sgd", "adamw")), ("schedule", ("cosine", "step", "constant")),
-                         ("amp", ("auto", "bf16", "fp16", "off")), ("backend", ("auto", "nccl", "gloo"))):
-        v = getattr(t, key)
-        _check(v in options, f"train.{key} is {v!r}, expected one of {', '.join(options)}",
-               f"e.g. {key} = \"{options[0]}\"")
-    for key in ("weight_decay", "grad_clip", "label_smoothing", "warmup_epochs", "momentum"):
-        v = getattr(t, key)
-        _check(v >= 0, f"train.{key} is {v}, expected >= 0", f"set train.{key} = 0 to disable")
-    _check(t.label_smoothing < 1, f"train.label_smoothing is {t.label_smoothing}, expected < 1",
-           "typical: 0.1")
-    if t.global_batch_size:
-        per_step = t.batch_size * s.world_size
-        _check(t.global_batch_size % per_step == 0,
-               f"train.global_batch_size {t.global_batch_size} is not a multiple of batch_size x "
-               f"ranks = {t.batch_size} x {s.world_size}, expected a multiple of {per_step}", "change batch_size or global_batch_size")
-    _check(t.entry == "" or bool(_ENTRY_SCRIPT.fullmatch(t.entry) or _ENTRY_FUNC.fullmatch(t.entry)),
-           f"train.entry {t.entry!r} is neither a Python script nor a function, expected "
-           "\"path/to/script.py\" or \"package.module:function\" (or \"\" for the built-in trainer)",
-           "e.g. entry = \"examples/charlm/train.py\"")
-    for arg in t.args:
-        _check(len(arg) <= 4096 and not re.search(r"[\x00-\x1f\x7f]", arg),
-               f"train.args entry {arg[:60]!r} has a control character or is over 4096 characters, "
-               "expected one plain argument", "split it into several list entries")
-    _check(d.dataset in ("cifar10", "synthetic") or ":" in d.dataset,
-           f"data.dataset is {d.dataset!r}, expected cifar10, synthetic or \"package.module:function\"",
-           "e.g. dataset = \"cifar10\"")
-    _check(d.num_workers >= 0, f"data.num_workers is {d.num_workers}, expected >= 0", "use 0")
-    _check(d.synthetic_train > 0 and d.synthetic_test > 0, f"data.synthetic_train/test are "
-           f"{d.synthetic_train}/{d.synthetic_test}, expected positive integers", "e.g. synthetic_train = 4096")
-    _check(c.keep_last >= 1, f"checkpoint.keep_last is {c.keep_last}, expected >= 1",
-           "keep at least one checkpoint")
-    _check(c.every_steps >= 0 and c.every_minutes >= 0, f"checkpoint.every_steps/every_minutes are "
-           f"{c.every_steps}/{c.every_minutes}, expected >= 0", "0 disables periodic saves")
 
 
 def accumulation_for(cfg: JobConfig, world_size: int) -> int:
@@ -489,7 +367,9 @@ def with_cli_flags(cfg_raw: dict[str, Any], flags: Mapping[str, Any]) -> dict[st
 def resolve(job: str | Path, overrides: Sequence[str] = (), flags: Mapping[str, Any] | None = None
             ) -> JobConfig:
     """Job file + `--set` overrides + CLI flags -> validated config (flags win)."""
-    p = Path(job)
+    from ddpjob import scriptsafe
+
+    p = Path(scriptsafe.path_text(str(job), "job file", "pass a shorter path"))
     if not p.is_file():
         raise UsageError(f"job file '{job}' not found, expected a TOML file",
                          "the examples are in jobs/ (e.g. jobs/smoke.toml)")
@@ -534,5 +414,9 @@ def read_run_config(run_dir: str | Path) -> JobConfig:
     except FileNotFoundError:
         raise UsageError(f"'{run_dir}' has no config.json, expected a ddpjob run directory",
                          "pass a job file (TOML) or a run dir made by `ddpjob submit`") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{p} is not valid JSON ({exc}), expected the config written by ddpjob", "the run dir is damaged; resubmit") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{p} is not valid JSON ({exc}), expected the config written by ddpjob",
+                         "the run dir is damaged; resubmit") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {p} ({exc.strerror}), expected a readable config.json",
+                         "check the run dir's permissions") from None

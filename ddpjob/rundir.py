@@ -7,6 +7,7 @@ are written atomically (temp file + rename) so a reader never sees half a file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -36,11 +37,54 @@ def new_run_dir(runs_root: str | Path, name: str) -> Path:
     return Path(runs_root) / f"{name}-{stamp}-{secrets.token_hex(2)}"
 
 
-def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], mode: int = 0o644) -> None:
+def dir_mode(share_group: bool) -> int:
+    """Run dirs are private (0700), or readable by the group with slurm.share_group (0750).
+    Never writable by others: submitit unpickles RUN_DIR/logs/*_submitted.pkl and `ddpjob run`
+    imports train.entry from config.json, so whoever can write the run dir runs code as the
+    job's user."""
+    return 0o750 if share_group else 0o700
+
+
+def file_mode(folder: str | Path) -> int:
+    """0640 in a group-readable folder, else 0600: files follow their run dir."""
+    try:
+        group = Path(folder).stat().st_mode & 0o050 == 0o050
+    except OSError:
+        group = False
+    return 0o640 if group else 0o600
+
+
+def make_dir(path: Path, share_group: bool = False) -> None:
+    """Create `path` (and missing parents, as usual) and set its mode explicitly: the umask
+    neither loosens nor tightens it."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, dir_mode(share_group))
+
+
+def check_private(run_dir: Path) -> None:
+    """Refuse a run dir (or its logs/ folder, or config.json) that someone else can change:
+    group- or world-writable, or owned by another user (who could loosen it at any time)."""
+    for p in (run_dir, run_dir / LOGS, run_dir / CONFIG):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise DDPJobError(f"cannot inspect {p} ({exc.strerror})", "check its permissions") from None
+        if st.st_mode & 0o022 or st.st_uid != os.geteuid():
+            who = "group/world-writable" if st.st_mode & 0o022 else f"owned by uid {st.st_uid}"
+            raise DDPJobError(f"{p} is {who} (mode {st.st_mode & 0o777:o}), expected a run dir "
+                              "only you can write: others could run code as you through it",
+                              f"chmod go-w {p} (if you trust its contents), or resubmit")
+
+
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], mode: int | None = None
+                 ) -> None:
     """The one atomic file write: `write(f)` fills a temp file beside `path`, which is fsynced and
     renamed over `path`, so a reader (or a resume after a kill) sees the old file or the new one,
     never half of one."""
     path = Path(path)
+    mode = file_mode(path.parent) if mode is None else mode
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -59,7 +103,7 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     write_atomic(path, lambda f: f.write(text.encode()))
 
 
-def write_text_atomic(path: str | Path, text: str, mode: int = 0o644) -> None:
+def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> None:
     write_atomic(path, lambda f: f.write(text.encode()), mode)
 
 
@@ -68,7 +112,8 @@ def prepare(path: Path, cfg: JobConfig) -> Path:
     the new resources and length: elastic resume). Another training is refused with one line."""
     from ddpjob import config, console
 
-    path.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        make_dir(path, cfg.slurm.share_group)
     if is_run_dir(path):
         old = config.read_run_config(path)
         if old.hash() != cfg.hash():
@@ -85,15 +130,26 @@ def prepare(path: Path, cfg: JobConfig) -> Path:
 def read_json(path: str | Path, default: Any = None) -> Any:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON: all "no record"
         return default
+
+
+def read_record(path: str | Path) -> dict[str, Any]:
+    """A JSON object record (job.json, local.json, sweep.json); {} if missing or damaged,
+    so one bad file never breaks `status` or `ls` for the other runs."""
+    rec = read_json(path, {})
+    return rec if isinstance(rec, dict) else {}
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
     """One O_APPEND write per record: lines from several ranks/restarts never interleave."""
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    mode = file_mode(Path(path).parent)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
     try:
+        if os.fstat(fd).st_size == 0:  # new: its mode regardless of the umask
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, mode)
         os.write(fd, line)
     finally:
         os.close(fd)
@@ -103,14 +159,16 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """All complete records; a torn last line (killed writer) is ignored."""
     out: list[dict[str, Any]] = []
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
         return out
     for line in text.splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            rec = json.loads(line)
+        except ValueError:
             continue
+        if isinstance(rec, dict):  # a damaged line ([], null, "x") is skipped like a torn one
+            out.append(rec)
     return out
 
 
@@ -136,7 +194,8 @@ def require_run_dir(path: str | Path) -> Path:
 
 
 def completed(run_dir: str | Path) -> dict[str, Any] | None:
-    return read_json(Path(run_dir) / COMPLETED)
+    rec = read_json(Path(run_dir) / COMPLETED)
+    return rec if isinstance(rec, dict) or rec is None else {"damaged": True}
 
 
 def mark_completed(run_dir: str | Path, **info: Any) -> None:

@@ -140,6 +140,164 @@ CASES = [
     ("run dir not a run dir", 1, lambda t: ["jobs/smoke.toml", "--run-dir",
                                             _existing_run(t, "foreign")], "is not empty"),
     ("no -o", 2, lambda t: ["jobs/smoke.toml"], "-o/--output"),
+    # ---- issue 11: a newline at either end, control characters, odd digits
+    ("name trailing newline", 2, lambda t: ["jobs/smoke.toml", "--name", "smoke\n"], "name"),
+    ("name leading newline", 2, lambda t: ["jobs/smoke.toml", "--name", "\nsmoke"], "name"),
+    ("name newline via --set", 2, lambda t: ["jobs/smoke.toml", "--set", 'name="smoke\\n"'], "name"),
+    ("partition trailing newline", 2, lambda t: ["jobs/smoke.toml", "--partition", "gpu\n"],
+     "slurm.partition"),
+    ("partition leading newline", 2, lambda t: ["jobs/smoke.toml", "--partition", "\ngpu"],
+     "slurm.partition"),
+    ("partition unicode", 2, lambda t: ["jobs/smoke.toml", "--partition", "gp\u00fc"],
+     "not a valid SLURM name"),
+    ("account trailing newline", 2, lambda t: ["jobs/smoke.toml", "--account", "proj\n"],
+     "slurm.account"),
+    ("account leading newline", 2, lambda t: ["jobs/smoke.toml", "--account", "\nproj"],
+     "slurm.account"),
+    ("qos trailing newline", 2, lambda t: ["jobs/smoke.toml", "--qos", "high\n"], "slurm.qos"),
+    ("qos with $()", 2, lambda t: ["jobs/smoke.toml", "--qos", "$(id)"], "slurm.qos"),
+    ("constraint trailing newline", 2, lambda t: ["jobs/smoke.toml", "--set",
+                                                  'slurm.constraint="a100\\n"'], "slurm.constraint"),
+    ("constraint with backtick", 2, lambda t: ["jobs/smoke.toml", "--set",
+                                               "slurm.constraint=a`id`"], "slurm.constraint"),
+    ("mem trailing newline", 2, lambda t: ["jobs/smoke.toml", "--set", 'slurm.mem="32G\\n"'],
+     "slurm.mem"),
+    ("mem trailing space", 2, lambda t: ["jobs/smoke.toml", "--set", 'slurm.mem="32G "'],
+     "slurm.mem"),
+    ("mem arabic digits", 2, lambda t: ["jobs/smoke.toml", "--set", 'slurm.mem="\u0663\u0662G"'],
+     "slurm.mem"),
+    ("time trailing newline", 2, lambda t: ["jobs/smoke.toml", "--time", "01:00:00\n"], "slurm.time"),
+    ("time leading newline", 2, lambda t: ["jobs/smoke.toml", "--time", "\n01:00:00"], "slurm.time"),
+    ("time arabic digits", 2, lambda t: ["jobs/smoke.toml", "--time", "\u0660\u0661:00:00"],
+     "not a SLURM time limit"),
+    ("time too long", 2, lambda t: ["jobs/smoke.toml", "--time", "99999999"], "at most 365 days"),
+    # ---- sbatch_extra: abbreviations of reserved options, short options, separators
+    ("extra --sig abbreviation", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--sig=B:USR2@60"]'))],
+     "--signal"),
+    ("extra --part abbreviation", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--part=evil"]'))],
+     "--partition"),
+    ("extra --out abbreviation", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--out=/tmp/x-%j.out"]'))],
+     "--output"),
+    ("extra --err abbreviation", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--err=/tmp/e"]'))],
+     "--error"),
+    ("extra --job abbreviation", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--job=x"]'))],
+     "--job-name"),
+    ("extra --gpus", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--gpus=4"]'))],
+     "--gpus-per-node"),
+    ("extra --ntasks-per abbreviation", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--ntasks-per=2"]'))],
+     "--ntasks-per-node"),
+    ("extra --open abbreviation", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--open=truncate"]'))],
+     "--open-mode"),
+    ("extra --arr abbreviation", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--arr=0-3"]'))],
+     "--array"),
+    ("extra short -o", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["-o/tmp/x"]'))],
+     "one '--option=value' argument"),
+    ("extra packjob", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--comment=packjob"]'))],
+     "hetjob"),
+    ("extra HETJOB", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--comment=my-HetJob"]'))],
+     "hetjob"),
+    ("extra backslash", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--comment=a\\\\b"]'))],
+     "backslash"),
+    ("extra trailing newline", 2, lambda t: [_job(t, _edit("slurm", 'sbatch_extra = ["--exclusive\\n"]'))],
+     "newline"),
+    # ---- setup lines that could become directives or swallow the script
+    ("setup #SBATCH line", 2, lambda t: [_job(t, _edit("slurm", 'setup = ["#SBATCH --partition=evil"]'))],
+     "starts with '#'"),
+    ("setup indented comment", 2, lambda t: [_job(t, _edit("slurm", 'setup = ["  # note"]'))],
+     "starts with '#'"),
+    ("setup open quote", 2, lambda t: [_job(t, _edit("slurm", "setup = [\"echo 'a\"]"))],
+     "not a complete shell line"),
+    ("setup trailing backslash", 2, lambda t: [_job(t, _edit("slurm", 'setup = ["echo a \\\\"]'))],
+     "not a complete shell line"),
+    ("setup here-doc", 2, lambda t: [_job(t, _edit("slurm", 'setup = ["cat <<EOF"]'))], "here-document"),
+    ("setup carriage return", 2, lambda t: [_job(t, _edit("slurm", 'setup = ["echo a\\rb"]'))],
+     "control character"),
+    # ---- --set values that look like TOML but do not parse
+    ("set list missing ]", 2, lambda t: ["jobs/smoke.toml", "--set", 'slurm.setup=["echo a", "echo b"'],
+     "does not parse"),
+    ("set table missing }", 2, lambda t: ["jobs/smoke.toml", "--set", "user.x={a = 1"], "does not parse"),
+    ("set open double quote", 2, lambda t: ["jobs/smoke.toml", "--set", 'name="smoke'], "does not parse"),
+    ("set open single quote", 2, lambda t: ["jobs/smoke.toml", "--set", "name='smoke"], "does not parse"),
+    ("set lr list", 2, lambda t: ["jobs/smoke.toml", "--set", "train.lr=[0.1"], "does not parse"),
+    # ---- paths the OS cannot take
+    ("run dir hetjob", 2, lambda t: ["jobs/smoke.toml", "--run-dir", str(t / "my-hetjob")], "hetjob"),
+    ("run dir not UTF-8", 2, lambda t: ["jobs/smoke.toml", "--run-dir", str(t) + "/r\udcff"],
+     "not valid UTF-8"),
+    ("run dir long component", 2, lambda t: ["jobs/smoke.toml", "--run-dir", str(t / ("r" * 300))],
+     "255"),
+    ("-o long component", 2, lambda t: ["jobs/smoke.toml", "-o", str(t / ("o" * 300))], "255"),
+    ("job file long component", 2, lambda t: [str(t / ("j" * 300)) + ".toml"], "255"),
+    ("template long component", 2, lambda t: ["jobs/smoke.toml", "--template", "t" * 300], "255"),
+    ("run dir too long", 2, lambda t: ["jobs/smoke.toml", "--run-dir", "/" + "/".join(["d" * 200] * 25)],
+     "expected at most 4095"),
+    ("entry long component", 2, lambda t: ["jobs/smoke.toml", "--set", f'train.entry="{"e" * 300}.py"'],
+     "255"),
+    # ---- values the nodes would fail on
+    ("step schedule zero epochs", 2, lambda t: ["jobs/smoke.toml", "--set", "train.schedule=step",
+                                                "--set", "train.lr_step_epochs=0"], "train.lr_step_epochs is 0"),
+    ("seed too big", 2, lambda t: ["jobs/smoke.toml", "--set", "train.seed=100000000000000000000000"],
+     "train.seed"),
+    ("seed float", 2, lambda t: ["jobs/smoke.toml", "--set", "train.seed=1e23"], "expected an integer"),
+    ("seed negative", 2, lambda t: ["jobs/smoke.toml", "--set", "train.seed=-1"], "train.seed is -1"),
+    ("dist timeout huge", 2, lambda t: ["jobs/smoke.toml", "--set",
+                                        "train.dist_timeout_s=100000000000000000000"], "train.dist_timeout_s"),
+    ("dist timeout float", 2, lambda t: ["jobs/smoke.toml", "--set", "train.dist_timeout_s=1e20"],
+     "expected an integer"),
+    ("lr inf", 2, lambda t: ["jobs/smoke.toml", "--set", "train.lr=inf"], "train.lr is inf"),
+    ("lr nan", 2, lambda t: ["jobs/smoke.toml", "--set", "train.lr=nan"], "train.lr is nan"),
+    ("lr negative", 2, lambda t: ["jobs/smoke.toml", "--set", "train.lr=-0.1"], "train.lr is -0.1"),
+    ("lr_gamma negative", 2, lambda t: ["jobs/smoke.toml", "--set", "train.lr_gamma=-5"], "train.lr_gamma"),
+    ("lr_gamma zero", 2, lambda t: ["jobs/smoke.toml", "--set", "train.lr_gamma=0"], "train.lr_gamma"),
+    ("weight decay inf", 2, lambda t: ["jobs/smoke.toml", "--set", "train.weight_decay=inf"],
+     "train.weight_decay"),
+    ("momentum negative", 2, lambda t: ["jobs/smoke.toml", "--set", "train.momentum=-1"], "train.momentum"),
+    ("warmup epochs nan", 2, lambda t: ["jobs/smoke.toml", "--set", "train.warmup_epochs=nan"],
+     "train.warmup_epochs"),
+    ("label smoothing inf", 2, lambda t: ["jobs/smoke.toml", "--set", "train.label_smoothing=inf"],
+     "train.label_smoothing"),
+    ("every_minutes inf", 2, lambda t: ["jobs/smoke.toml", "--set", "checkpoint.every_minutes=inf"],
+     "checkpoint.every_minutes"),
+    ("unknown model", 2, lambda t: ["jobs/smoke.toml", "--set", "train.model=nosuchnet"], "train.model"),
+    ("model typo", 2, lambda t: ["jobs/smoke.toml", "--set", "train.model=resnet19"], "resnet18"),
+    ("model with newline", 2, lambda t: ["jobs/smoke.toml", "--set", 'train.model="resnet18\\n"'],
+     "train.model"),
+    ("model plugin with space", 2, lambda t: ["jobs/smoke.toml", "--set", 'train.model="my pkg:fn"'],
+     "train.model"),
+    ("cifar10 data missing", 1, lambda t: ["jobs/smoke.toml", "--set", "data.dataset=cifar10",
+                                           "--set", f"data.root={t / 'nodata'}"], "not ready"),
+    ("data.root newline", 2, lambda t: ["jobs/smoke.toml", "--set", 'data.root="a\\nb"'], "data.root"),
+    ("dataset newline", 2, lambda t: ["jobs/smoke.toml", "--set", 'data.dataset="a:b\\n"'],
+     "data.dataset"),
+    ("args newline", 2, lambda t: ["jobs/smoke.toml", "--set", 'train.args=["a\\nb"]'], "train.args"),
+    ("pretrained newline", 2, lambda t: ["jobs/smoke.toml", "--set", 'train.pretrained="w\\n.pt"'],
+     "train.pretrained"),
+    # ---- sizes, bounded before anything is built from them
+    ("nodes 10^30", 2, lambda t: ["jobs/smoke.toml", "--nodes", "1" + "0" * 30], "at most 100000"),
+    ("tasks per node 2000", 2, lambda t: ["jobs/smoke.toml", "--tasks-per-node", "2000"],
+     "slurm.tasks_per_node"),
+    ("gpus per node 65", 2, lambda t: ["jobs/smoke.toml", "--gpus-per-node", "65"], "slurm.gpus_per_node"),
+    ("cpus per task huge", 2, lambda t: ["jobs/smoke.toml", "--set", "slurm.cpus_per_task=100000"],
+     "slurm.cpus_per_task"),
+    ("world size", 2, lambda t: ["jobs/smoke.toml", "--nodes", "100000", "--tasks-per-node", "1024"],
+     "ranks"),
+    ("max requeues huge", 2, lambda t: ["jobs/smoke.toml", "--set", "slurm.max_requeues=100000"],
+     "slurm.max_requeues"),
+    ("batch size 2^40", 2, lambda t: ["jobs/smoke.toml", "--set", f"train.batch_size={2**40}"],
+     "train.batch_size"),
+    ("global batch huge", 2, lambda t: ["jobs/smoke.toml", "--set", f"train.global_batch_size={2**40}"],
+     "train.global_batch_size"),
+    ("epochs huge", 2, lambda t: ["jobs/smoke.toml", "--set", "train.epochs=10000000"], "train.epochs"),
+    ("max steps huge", 2, lambda t: ["jobs/smoke.toml", "--set", f"train.max_steps={10**13}"],
+     "train.max_steps"),
+    ("num classes zero", 2, lambda t: ["jobs/smoke.toml", "--set", "train.num_classes=0"],
+     "train.num_classes"),
+    ("threads huge", 2, lambda t: ["jobs/smoke.toml", "--set", "train.threads=5000"], "train.threads"),
+    ("synthetic huge", 2, lambda t: ["jobs/smoke.toml", "--set", "data.synthetic_train=1000000000"],
+     "data.synthetic_train"),
+    ("keep_last huge", 2, lambda t: ["jobs/smoke.toml", "--set", "checkpoint.keep_last=1000000"],
+     "checkpoint.keep_last"),
+    ("too many setup lines", 2, lambda t: [_job(t, _edit("slurm", "setup = [" + ", ".join(['"true"'] * 1001) + "]"))],
+     "entries"),
 ]
 
 
@@ -189,3 +347,105 @@ def test_debug_shows_the_traceback(case, tmp_path: Path) -> None:
 
 def test_at_least_twenty_kinds() -> None:
     assert len(CASES) >= 20
+
+
+# ------------------------------------------------------------------ other commands
+def _run_dir(tmp_path: Path, config_text: str | None = None, mode: int = 0o700,
+             **files: str) -> str:
+    """A run dir made by `ddpjob sbatch`, then damaged: config.json replaced, files added."""
+    d = tmp_path / "run1"
+    r = subprocess.run(DDPJOB + ["sbatch", str(REPO / "jobs/smoke.toml"), "--run-dir", str(d),
+                                 "-o", "-"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    if config_text is not None:
+        (d / "config.json").write_text(config_text)
+    for name, text in files.items():
+        (d / name.replace("_", ".")).write_text(text)
+    d.chmod(mode)
+    return str(d)
+
+
+LONG = "x" * 300
+SUBMIT_SLURM = ["submit", "jobs/smoke.toml", "--backend", "slurm", "--dry-run"]
+# (id, exit code, argv builder(tmp_path) -> argv after `ddpjob`, text the line must hold)
+CMD_CASES = [
+    ("submit local dry-run nodes 10^30", 2, lambda t: ["submit", "jobs/smoke.toml", "--backend", "local",
+                                                      "--dry-run", "--nodes", "1" + "0" * 30], "slurm.nodes"),
+    ("submit slurm run dir newline", 2, lambda t: [*SUBMIT_SLURM, "--run-dir",
+                                                   "runs/z\\''\n#SBATCH --partition=evil #"], "newline"),
+    ("submit slurm run dir backslash", 2, lambda t: [*SUBMIT_SLURM, "--run-dir", "runs/a\\b"], "backslash"),
+    ("submit slurm run dir hetjob", 2, lambda t: [*SUBMIT_SLURM, "--run-dir", "runs/hetjob"], "hetjob"),
+    ("submit slurm run dir percent", 2, lambda t: [*SUBMIT_SLURM, "--run-dir", "runs/100%"], "'%'"),
+    ("submit slurm run dir not UTF-8", 2, lambda t: [*SUBMIT_SLURM, "--run-dir", "runs/r\udcff"], "UTF-8"),
+    ("submit slurm setup directive", 2, lambda t: [*SUBMIT_SLURM, "--set",
+                                                   'slurm.setup=["#SBATCH --partition=evil"]'], "starts with '#'"),
+    ("submit slurm extra packjob", 2, lambda t: [*SUBMIT_SLURM, "--set",
+                                                 'slurm.sbatch_extra=["--comment=packjob"]'], "hetjob"),
+    ("submit slurm extra --part", 2, lambda t: [*SUBMIT_SLURM, "--set",
+                                                'slurm.sbatch_extra=["--part=evil"]'], "--partition"),
+    ("submit slurm name newline", 2, lambda t: [*SUBMIT_SLURM, "--name", "smoke\n"], "name"),
+    ("submit sweep missing ]", 2, lambda t: [*SUBMIT_SLURM, "--sweep", "slurm.setup=[\"a\""], "does not parse"),
+    ("status long component", 2, lambda t: ["status", LONG], "255"),
+    ("status runs-root long component", 2, lambda t: ["status", "--runs-root", LONG], "255"),
+    ("ls runs-root long component", 2, lambda t: ["ls", "--runs-root", LONG], "255"),
+    ("logs long component", 2, lambda t: ["logs", LONG], "255"),
+    ("cancel long component", 2, lambda t: ["cancel", LONG], "255"),
+    ("run long component", 2, lambda t: ["run", LONG], "255"),
+    ("plot -o long component", 2, lambda t: ["plot", "runs", "-o", LONG + ".png"], "255"),
+    ("logs config.json []", 2, lambda t: ["logs", _run_dir(t, "[]")], "holds list"),
+    ("logs config.json null", 2, lambda t: ["logs", _run_dir(t, "null")], "holds NoneType"),
+    ("logs config.json string", 2, lambda t: ["logs", _run_dir(t, '"smoke"')], "holds str"),
+    ("run config.json []", 2, lambda t: ["run", _run_dir(t, "[]")], "holds list"),
+    ("run config.json null", 2, lambda t: ["run", _run_dir(t, "null")], "holds NoneType"),
+    ("run config.json string", 2, lambda t: ["run", _run_dir(t, '"smoke"')], "holds str"),
+    ("run config.json not JSON", 2, lambda t: ["run", _run_dir(t, "{")], "not valid JSON"),
+    ("run group-writable run dir", 1, lambda t: ["run", _run_dir(t, mode=0o770)], "group/world-writable"),
+    ("run world-writable run dir", 1, lambda t: ["run", _run_dir(t, mode=0o777)], "group/world-writable"),
+]
+
+
+@pytest.mark.parametrize("case", CMD_CASES, ids=[c[0] for c in CMD_CASES])
+def test_other_commands_give_one_line(case, tmp_path: Path) -> None:
+    _, code, build, expected = case
+    work = tmp_path / "work"
+    (work / "jobs").mkdir(parents=True)
+    (work / "jobs" / "smoke.toml").write_text(SMOKE)
+    bin_dir = tmp_path / "bin"  # `--backend slurm` wants sbatch on PATH; it is never run
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'fake sbatch must not run' >&2; exit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    argv = build(tmp_path)
+    before = _snapshot(tmp_path)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = subprocess.run(DDPJOB + argv, cwd=work, capture_output=True, text=True, timeout=120, env=env)
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("ddpjob: error: ") and "Hint: " in lines[0], lines[0]
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in r.stderr and "internal error" not in r.stderr and r.stdout == ""
+    assert r.returncode == code, lines[0]
+    assert _snapshot(tmp_path) == before, "something was written"
+    assert not (work / "runs").exists()
+
+
+def test_one_damaged_run_dir_does_not_break_ls_or_status(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    for name in ("a-good", "b-bad-job", "c-bad-events", "d-good"):
+        _run_dir(tmp_path)
+        (tmp_path / "run1").rename(runs / name) if runs.exists() else (
+            runs.mkdir(), (tmp_path / "run1").rename(runs / name))
+    (runs / "b-bad-job" / "job.json").write_text("[1, 2]")
+    (runs / "c-bad-events" / "events.jsonl").write_text('[]\nnull\n"x"\n{"event": "start", "restart": "x"}\n')
+    for argv in (["ls"], ["status"]):
+        r = subprocess.run(DDPJOB + argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.startswith("runs/")}
+        assert set(rows) == {f"runs/{n}" for n in ("a-good", "b-bad-job", "c-bad-events", "d-good")}
+        assert "DAMAGED" in rows["runs/c-bad-events"] and "DAMAGED" not in rows["runs/a-good"]
+    r = subprocess.run(DDPJOB + ["status", "runs/c-bad-events"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "DAMAGED" in r.stdout, r.stderr
+
+
+def test_at_least_a_hundred_cases() -> None:
+    assert len(CASES) + len(CMD_CASES) >= 100

@@ -117,8 +117,8 @@ BAD = [
     (dict(train__lr=0), "train.lr is 0.0, expected > 0"),
     (dict(train__label_smoothing=1.0), "expected < 1"),
     (dict(data__dataset="imagenet"), "expected cifar10, synthetic"),
-    (dict(data__synthetic_train=0), "expected positive integers"),
-    (dict(checkpoint__keep_last=0), "expected >= 1"),
+    (dict(data__synthetic_train=0), "data.synthetic_train is 0, expected a positive integer"),
+    (dict(checkpoint__keep_last=0), "checkpoint.keep_last is 0, expected a positive integer"),
     (dict(checkpoint__every_minutes=-1.0), "expected >= 0"),
 ]
 

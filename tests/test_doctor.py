@@ -206,6 +206,10 @@ def test_signal_routing_on_raw_values() -> None:
     assert doctor.signal_routing("USR2", [], 120).status == doctor.PASS
     assert doctor.signal_routing("USR1", ["--exclusive"], 90).detail.startswith("SIGUSR1 reaches")
     assert doctor.signal_routing("b:usr2", []).status == doctor.FAIL
+    # sbatch expands abbreviations: --sig=B:... is --signal=B:...
+    for extra in ("--sig=B:USR2@60", "--sign=b:USR2@60", "--signal=B:USR2@60"):
+        assert doctor.signal_routing("USR2", [extra]).status == doctor.FAIL, extra
+    assert doctor.signal_routing("USR2", ["--comment=B:x"]).status == doctor.PASS
     c = doctor.signal_routing("USR2", ["--exclusive", "--signal=B:TERM@30"])
     assert c.status == doctor.FAIL and "'--signal=B:TERM@30'" in c.detail
 

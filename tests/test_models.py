@@ -144,3 +144,14 @@ def test_freeze_backbone_trains_only_the_head():
 def test_freeze_without_a_head_is_an_error():
     with pytest.raises(DDPJobError, match="cannot find the classifier head"):
         freeze_backbone_(nn.Sequential(nn.Conv2d(3, 3, 1)))
+
+
+def test_login_side_model_names_match_the_builders() -> None:
+    # config validation checks train.model against ddpjob/modelnames.py without torch
+    import torchvision.models
+
+    from ddpjob import modelnames
+    from ddpjob.train import models
+
+    assert set(modelnames.BUILTIN_NAMES) == set(models.BUILTIN)
+    assert set(modelnames.TORCHVISION_NAMES) <= set(torchvision.models.list_models(module=torchvision.models))

@@ -42,7 +42,8 @@ def test_slurm_parameters_map_every_field():
     assert {k: p[k] for k in keys} == {
         "job_name": "t", "nodes": 2, "ntasks_per_node": 4, "gpus_per_node": 4, "cpus_per_task": 8,
         "mem": "64G", "partition": "gpu", "account": "proj1", "qos": "high", "constraint": "a100",
-        "signal_delay_s": 300, "setup": ["module load cuda"]}
+        "signal_delay_s": 300, "setup": [submit._guard_lines(cfg, None)[0], "module load cuda"]}
+    assert p["srun_args"] == ["--kill-on-bad-exit=1"]  # as in the template
     assert p["time"] == 1 * 1440 + 2 * 60 + 4  # whole minutes, rounded up, for submitit
     assert p["additional_parameters"] == {"time": "1-02:03:04", "open-mode": "append", "requeue": True,
                                           "exclusive": True, "mail-type": "END"}
@@ -50,8 +51,9 @@ def test_slurm_parameters_map_every_field():
 
 def test_cpu_job_has_no_gpu_line_and_empty_fields_are_left_out():
     p = submit.slurm_parameters(cfg_with(time="00:00:30", signal_lead_s=10))
-    for key in ("gpus_per_node", "mem", "partition", "account", "qos", "constraint", "setup"):
+    for key in ("gpus_per_node", "mem", "partition", "account", "qos", "constraint"):
         assert key not in p
+    assert p["setup"] == submit._guard_lines(cfg_with(), None)  # only ddpjob's own trap
     assert p["time"] == 1  # 30 s rounds up to one minute; sbatch still gets the exact limit
     assert p["additional_parameters"]["time"] == "00:00:30"
 

@@ -26,7 +26,7 @@ SWEEP = "sweep.json"
 # SLURM states after which nothing more will happen (a requeued job goes back to PENDING).
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT", "LOST"}
-_ARRAY = re.compile(r"^(\d+)_\[([0-9,\-]+)(?:%\d+)?\]$")
+_ARRAY = re.compile(r"(\d+)_\[([0-9,\-]+)(?:%\d+)?\]", re.ASCII)
 
 
 @dataclass
@@ -59,7 +59,7 @@ def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str
 
 def _expand_array_id(job_id: str) -> list[str]:
     """sacct/squeue's `123_[0-2,5%4]` (pending array tasks) -> 123_0 123_1 123_2 123_5."""
-    m = _ARRAY.match(job_id)
+    m = _ARRAY.fullmatch(job_id)
     if not m:
         return [job_id]
     out = []
@@ -147,7 +147,7 @@ def last_checkpoint(run_dir: Path) -> str:
 def job_record(run_dir: Path) -> dict[str, Any]:
     """job.json; for a run started by `ddpjob sbatch` + `sbatch` (no job.json), the SLURM job id
     the ranks recorded in events.jsonl."""
-    job = rundir.read_json(run_dir / rundir.JOB, {}) or {}
+    job = rundir.read_record(run_dir / rundir.JOB)
     if not job:
         ids = [str(e["job_id"]) for e in rundir.events(run_dir) if e.get("job_id")]
         if ids and re.fullmatch(r"\d+(_\d+)?", ids[-1]):
@@ -161,7 +161,7 @@ def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> R
     events = rundir.events(run_dir)
     info.restarts = max([int(e.get("restart", 0) or 0) for e in events] or [0])
     if info.backend == "local":
-        rec = rundir.read_json(run_dir / LOCAL)
+        rec = rundir.read_record(run_dir / LOCAL) or None
         alive = _pid_alive(job.get("pid"))
         if rec is None:
             info.state = "PENDING" if alive else "FAILED"
@@ -194,9 +194,11 @@ def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> R
 
 
 def sweep_points(sweep_dir: Path) -> list[tuple[Path, str]]:
-    rec = rundir.read_json(sweep_dir / SWEEP, {}) or {}
+    points = rundir.read_record(sweep_dir / SWEEP).get("points")
     return [(sweep_dir / str(p["id"]), " ".join(f"{k}={v}" for k, v in p["values"].items()))
-            for p in rec.get("points", [])]
+            for p in (points if isinstance(points, list) else [])
+            if isinstance(p, dict) and isinstance(p.get("id"), (int, str))
+            and "/" not in str(p["id"]) and isinstance(p.get("values"), dict)]
 
 
 def runs_under(root: Path) -> list[tuple[Path, str]]:
@@ -213,10 +215,16 @@ def runs_under(root: Path) -> list[tuple[Path, str]]:
 def infos(runs: list[tuple[Path, str]]) -> list[RunInfo]:
     """RunInfo for many runs with one sacct/squeue call for all their SLURM jobs."""
     ids = [str(job_record(d).get("job_id", "")) for d, _ in runs]
+    ids = [i for i in ids if re.fullmatch(r"[0-9]+(_[0-9]+)?|local-[0-9]+(_[0-9]+)?", i)]
     slurm = slurm_states([i for i in ids if i and not i.startswith("local-")])
     out = []
     for d, point in runs:
-        info = run_info(d, slurm)
+        try:
+            info = run_info(d, slurm)
+        except (ValueError, TypeError, AttributeError, KeyError, OSError) as exc:
+            # One damaged run dir (a hand-edited or truncated record) is shown as such; it
+            # must not hide every other run from `ls` and `status`.
+            info = RunInfo(run_dir=d, state="DAMAGED", reason=f"{type(exc).__name__}: {exc}"[:200])
         info.point = point
         out.append(info)
     return out
@@ -232,7 +240,7 @@ def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
     root = Path(runs_root)
     if root.is_dir():
         for d in sorted(root.iterdir()):
-            sweep = rundir.read_json(d / SWEEP, {}) if (d / SWEEP).is_file() else None
+            sweep = rundir.read_record(d / SWEEP) if (d / SWEEP).is_file() else None
             if sweep and str(sweep.get("job_id")) == target:
                 return d, True
         for d, _ in runs_under(root):
@@ -322,7 +330,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
             job = job_record(i.run_dir)
             if i.state == "PENDING" and (i.run_dir / LOCAL).is_file():
                 # A sweep point not started yet: the supervisor skips points marked CANCELLED.
-                rec = rundir.read_json(i.run_dir / LOCAL, {}) or {}
+                rec = rundir.read_record(i.run_dir / LOCAL)
                 rundir.write_json_atomic(i.run_dir / LOCAL, {**rec, "state": "CANCELLED",
                                                              "reason": "cancelled before it started"})
             elif _pid_alive(job.get("pid")):

@@ -213,9 +213,14 @@ def signal_routing(signal: str, sbatch_extra: Sequence[str], lead_s: object = "?
     """Where the warning signal goes. Takes raw values: config validation rejects a B: signal
     at load time, and doctor still explains why it would break the job."""
     sig = str(signal).upper().removeprefix("SIG")
+    from ddpjob.scriptsafe import reserved_by_prefix, split_extra
+
+    # sbatch expands abbreviations (--sig=B:USR2@60 is --signal): look at what sbatch would see.
     culprits = ([f"slurm.signal = {signal!r}"] if "B:" in sig else []) + [
         f"slurm.sbatch_extra '{a}'" for a in sbatch_extra
-        if str(a).startswith("--signal=") and "B:" in str(a).upper()]
+        if str(a).startswith("--") and split_extra(str(a))[0]
+        and reserved_by_prefix(split_extra(str(a))[0]) == "signal"
+        and "B:" in str(split_extra(str(a))[1] or "").upper()]
     if culprits:
         return Check("signal routing", FAIL, f"{culprits[0]} would signal only the batch shell, and "
                      "srun does not pass signals on to the training tasks: they would be killed "

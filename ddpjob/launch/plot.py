@@ -22,7 +22,7 @@ from ddpjob.errors import DDPJobError
 # (metrics key, panel title): the four panels, in reading order.
 PANELS = (("loss", "train loss"), ("eval_acc", "eval accuracy"), ("lr", "learning rate"),
           ("img_s", "images/s"))
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"step-(\d+)", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def _last_checkpoint(run: Path) -> str | None:
     """The newest committed checkpoint folder (manifest.json is written last)."""
     root = run / rundir.CHECKPOINTS
     steps = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
-                   if (m := _STEP_DIR.match(p.name)) and (p / "manifest.json").is_file())
+                   if (m := _STEP_DIR.fullmatch(p.name)) and (p / "manifest.json").is_file())
     return f"step {steps[-1][0]} ({steps[-1][1].relative_to(run)})" if steps else None
 
 

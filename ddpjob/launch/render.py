@@ -18,7 +18,7 @@ import string
 from collections.abc import Mapping
 from pathlib import Path
 
-from ddpjob import __version__
+from ddpjob import __version__, scriptsafe
 from ddpjob.config import JobConfig
 from ddpjob.errors import UsageError
 from ddpjob.rundir import LOGS
@@ -26,13 +26,10 @@ from ddpjob.rundir import LOGS
 TEMPLATE_NAME = "sbatch.sh.tmpl"
 # srun turns its own TERM/INT/HUP/QUIT into SIGKILL for the ranks: never forward those.
 _NOT_FORWARDED = {"TERM", "INT", "HUP", "QUIT"}
-# sbatch reads "#SBATCH" lines itself, with its own rules: whitespace splits arguments, quotes
-# group, a backslash escapes, an unquoted '#' starts a comment, and a line containing "hetjob"
-# or "packjob" anywhere starts a new heterogeneous-job component.
-_DIRECTIVE_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]*$")
-_HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# sbatch's own "#SBATCH" parser: see ddpjob/scriptsafe.py, whose checks both renderers share.
+_DIRECTIVE_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]*", re.ASCII)
+_CONTROL = scriptsafe.CONTROL
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 
 
 class ShellTemplate(string.Template):
@@ -125,6 +122,7 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
 def sbatch_directives(cfg: JobConfig, run_dir: str) -> list[str]:
     """The `#SBATCH` arguments in a fixed order; values are validated by config.validate."""
     s = cfg.slurm
+    scriptsafe.job_strings(cfg)
     out = [f"--job-name={cfg.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={s.tasks_per_node}"]
     if s.gpus_per_node > 0:
         out.append(f"--gpus-per-node={s.gpus_per_node}")
@@ -142,20 +140,14 @@ def sbatch_directives(cfg: JobConfig, run_dir: str) -> list[str]:
     log = f"{slurm_pattern_escape(run_dir)}/{LOGS}/batch-%j.out"
     out += [directive_quote(f"--output={log}"), directive_quote(f"--error={log}")]
     out += [directive_quote(arg) for arg in s.sbatch_extra]
-    for arg in out:
-        if _HETJOB.search(arg):
-            raise UsageError(f"sbatch option {arg!r} contains 'hetjob'/'packjob', which sbatch "
-                             "reads as a heterogeneous-job separator", "rename that path or value")
     return out
 
 
 def directive_quote(arg: str) -> str:
     """One argument for sbatch's `#SBATCH` parser (not a shell): bare if plain, else "...",
     with backslash and double quote escaped. Control characters cannot be written at all."""
-    if _CONTROL.search(arg):
-        raise UsageError(f"sbatch option {arg!r} contains a newline or control character, "
-                         "expected one line", "remove it")
-    if _DIRECTIVE_SAFE.match(arg):
+    scriptsafe.directive_value(arg, "sbatch option", "remove the character")
+    if _DIRECTIVE_SAFE.fullmatch(arg):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -166,22 +158,7 @@ def slurm_pattern_escape(path: str) -> str:
 
 
 def _check_run_dir(run_dir: Path) -> str:
-    run = str(run_dir)
-    if not run.startswith("/"):  # also rules out a leading '-' read as an option
-        raise UsageError(f"run dir '{run}' is relative, expected an absolute path",
-                         "pass Path.absolute() of the run directory")
-    if _CONTROL.search(run):
-        raise UsageError(f"run dir {run!r} contains a newline or control character, expected a "
-                         "one-line path (sbatch and the logs could not name it)",
-                         "choose a --run-dir without control characters")
-    if "\\" in run:
-        raise UsageError(f"run dir {run!r} contains a backslash, which turns off SLURM's "
-                         "%j/%t log-name patterns", "choose a --run-dir without backslashes")
-    if _HETJOB.search(run):
-        raise UsageError(f"run dir {run!r} contains 'hetjob'/'packjob', which sbatch reads as a "
-                         "heterogeneous-job separator on #SBATCH lines", "choose another --run-dir")
-    _check_utf8(run, "run dir")
-    return run
+    return scriptsafe.run_dir(str(run_dir))
 
 
 def _check_python(python: str) -> str:
@@ -193,18 +170,12 @@ def _check_python(python: str) -> str:
 
 
 def _check_setup(lines: tuple[str, ...]) -> list[str]:
-    for line in lines:  # config.validate rejects these too; the renderer must not rely on it
-        if _CONTROL.search(line.replace("\t", " ")):
-            raise UsageError(f"slurm.setup line {line!r} contains a newline or control "
-                             "character, expected one shell line per entry",
-                             "split it into several list entries")
-        _check_utf8(line, "slurm.setup line")
-    return list(lines)
+    return scriptsafe.setup_lines(lines)  # config.validate does too; the renderer must not rely on it
 
 
 def _check_env(env: Mapping[str, str]) -> list[tuple[str, str]]:
     for key, value in env.items():
-        if not _ENV_NAME.match(key):
+        if not _ENV_NAME.fullmatch(key):
             raise UsageError(f"environment variable name {key!r} is not a shell name, expected "
                              "letters, digits and _", "e.g. NCCL_DEBUG")
         if "\0" in value:

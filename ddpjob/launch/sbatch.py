@@ -27,6 +27,8 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     job = locate_job(args.job)
     flags = {k: getattr(args, k, None) for k in _FLAGS}
     cfg = config.resolve(job, args.overrides, flags)
+    if not getattr(args, "no_data_check", False):
+        _check_data(cfg)
     template = render.load_template(args.template)
     to_stdout = args.output == "-"
     out = None if to_stdout else _check_output(Path(args.output))
@@ -76,6 +78,22 @@ def locate_job(job: str) -> Path:
     if bundled.is_file():
         return Path(str(bundled))
     return p  # config.resolve reports it as missing
+
+
+def _check_data(cfg: config.JobConfig) -> None:
+    """CIFAR-10 must be in place before the job waits in the queue (the nodes read data.root
+    relative to this folder, sbatch's default working directory). The cheap form of the check
+    doctor runs; --no-data-check skips it where the nodes see another filesystem."""
+    if cfg.data.dataset != "cifar10":
+        return
+    from ddpjob.launch.dataprep import cifar10_problem
+
+    problem = cifar10_problem(cfg.data.root, full=False)
+    if problem is not None:
+        raise DDPJobError(f"data.root '{cfg.data.root}' is not ready: {problem}, expected "
+                          "CIFAR-10 in place before the job is queued",
+                          f"run `ddpjob data cifar10 --root {cfg.data.root}`, or pass "
+                          "--no-data-check if only the compute nodes see that path")
 
 
 def _check_output(out: Path) -> Path:
@@ -141,10 +159,10 @@ def _write_run_dir(run_dir: Path, cfg: config.JobConfig, script: str, reuse: boo
     top = next((p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None)
     made: list[Path] = []
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        rundir.make_dir(run_dir, cfg.slurm.share_group)  # 0700/0750 whatever the umask
         for path in (run_dir / rundir.LOGS,):
             if not path.exists():
-                path.mkdir()
+                rundir.make_dir(path, cfg.slurm.share_group)
                 made.append(path)
         rundir.write_text_atomic(run_dir / SCRIPT, script)
         if not reuse:  # last: an existing config.json is replaced only once all else worked

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpjob import config, console, entry, rundir
+from ddpjob import config, console, rundir, scriptsafe
+from ddpjob.node import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
 
@@ -173,9 +174,13 @@ def expand_sweep(specs: list[str]) -> list[SweepPoint]:
 
 
 # ------------------------------------------------------------------ SLURM via submitit
-def slurm_parameters(cfg: JobConfig) -> dict[str, Any]:
-    """SlurmExecutor.update_parameters(...) for a job: the pure mapping from [slurm]."""
+def slurm_parameters(cfg: JobConfig, folder: Path | None = None) -> dict[str, Any]:
+    """SlurmExecutor.update_parameters(...) for a job: the pure mapping from [slurm].
+
+    `folder` is submitit's log (and pickle) folder, RUN_DIR/logs: given, the script first
+    refuses to start if it or the run dir is writable by others (see _guard_lines)."""
     s = cfg.slurm
+    scriptsafe.job_strings(cfg)  # the same checks as the template path (render.py)
     secs = config.parse_time_s(s.time)
     params: dict[str, Any] = {
         "job_name": cfg.name, "nodes": s.nodes, "ntasks_per_node": s.tasks_per_node,
@@ -184,9 +189,14 @@ def slurm_parameters(cfg: JobConfig) -> dict[str, Any]:
         # exact limit still reaches sbatch through additional_parameters below.
         "time": max(1, math.ceil(secs / 60)),
         "signal_delay_s": s.signal_lead_s,
+        # As in the template: one failed rank ends the step instead of leaving the others
+        # hanging in a collective until the time limit.
+        "srun_args": ["--kill-on-bad-exit=1"],
     }
-    if s.setup:
-        params["setup"] = list(s.setup)
+    # submitit writes setup lines right after the #SBATCH block, where sbatch still reads
+    # directives: the guard's first line is a command, which ends that scan (and the
+    # scriptsafe checks refuse setup lines starting with '#' anyway).
+    params["setup"] = [*_guard_lines(cfg, folder), *scriptsafe.setup_lines(s.setup)]
     if s.gpus_per_node > 0:
         params["gpus_per_node"] = s.gpus_per_node
     for key in ("mem", "partition", "account", "qos", "constraint"):
@@ -198,10 +208,31 @@ def slurm_parameters(cfg: JobConfig) -> dict[str, Any]:
     if sig != "USR2":  # submitit writes USR2@delay; any other signal replaces that line
         extra["signal"] = f"{sig}@{s.signal_lead_s}"
     for arg in s.sbatch_extra:  # "--exclusive", "--mail-type=END"
-        key, eq, value = arg[2:].partition("=")
-        extra[key] = value if eq else True
+        key, value = scriptsafe.split_extra(arg)
+        extra[key] = True if value is None else value
     params["additional_parameters"] = extra
     return params
+
+
+def _guard_lines(cfg: JobConfig, folder: Path | None) -> list[str]:
+    """Shell lines that open submitit's script body (before srun).
+
+    Why the permission guard: submitit unpickles RUN_DIR/logs/*_submitted.pkl at every start,
+    so whoever can write that folder runs code as the job's user. Run dirs are created 0700
+    (0750 with slurm.share_group); this refuses a folder someone loosened since, before the
+    pickle is read. Why the trap: SLURM sends SIGTERM to the batch shell too (scancel, time
+    limit, preemption); without a trap bash dies at once and the job ends while the ranks are
+    still writing their checkpoint. Trapped, bash waits for srun (the template does the same)."""
+    lines = ["trap 'echo \"ddpjob: batch shell got a stop signal; waiting for the ranks\" >&2' "
+             "TERM INT HUP"]
+    if folder is not None:
+        dirs = " ".join(shlex.quote(str(d)) for d in (folder.parent, folder))
+        lines.append(f"for DDPJOB_D in {dirs}; do if [ -n \"$(find \"$DDPJOB_D\" -maxdepth 0 "
+                     "\\( -perm /022 -o ! -user \"$(id -u)\" \\) 2>/dev/null)\" ]; then echo "
+                     "\"ddpjob: $DDPJOB_D is writable by others or not owned by $(id -un): refusing "
+                     "to unpickle the job from it (chmod go-w it, then resubmit)\" >&2; exit 1; fi; "
+                     "done")
+    return lines
 
 
 def submitit_command(folder: Path) -> str:
@@ -213,8 +244,9 @@ def sbatch_text(cfg: JobConfig, folder: Path, array: int | None = None) -> str:
     """The script submitit would submit, without submitting (for --dry-run)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
+    scriptsafe.run_dir(str(folder), submitit=True)
     return _make_sbatch_string(command=submitit_command(folder), folder=folder, map_count=array,
-                               **slurm_parameters(cfg))
+                               **slurm_parameters(cfg, folder))
 
 
 def preflight_slurm(cfg: JobConfig) -> None:
@@ -262,7 +294,8 @@ def submit_slurm(cfgs: list[JobConfig], run_dirs: list[Path], log_folder: Path,
 
     cfg = cfgs[0]  # resources are the same for every point; a sweep varies the training
     ex = submitit.SlurmExecutor(folder=log_folder, max_num_timeout=cfg.slurm.max_requeues)
-    ex.update_parameters(**slurm_parameters(cfg))
+    scriptsafe.run_dir(str(log_folder), submitit=True)
+    ex.update_parameters(**slurm_parameters(cfg, log_folder))
     try:
         # submitit echoes sbatch's stderr on failure; we report it in our one line instead.
         with contextlib.redirect_stderr(io.StringIO()):
@@ -319,14 +352,16 @@ def choose_backend(requested: str) -> str:
     return requested
 
 
-def rank_rows(cfg: JobConfig, backend: str) -> list[list[Any]]:
-    """Per-rank view: where each rank runs and what batch it trains with."""
+def rank_rows(cfg: JobConfig, backend: str, limit: int = 64) -> list[list[Any]]:
+    """Per-rank view: where each rank runs and what batch it trains with (the first `limit`
+    ranks and the last one: a table of a million ranks helps nobody)."""
     s, t = cfg.slurm, cfg.train
     accum = config.accumulation_for(cfg, s.world_size)
     master = ("127.0.0.1:<free port at start>" if backend == "local"
               else "<first node>:<15000 + job id % 15000>")
     rows = []
-    for rank in range(s.world_size):
+    shown = range(s.world_size) if s.world_size <= limit else [*range(limit - 1), s.world_size - 1]
+    for rank in shown:
         node, local = divmod(rank, s.tasks_per_node)
         device = f"cuda:{local}" if s.gpus_per_node > 0 else "cpu"
         rows.append([rank, f"node {node}" if backend == "slurm" else "localhost", local, device,
@@ -342,9 +377,10 @@ def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, job: 
             run_dir: str | None) -> int:
     cfg = cfgs[0]
     where = Path(run_dir or Path("runs") / f"{cfg.name}{'-sweep' if points else ''}-<time>").absolute()
-    if backend == "slurm":
+    if backend == "slurm":  # the script first: a refused value prints nothing but its error
+        text = sbatch_text(cfg, where / rundir.LOGS, len(points) if len(points) > 1 else None)
         console.info(f"# sbatch script submitit would submit for {job} (nothing submitted)")
-        console.info(sbatch_text(cfg, where / rundir.LOGS, len(points) if len(points) > 1 else None))
+        console.info(text)
     else:
         console.info(f"# local backend: a supervisor would start {cfg.slurm.world_size} rank(s), each:")
         console.info(shlex.join([sys.executable, "-u", "-m", "ddpjob", "run", str(where)]))
@@ -358,7 +394,7 @@ def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, job: 
     return 0
 
 
-def _make_root(path: Path) -> Path | None:
+def _make_root(path: Path, share_group: bool = False) -> Path | None:
     """Create the run (or sweep) dir; returns the topmost folder this created (removed again
     if the submission fails), None if the dir was there already (empty)."""
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -370,7 +406,7 @@ def _make_root(path: Path) -> Path | None:
             break
         top = p
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        rundir.make_dir(path, share_group)  # 0700/0750: see rundir.dir_mode
         probe = path / ".write-test"
         probe.write_text("")
         probe.unlink()
@@ -400,13 +436,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
         preflight_slurm(cfgs[0])
     name = cfgs[0].name + ("-sweep" if points else "")
     root = Path(args.run_dir) if args.run_dir else rundir.new_run_dir("runs", name)
+    if backend == "slurm":  # the same checks as `ddpjob sbatch`, before anything is written
+        scriptsafe.run_dir(str(root.absolute() / rundir.LOGS), submitit=True)
     _doctor_checks(cfgs, backend, root)
-    created = _make_root(root)
+    share = cfgs[0].slurm.share_group
+    created = _make_root(root, share)
     command = _command(args, str(job), backend)
     try:
         run_dirs = [root / p.id for p in points] if points else [root]
         for d, cfg in zip(run_dirs, cfgs):
-            (d / rundir.LOGS).mkdir(parents=True, exist_ok=True)
+            rundir.make_dir(d, share)
+            rundir.make_dir(d / rundir.LOGS, share)
             rundir.write_text_atomic(d / rundir.CONFIG, cfg.to_json())
         log_dir = root / rundir.LOGS
         records = (submit_slurm(cfgs, run_dirs, log_dir.resolve(), command) if backend == "slurm"

@@ -61,7 +61,7 @@ def _split_top_level(text: str, orig: str) -> list[str]:
     return [it.strip() for it in items]
 
 
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
 
 
 def _expand(item: str, orig: str) -> list[str]:
@@ -84,7 +84,7 @@ def _range_values(body: str, orig: str) -> list[str]:
     """`1,5-9` -> 1 5 6 7 8 9; zero padding follows the lower bound's width (`08-11`)."""
     values: list[str] = []
     for part in body.split(","):
-        m = _RANGE.match(part.strip())
+        m = _RANGE.fullmatch(part.strip())
         if not m:
             raise _bad_hostlist(orig, f"{part!r} is not a number or a range lo-hi")
         lo_text, hi_text = m.group(1), m.group(2) or m.group(1)

@@ -57,6 +57,9 @@ def run_node(run_dir: str | Path, argv: Sequence[str] | None = None) -> int:
 
 
 def _node(run_dir: Path, argv: Sequence[str] | None) -> int:
+    # Before anything is read from it: a run dir others can write is code others can run as
+    # us (config.json names the entry script; submitit's pickle lives in logs/).
+    rundir.check_private(run_dir)
     # A job requeued after training finished: exit before importing torch or meeting peers.
     done = rundir.completed(run_dir)
     if done is not None:

@@ -33,10 +33,10 @@ from ddpjob.store.snapshot import AsyncWrite, snapshot_tree
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _WIDTH = 9  # step-000001234: lexical order = numeric order (names are still parsed as numbers)
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = re.compile(r"step-(\d+)", re.ASCII)
 _STAGING = ".tmp-step-"
 _TRASH = ".del-"
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*", re.ASCII)
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -156,7 +156,7 @@ class CheckpointStore:
         except OSError as err:
             raise _io_error(err, self.root, "list the checkpoint folder") from None
         infos = [CheckpointInfo(p, int(m.group(1)), _read_manifest(p))
-                 for p in entries if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+                 for p in entries if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
         return sorted(infos, key=lambda info: info.step, reverse=True)
 
     def verify(self, info: CheckpointInfo, *, config_hash: str | None = None) -> str | None:
@@ -348,7 +348,7 @@ def _check_loadable(obj: Any, where: list[Any]) -> None:
 def _check_files(folder: Path, files: dict[str, Any]) -> str | None:
     """The file part of verify(): cheap checks on every file before any hashing."""
     for name, entry in files.items():
-        if not (isinstance(name, str) and _FILE_NAME.match(name) and isinstance(entry, dict)):
+        if not (isinstance(name, str) and _FILE_NAME.fullmatch(name) and isinstance(entry, dict)):
             return f"manifest.json has a malformed entry {name!r}"  # also stops "../x" paths
         try:
             size = (folder / name).stat().st_size
@@ -366,7 +366,7 @@ def _check_files(folder: Path, files: dict[str, Any]) -> str | None:
 
 
 def _check_name(name: str) -> None:
-    assert _FILE_NAME.match(name) and name != MANIFEST and not name.endswith(".tmp"), f"bad file name {name!r}"
+    assert _FILE_NAME.fullmatch(name) and name != MANIFEST and not name.endswith(".tmp"), f"bad file name {name!r}"
 
 
 def _sha256(path: Path) -> str:

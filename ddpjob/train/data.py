@@ -378,12 +378,12 @@ def eval_batches(ds: Any, *, batch_size: int, rank: int, world_size: int,
 
 
 # --------------------------------------------------------------------------------- plugins
-_SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", re.ASCII)
 
 
 def load_plugin(spec: str) -> Callable[..., Any]:
     """Resolve "package.module:function" (the attribute may be dotted) to a callable."""
-    if not _SPEC.match(spec):
+    if not _SPEC.fullmatch(spec):
         raise UsageError(f"plugin {spec!r} is not of the form \"package.module:function\"",
                          "e.g. \"mypkg.datasets:build\"")
     mod_name, attr = spec.split(":")

@@ -1,0 +1,182 @@
+"""validate(JobConfig): every value checked on the login node, before anything is built from it.
+
+Called by config.from_dict (job file, overrides, config.json alike). Sizes are bounded first,
+so nothing later (a list of ranks, a rank table, SLURM's own limits) can grow without end; every
+string that reaches a script goes through ddpjob.scriptsafe, the same rules the renderers apply.
+A value the nodes would fail on (ZeroDivisionError, overflow, unknown model) fails here instead.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING
+
+from ddpjob import scriptsafe
+from ddpjob.errors import UsageError
+from ddpjob.modelnames import model_problem
+
+if TYPE_CHECKING:
+    from ddpjob.config import JobConfig
+
+SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU", "QUIT", "ALRM")
+# Names, partitions, accounts: what SLURM itself allows, and nothing a shell or a file pattern
+# (%j) could interpret. fullmatch + ASCII: `$` would accept a final newline, \d other digits.
+NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
+_CONSTRAINT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.,&|\[\]*:-]*", re.ASCII)
+_MEM_RE = re.compile(r"[0-9]{1,12}[KMGT]?", re.ASCII)
+_ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
+_ENTRY_FUNC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+MAX_TIME_S = 365 * 86400
+# Upper bounds (inclusive) for every size: far above any real job, far below anything that
+# could exhaust memory on the login node or overflow a C int on the nodes.
+LIMITS: dict[str, int] = {
+    "slurm.nodes": 100_000, "slurm.tasks_per_node": 1024, "slurm.gpus_per_node": 64,
+    "slurm.cpus_per_task": 4096, "slurm.max_requeues": 10_000,
+    "train.num_classes": 1_000_000, "train.epochs": 1_000_000, "train.max_steps": 10**12,
+    "train.batch_size": 1 << 20, "train.global_batch_size": 1 << 30,
+    "train.accumulation_steps": 65_536, "train.warmup_steps": 10**12,
+    "train.lr_step_epochs": 1_000_000, "train.seed": 2**32 - 1, "train.eval_every": 10**12,
+    "train.log_every": 10**12, "train.threads": 1024, "train.dist_timeout_s": 7 * 86400,
+    "data.num_workers": 256, "data.synthetic_train": 100_000_000,
+    "data.synthetic_test": 100_000_000, "checkpoint.every_steps": 10**12,
+    "checkpoint.keep_last": 10_000,
+}
+MAX_WORLD = 1 << 20
+_POSITIVE = {"slurm.nodes", "slurm.tasks_per_node", "slurm.cpus_per_task", "train.num_classes",
+             "train.epochs", "train.batch_size", "train.accumulation_steps", "train.log_every",
+             "train.dist_timeout_s", "train.lr_step_epochs", "data.synthetic_train",
+             "data.synthetic_test", "checkpoint.keep_last"}
+
+
+def _check(ok: bool, message: str, hint: str) -> None:
+    if not ok:
+        raise UsageError(message, hint)
+
+
+def parse_time_s(value: str) -> int:
+    """SLURM time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S -> seconds (ValueError if not)."""
+    m = re.fullmatch(r"(?:([0-9]{1,4})-)?([0-9]{1,8})(?::([0-9]{1,8}))?(?::([0-9]{1,8}))?",
+                     value, re.ASCII)
+    if not m:
+        raise ValueError(value)
+    d, a, b, c = m.groups()
+    if d is not None:  # D-H[:M[:S]]
+        return int(d) * 86400 + int(a) * 3600 + int(b or 0) * 60 + int(c or 0)
+    if c is not None:  # H:M:S
+        return int(a) * 3600 + int(b) * 60 + int(c)
+    if b is not None:  # M:S
+        return int(a) * 60 + int(b)
+    return int(a) * 60  # M
+
+
+def _sizes(cfg: JobConfig) -> None:
+    sections = {"slurm": cfg.slurm, "train": cfg.train, "data": cfg.data,
+                "checkpoint": cfg.checkpoint}
+    for key, hi in LIMITS.items():
+        section, field = key.split(".")
+        v = getattr(sections[section], field)
+        lo = 1 if key in _POSITIVE else 0
+        low = "a positive integer (>= 1)" if lo else ">= 0"
+        _check(v >= lo, f"{key} is {v}, expected {low}", f"set {key} >= {lo}")
+        _check(v <= hi, f"{key} is {v}, expected at most {hi}", f"set {key} to at most {hi}")
+    s = cfg.slurm
+    _check(s.world_size <= MAX_WORLD, f"slurm.nodes x tasks_per_node is {s.world_size} ranks, "
+           f"expected at most {MAX_WORLD}", "use fewer nodes or tasks per node")
+    t, c = cfg.train, cfg.checkpoint
+    floats = {"train.lr": t.lr, "train.momentum": t.momentum, "train.weight_decay": t.weight_decay,
+              "train.warmup_epochs": t.warmup_epochs, "train.lr_gamma": t.lr_gamma,
+              "train.grad_clip": t.grad_clip, "train.label_smoothing": t.label_smoothing,
+              "checkpoint.every_minutes": c.every_minutes}
+    for key, v in floats.items():
+        _check(not v < 0, f"{key} is {v}, expected >= 0", f"set {key} = 0 to disable")
+        _check(math.isfinite(v) and v <= 1e6, f"{key} is {v}, expected a finite number at most "
+               "1e6", f"e.g. {key.split('.')[1]} = 0.1")
+    _check(t.lr > 0, f"train.lr is {t.lr}, expected > 0", "e.g. lr = 0.1")
+    _check(0 < t.lr_gamma <= 1, f"train.lr_gamma is {t.lr_gamma}, expected 0 < gamma <= 1 (the "
+           "factor the step schedule multiplies the rate by)", "e.g. lr_gamma = 0.1")
+    _check(t.label_smoothing < 1, f"train.label_smoothing is {t.label_smoothing}, expected < 1",
+           "typical: 0.1")
+    _check(len(s.setup) <= 1000 and len(s.sbatch_extra) <= 1000 and len(t.args) <= 10_000,
+           f"slurm.setup/sbatch_extra/train.args have {len(s.setup)}/{len(s.sbatch_extra)}/"
+           f"{len(t.args)} entries, expected at most 1000/1000/10000", "move them into a script")
+
+
+def _slurm_strings(cfg: JobConfig) -> None:
+    s = cfg.slurm
+    _check(bool(NAME_RE.fullmatch(cfg.name)) and len(cfg.name) <= 100,
+           f"name {cfg.name!r} has characters SLURM or a shell would interpret, expected letters, "
+           "digits and _ . + - (not first), at most 100", "e.g. name = \"cifar10-resnet18\"")
+    scriptsafe.directive_value(cfg.name, "name", "choose another name")
+    for key in ("partition", "account", "qos", "constraint", "mem", "time", "signal"):
+        v = getattr(s, key)
+        scriptsafe.one_line(v, f"slurm.{key}", f"remove the line break from slurm.{key}",
+                            limit=200)
+        scriptsafe.directive_value(v, f"slurm.{key}", f"choose another slurm.{key}")
+    for key in ("partition", "account", "qos", "constraint"):
+        v = getattr(s, key)
+        ok = v == "" or bool((_CONSTRAINT_RE if key == "constraint" else NAME_RE).fullmatch(v))
+        _check(ok, f"slurm.{key} {v!r} is not a valid SLURM name, expected letters, digits and _ . -",
+               f"check `sinfo`/`sacctmgr` for the {key} names of your cluster")
+    _check(s.mem == "" or bool(_MEM_RE.fullmatch(s.mem)),
+           f"slurm.mem {s.mem!r} is not a SLURM memory size, expected e.g. 32G or 4000M",
+           "write mem = \"32G\"")
+    try:
+        secs = parse_time_s(s.time)
+    except ValueError:
+        secs = -1
+    _check(0 < secs <= MAX_TIME_S, f"slurm.time {s.time!r} is not a SLURM time limit, expected "
+           "minutes, HH:MM:SS or D-HH:MM:SS, at most 365 days", "e.g. time = \"04:00:00\"")
+    _check(s.signal.upper().removeprefix("SIG") in SIGNALS,
+           f"slurm.signal {s.signal!r} is not a signal ddpjob handles, expected one of "
+           f"{', '.join(SIGNALS)}", "use USR2 (the default; NCCL may own USR1). "
+           "Do not write B: - ddpjob routes the signal to the tasks itself")
+    _check(0 <= s.signal_lead_s < 65535, f"slurm.signal_lead_s is {s.signal_lead_s}, expected "
+           "0..65534 seconds", "typical: 120")
+    _check(s.signal_lead_s < secs, f"slurm.signal_lead_s {s.signal_lead_s} is not below the "
+           f"time limit {s.time}, expected fewer than {secs} seconds",
+           "lower signal_lead_s or raise slurm.time")
+    scriptsafe.setup_lines(s.setup)
+    for arg in s.sbatch_extra:
+        scriptsafe.sbatch_extra(arg)
+
+
+def _train_data(cfg: JobConfig) -> None:
+    s, t, d = cfg.slurm, cfg.train, cfg.data
+    for key, options in (("optimizer", ("sgd", "adamw")), ("schedule", ("cosine", "step", "constant")),
+                         ("amp", ("auto", "bf16", "fp16", "off")), ("backend", ("auto", "nccl", "gloo"))):
+        v = getattr(t, key)
+        _check(v in options, f"train.{key} is {v!r}, expected one of {', '.join(options)}",
+               f"e.g. {key} = \"{options[0]}\"")
+    scriptsafe.one_line(t.model, "train.model", "e.g. model = \"resnet18\"", limit=200)
+    problem = model_problem(t.model)
+    _check(problem is None, f"train.model {t.model!r} is not a model the nodes can build, expected "
+           "a built-in, a torchvision classification model or \"package.module:function\"",
+           problem or "")
+    if t.global_batch_size:
+        per_step = t.batch_size * s.world_size
+        _check(t.global_batch_size % per_step == 0,
+               f"train.global_batch_size {t.global_batch_size} is not a multiple of batch_size x "
+               f"ranks = {t.batch_size} x {s.world_size}, expected a multiple of {per_step}",
+               "change batch_size or global_batch_size")
+    _check(t.entry == "" or bool(_ENTRY_SCRIPT.fullmatch(t.entry) or _ENTRY_FUNC.fullmatch(t.entry)),
+           f"train.entry {t.entry!r} is neither a Python script nor a function, expected "
+           "\"path/to/script.py\" or \"package.module:function\" (or \"\" for the built-in trainer)",
+           "e.g. entry = \"examples/charlm/train.py\"")
+    if _ENTRY_SCRIPT.fullmatch(t.entry):
+        scriptsafe.path_text(t.entry, "train.entry", "e.g. entry = \"examples/charlm/train.py\"")
+    for arg in t.args:
+        scriptsafe.one_line(arg, "train.args entry", "split it into several list entries")
+    for key, v in (("train.pretrained", t.pretrained), ("data.root", d.root)):
+        scriptsafe.path_text(v, key, f"set {key} to a plain path")
+    _check(d.dataset in ("cifar10", "synthetic") or ":" in d.dataset,
+           f"data.dataset is {d.dataset!r}, expected cifar10, synthetic or \"package.module:function\"",
+           "e.g. dataset = \"cifar10\"")
+    scriptsafe.one_line(d.dataset, "data.dataset", "e.g. dataset = \"cifar10\"", limit=200)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Reject values SLURM or the trainer would fail on later, far from the cause."""
+    _sizes(cfg)
+    _slurm_strings(cfg)
+    _train_data(cfg)
