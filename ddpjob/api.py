@@ -385,7 +385,7 @@ class Job:
         if self._standalone:
             self._stop.uninstall()  # ddpjob run installed its own and removes it itself
         # After a failure the peers are stuck in some collective, not in our exit barrier.
-        self._ctx.destroy(barrier_timeout_s=1.0 if failed else 30.0)
+        self._ctx.destroy(barrier_timeout_s=None if failed else 30.0)
         if _current is self:
             _current = None
         # The interpreter's final garbage collection walks torch's module graph: seconds per

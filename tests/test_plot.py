@@ -75,7 +75,7 @@ def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: P
     code = main(["plot", str(requeued_run), "-o", str(tmp_path / "cli.png")])
     out = capsys.readouterr().out
     assert code == 0 and (tmp_path / "cli.png").stat().st_size > 20_000
-    assert f"step {resumed[0]}  restart 1: requeue" in out and "2 restart marker(s)" in out
+    assert f"step {resumed[0]}  restart 1: time_limit" in out and "2 restart marker(s)" in out
 
 
 @pytest.mark.slow
@@ -89,7 +89,9 @@ def test_summary_of_a_requeued_run(requeued_run: Path) -> None:
            f"{stops[1]['step']} after preemption" in text
     assert "checkpoint  step 24 (checkpoints/step-000000024)" in text
     assert "best acc    " in text
-    assert len(lines) <= 6 and all(len(line) < 200 for line in lines)
+    attempts = [line for line in lines if line.startswith("attempt     ")]  # the ledger, one per stop
+    assert [a.split()[1] for a in attempts] == ["time_limit", "preemption"], attempts
+    assert len(lines) <= 5 + len(attempts) and all(len(line) < 200 for line in lines)
 
 
 def _fake_run(root: Path, name: str, lr: float, steps: int, stop_at: int | None) -> Path:

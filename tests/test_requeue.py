@@ -200,3 +200,14 @@ def test_the_ledger_in_status(tmp_path) -> None:
     [line] = plot.ledger(rundir.events(d))
     assert line == ("preemption at step 9 (job 77), steps lost 1, successor -> job 78, "
                     "resumed step 9 after 45 s")
+
+
+def test_the_batch_shell_env_is_the_job_not_a_rank() -> None:
+    # The batch script runs `python -m ddpjob.node.requeue` outside any srun step, where
+    # from_environ refuses a multi-task job (no SLURM_STEP_ID).
+    environ = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_RESTART_COUNT": "2",
+               "SLURM_JOB_PARTITION": "low"}
+    with pytest.raises(Exception, match="SLURM_STEP_ID"):
+        ClusterEnv.from_environ(environ, argv=[])
+    env = ClusterEnv.batch_shell(environ)
+    assert (env.job_id, env.restart_count, env.source, env.partition) == ("77", 2, "slurm", "low")

@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
     from ddpjob import config
 
     run_dir, status = Path(argv[0]), int(argv[1])
-    after_crash(config.read_run_config(run_dir), ClusterEnv.from_environ(argv=[]), run_dir, status)
+    after_crash(config.read_run_config(run_dir), ClusterEnv.batch_shell(), run_dir, status)
     return status
 
 
