@@ -211,3 +211,15 @@ def test_the_batch_shell_env_is_the_job_not_a_rank() -> None:
         ClusterEnv.from_environ(environ, argv=[])
     env = ClusterEnv.batch_shell(environ)
     assert (env.job_id, env.restart_count, env.source, env.partition) == ("77", 2, "slurm", "low")
+
+
+def test_no_crash_decision_after_rank0_already_stopped(fake_slurm, tmp_path) -> None:
+    # Preempted: ranks 1-3 exit 3, srun --kill-on-bad-exit ends rank 0 after it recorded its
+    # stop (srun's status 143), and the batch shell was not signalled: not a crash.
+    cfg, d = run_dir(tmp_path, max_failures=1)
+    fake_slurm.answer("scontrol show job", PREEMPTING)
+    fake_slurm.answer("scontrol requeue")
+    assert requeue.after_stop(cfg, ENV, d, preemption.PREEMPTED, 9) is True
+    calls = len(fake_slurm.calls)
+    assert requeue.after_crash(cfg, ENV, d, 143) is None
+    assert len(fake_slurm.calls) == calls and last_stop(d)["reason"] == "preemption"

@@ -134,6 +134,12 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int) -> 
     if rundir.completed(run_dir) is not None or not env.job_id:
         return None
     restart = rundir.run_restart(run_dir, str(env.job_id), env.restart_count)
+    if any(e.get("event") == "stop" and "rank" not in e and str(e.get("job_id")) == str(env.job_id)
+           and e.get("restart") == restart for e in rundir.events(run_dir)):
+        # Rank 0 stopped with a checkpoint and decided already: srun's status is not 3 only
+        # because --kill-on-bad-exit ended rank 0 after the others exited 3 (and SLURM does not
+        # always signal the batch shell on a preemption).
+        return None
     fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}")
     resume_at = _newest_checkpoint(run_dir)
     trained = [r.get("step") for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
