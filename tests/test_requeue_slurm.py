@@ -61,6 +61,7 @@ def test_preempted_job_without_scontrol_requeue_comes_back_as_a_successor(
     starts = events(run, "start")
     assert [s["job_id"] for s in starts] == [jid, new] and starts[1]["restart"] == 1, starts
     assert starts[1]["resumed_step"] == stop["step"]
+    assert [e["reason"] for e in events(run, "stop") if "rank" not in e] == ["preemption", "finished"]
     assert_same_as_reference(run, reference.run_dir())
     status = ddpjob("status", str(run), cwd=tmp_path).stdout
     assert f"successor -> job {new}" in status and new in status, status
