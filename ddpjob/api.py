@@ -98,14 +98,6 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
     cfg = launch.cfg
     env = ClusterEnv.from_environ(argv=launch.argv)  # GPUs not counted yet: torch is slow to import
     console.set_rank(env.rank)
-    if env.restart_count > cfg.slurm.max_requeues:
-        if env.is_rank0 and launch.run_dir is not None:
-            rundir.record_event(launch.run_dir, "stop", reason="failed", step=None, job_id=env.job_id,
-                                restart=env.restart_count, error="max_requeues exceeded")
-        raise DDPJobError(f"this is restart {env.restart_count} of job {env.job_id}, more than "
-                          f"slurm.max_requeues = {cfg.slurm.max_requeues}",
-                          "raise slurm.max_requeues, or find out why the job keeps stopping "
-                          "(`ddpjob status RUN_DIR` lists every stop)")
     from ddpjob.node import preemption
 
     # Flag-only handlers before torch loads: a signal during the slow start must not kill us.
@@ -126,8 +118,28 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
         console.print0(f"ddpjob: {path} already completed: nothing to do")
         ctx.destroy()
         raise AlreadyCompleted()
-    _current = Job(cfg, ctx, path, stop, standalone=_launch is None)
+    restart = _check_budget(cfg, env, path, ctx)
+    _current = Job(cfg, ctx, path, stop, standalone=_launch is None, restart=restart)
     return _current
+
+
+def _check_budget(cfg: JobConfig, env: ClusterEnv, path: Path, ctx: Any) -> int:
+    """This start's restart number within the run (successor jobs included); refuses a start
+    past slurm.max_requeues (SLURM may requeue a job by itself, e.g. after GraceTime)."""
+    from ddpjob.node import requeue
+
+    restart = rundir.run_restart(path, env.job_id, env.restart_count)
+    requeues, _ = requeue.used(path, restart)
+    if requeues > cfg.slurm.max_requeues:
+        if env.is_rank0:
+            rundir.record_event(path, "stop", reason="crash", step=None, job_id=env.job_id,
+                                restart=restart, error="max_requeues exceeded")
+        ctx.destroy(barrier_timeout_s=1.0)
+        raise DDPJobError(f"this is restart {restart} of run {path.name} ({requeues} requeues), more "
+                          f"than slurm.max_requeues = {cfg.slurm.max_requeues}",
+                          "raise slurm.max_requeues, or find out why the job keeps stopping "
+                          "(`ddpjob status RUN_DIR` lists every stop)")
+    return restart
 
 
 def current() -> Job | None:
@@ -138,7 +150,8 @@ class Job:
     """One rank's handle on the job. Attributes: rank, local_rank, world_size, device, run_dir,
     is_rank0, config (the JobConfig; `config.user` is the job file's [user] table), user."""
 
-    def __init__(self, cfg: JobConfig, ctx: Any, run_dir: Path, stop: Any, *, standalone: bool) -> None:
+    def __init__(self, cfg: JobConfig, ctx: Any, run_dir: Path, stop: Any, *, standalone: bool,
+                 restart: int = 0) -> None:
         self._standalone = standalone
         from ddpjob.node import dist, preemption
         from ddpjob.store.state import StateStore
@@ -147,7 +160,7 @@ class Job:
         self.rank, self.local_rank = ctx.env.rank, ctx.env.local_rank
         self.world_size, self.device, self.is_rank0 = ctx.env.world_size, ctx.device, ctx.env.is_rank0
         self.user: dict[str, Any] = dict(cfg.user)
-        self.restart, self.job_id = ctx.env.restart_count, ctx.env.job_id
+        self.restart, self.job_id = restart, ctx.env.job_id  # restart: within the run (rundir.run_restart)
         self.finished = False
         self.stopped_at: int | None = None
         self._control = dist.Control(ctx)
@@ -267,7 +280,8 @@ class Job:
         mine = f"; this rank got {self._stop.describe()}" if self._stop.signum is not None else ""
         console.print0(f"stopping at step {step} ({preemption.REASONS[code]}{mine}): checkpoint written")
         if self.is_rank0:
-            requeue.after_stop(self.config, self.env, self.run_dir, code, step)
+            requeue.after_stop(self.config, self.env, self.run_dir, code, step, restart=self.restart,
+                               signal_step=self._stop.signal_step, signal_time=self._stop.time)
         self._control.barrier()  # nobody exits (srun --kill-on-bad-exit) before rank 0 requeued
         raise StopForRequeue(step)
 
@@ -278,6 +292,7 @@ class Job:
             rundir.record_event(self.run_dir, "signal", rank=self.rank,
                                 signal=signal.Signals(self._stop.signum).name,
                                 at_step=self._stop.signal_step, stop_step=step,
+                                signal_time=self._stop.time,
                                 job_id=self.job_id, restart=self.restart)
 
     # ------------------------------------------------------------------ records
@@ -375,7 +390,7 @@ class Job:
         if self._standalone:
             self._stop.uninstall()  # ddpjob run installed its own and removes it itself
         # After a failure the peers are stuck in some collective, not in our exit barrier.
-        self._ctx.destroy(barrier_timeout_s=1.0 if failed else 30.0)
+        self._ctx.destroy(barrier_timeout_s=None if failed else 30.0)
         if _current is self:
             _current = None
         # The interpreter's final garbage collection walks torch's module graph: seconds per
@@ -414,14 +429,16 @@ def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Pat
 
 def _end_time(env: ClusterEnv) -> float | None:
     """SLURM_JOB_END_TIME, else one `squeue` on rank 0 (broadcast): for the deadline watch."""
-    from ddpjob.node import dist, preemption
+    from ddpjob.launch import slurm
+    from ddpjob.node import dist
 
     if env.end_time is not None:
         return env.end_time
     if env.source not in ("slurm", "torchrun") or not env.job_id:
         return None
-    end = preemption.query_end_time(env.job_id) if env.is_rank0 else None
-    return dist.broadcast_object(end)
+    end = slurm.end_time(env.job_id) if env.is_rank0 else None
+    # No answer just means no deadline watch: the warning signal still comes.
+    return dist.broadcast_object(None if isinstance(end, slurm.Failed) else end)
 
 
 __all__ = ["AlreadyCompleted", "EXIT_REQUEUE", "Job", "Launch", "StopForRequeue", "current", "init"]

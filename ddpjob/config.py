@@ -51,7 +51,8 @@ class SlurmConfig:
     constraint: str = ""
     signal: str = "USR2"  # sent to every task `signal_lead_s` before the time limit
     signal_lead_s: int = 120
-    max_requeues: int = 20
+    max_requeues: int = 20  # requeues after preemptions and time limits
+    max_failures: int = 0  # retries after crashes / node failures (0: a crash ends the run FAILED)
     setup: tuple[str, ...] = ()  # shell lines before the job (module load ...), written verbatim
     sbatch_extra: tuple[str, ...] = ()  # extra "--option=value" sbatch arguments
     requeue: bool = True

@@ -181,6 +181,17 @@ def events(run_dir: str | Path) -> list[dict[str, Any]]:
     return read_jsonl(Path(run_dir) / EVENTS)
 
 
+def run_restart(run_dir: str | Path, job_id: str | None, slurm_restart: int) -> int:
+    """This incarnation's restart number within the run: SLURM's count for this job id plus, for
+    a successor job (whose SLURM_RESTART_COUNT starts at 0 again), the restart of the stop that
+    submitted it plus one. Every rank computes the same from the file."""
+    base = 0
+    for e in events(run_dir):
+        if e.get("requeued_by") == "successor" and str(e.get("next_job_id")) == str(job_id):
+            base = int(e.get("restart") or 0) + 1
+    return base + slurm_restart
+
+
 def is_run_dir(path: str | Path) -> bool:
     return (Path(path) / CONFIG).is_file()
 

@@ -13,10 +13,14 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 
 import slurmtools
+
+if TYPE_CHECKING:
+    from fake_slurm import FakeSlurm
 
 ON_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 NODES = ("n1", "n2")
@@ -79,6 +83,20 @@ def _cluster_problem() -> str | None:
     if rc != 0:
         return f"sacct failed (accounting is needed): {out}"
     return None
+
+
+@pytest.fixture
+def fake_slurm(monkeypatch: pytest.MonkeyPatch) -> "FakeSlurm":
+    """ddpjob's SLURM commands answered by a script (tests/fake_slurm.py), not by a cluster."""
+    from fake_slurm import FakeSlurm
+
+    from ddpjob.launch import slurm
+    from ddpjob.node import requeue
+
+    fake = FakeSlurm()
+    monkeypatch.setattr(slurm, "runner", fake)
+    monkeypatch.setattr(requeue, "sleep", lambda s: None)
+    return fake
 
 
 @pytest.fixture(scope="session")

@@ -56,7 +56,7 @@ def test_stop_at_a_step_then_resume_is_bit_identical(tmp_path: Path, workers: in
     codes, ranks = _two_ranks(job, tmp_path / "run", 0)
     assert codes == [3, 3], ranks.output()
     stop = [e for e in events(tmp_path / "run") if e["event"] == "stop"][-1]
-    assert stop["reason"] == "requeue" and stop["step"] == 8
+    assert stop["reason"] == "time_limit" and stop["step"] == 8
     (signal,) = [e for e in events(tmp_path / "run") if e["event"] == "signal"]
     assert signal["rank"] == 1 and signal["signal"] == "SIGUSR2" and signal["at_step"] == 7
     assert (tmp_path / "run" / "checkpoints" / "step-000000008" / "manifest.json").is_file()

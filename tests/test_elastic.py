@@ -104,7 +104,7 @@ def test_2x2_preempted_then_resumed_as_1x2_keeps_global_batch_and_sees_each_samp
         wait_step(run, 27, restart=0, job_id=jid)  # well inside epoch 1 (steps 21-40)
         high = preempt(jid, tmp_path, "e-high")
         stop = wait_stop(run, 1, jid)
-        assert stop["reason"] == "preempted" and stop["requeued"] is True, stop
+        assert stop["reason"] == "preemption" and stop["requeued"] is True, stop
         slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
         # Shrink the waiting job. SLURM 22.05 needs all three: nodes, tasks and CPUs (else
         # "BadConstraints"); the batch script's srun takes the task count from the allocation.

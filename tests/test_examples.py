@@ -78,7 +78,7 @@ def _interrupt_and_resume(tmp_path: Path, job: Path, world: int, at: int, resume
                    extra_env={"DDPJOB_TEST_STOP_AT": str(at)})
     assert codes == [3] * world, r.output()
     stop = [e for e in events(out) if e["event"] == "stop"][0]
-    assert stop["reason"] == "requeue" and stop["step"] == at + 1, stop  # the step in flight finishes
+    assert stop["reason"] == "time_limit" and stop["step"] == at + 1, stop  # the step in flight finishes
     codes, r = run([str(out)], resume_world, tmp_path / "logs", restart=1)
     assert codes == [0] * resume_world, r.output()
     _assert_completed(out)

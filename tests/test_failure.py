@@ -129,7 +129,7 @@ def test_local_run_interrupted_three_ways_is_bit_exact(tmp_path: Path, reference
     wait("step 12", lambda: step_of(run_dir, 0) >= 12, sup)
     os.kill(sup, signal.SIGUSR2)
     first = wait("the first stop", lambda: stops(run_dir)[:1], sup)[0]
-    assert first["reason"] == "requeue" and first["requeued"] is None, first  # the supervisor restarts
+    assert first["reason"] == "time_limit" and first["requeued"] is None, first  # the supervisor restarts
 
     # 2. mid-accumulation, rank 1 only: both ranks stop at the step it was in
     second = wait("the second stop", lambda: stops(run_dir)[1:2], sup)[0]
@@ -139,7 +139,7 @@ def test_local_run_interrupted_three_ways_is_bit_exact(tmp_path: Path, reference
     wait("10 steps of restart 2", lambda: step_of(run_dir, 2) >= second["step"] + 10, sup)
     os.kill(supervisor(run_dir)["rank_pids"][0], signal.SIGTERM)
     third = wait("the third stop", lambda: stops(run_dir)[2:3], sup)[0]
-    assert third["reason"] == "preempted", third
+    assert third["reason"] == "preemption", third
     wait("COMPLETED", lambda: supervisor(run_dir).get("state") == "COMPLETED", sup, timeout=300)
     took = time.monotonic() - t0
 

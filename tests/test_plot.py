@@ -50,14 +50,14 @@ def _stops_and_starts(run_dir: Path) -> tuple[list[dict], list[dict]]:
 def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: Path, tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     stops, starts = _stops_and_starts(requeued_run)
-    assert [s["reason"] for s in stops] == ["requeue", "preempted", "finished"]
+    assert [s["reason"] for s in stops] == ["time_limit", "preemption", "finished"]
     resumed = [s["resumed_step"] for s in starts[1:]]
     assert resumed == [stops[0]["step"], stops[1]["step"]] and 7 <= resumed[0] < resumed[1] < 24
 
     png = tmp_path / "curves.png"
     record = plot.plot_runs([requeued_run], png)
-    assert record.markers == {"run": [(resumed[0], "restart 1: requeue"),
-                                      (resumed[1], "restart 2: preempted")]}
+    assert record.markers == {"run": [(resumed[0], "restart 1: time_limit"),
+                                      (resumed[1], "restart 2: preemption")]}
     assert all(record.series[key] == ["run"] for key, _ in plot.PANELS)
 
     data = png.read_bytes()
@@ -75,7 +75,7 @@ def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: P
     code = main(["plot", str(requeued_run), "-o", str(tmp_path / "cli.png")])
     out = capsys.readouterr().out
     assert code == 0 and (tmp_path / "cli.png").stat().st_size > 20_000
-    assert f"step {resumed[0]}  restart 1: requeue" in out and "2 restart marker(s)" in out
+    assert f"step {resumed[0]}  restart 1: time_limit" in out and "2 restart marker(s)" in out
 
 
 @pytest.mark.slow
@@ -85,11 +85,13 @@ def test_summary_of_a_requeued_run(requeued_run: Path) -> None:
     text = "\n".join(lines)
     assert lines[0].startswith("state       completed at step 24")
     assert "progress    step 24," in text
-    assert f"restarts    2: resumed at step {stops[0]['step']} after requeue; resumed at step " \
-           f"{stops[1]['step']} after preempted" in text
+    assert f"restarts    2: resumed at step {stops[0]['step']} after time_limit; resumed at step " \
+           f"{stops[1]['step']} after preemption" in text
     assert "checkpoint  step 24 (checkpoints/step-000000024)" in text
     assert "best acc    " in text
-    assert len(lines) <= 6 and all(len(line) < 200 for line in lines)
+    attempts = [line for line in lines if line.startswith("attempt     ")]  # the ledger, one per stop
+    assert [a.split()[1] for a in attempts] == ["time_limit", "preemption"], attempts
+    assert len(lines) <= 5 + len(attempts) and all(len(line) < 200 for line in lines)
 
 
 def _fake_run(root: Path, name: str, lr: float, steps: int, stop_at: int | None) -> Path:

@@ -79,7 +79,7 @@ def test_usr2_to_one_rank_stops_all_at_one_step_and_resume_is_bit_exact(tmp_path
     send_at_step(ranks, out, 11, signal.SIGUSR2, to=[1])
     assert ranks.wait(90) == [3, 3], ranks.output()
     stop = _stop_record(out)
-    assert stop["reason"] == "requeue" and 11 <= stop["step"] < TRAIN["max_steps"], stop
+    assert stop["reason"] == "time_limit" and 11 <= stop["step"] < TRAIN["max_steps"], stop
     sig = [e for e in events(out) if e["event"] == "signal"]
     assert [(e["rank"], e["signal"]) for e in sig] == [(1, "SIGUSR2")]
     # Lost work: the step in flight when the signal came is finished, nothing after it.
@@ -120,14 +120,14 @@ def test_stop_mid_accumulation_resumes_bit_exactly(tmp_path: Path, reference, wo
 
 def test_sigterm_is_a_preemption_no_self_requeue(tmp_path: Path) -> None:
     """SIGTERM (SLURM preemption / scancel) to every rank: checkpoint, exit 3, reason
-    'preempted', and no requeue attempt (SLURM requeues by itself)."""
+    'preemption', and no requeue attempt (SLURM requeues by itself)."""
     job = _job(tmp_path, max_steps=400, batch_size=_batch(2))
     out = tmp_path / "run"
     ranks = Ranks([str(job), "--run-dir", str(out)], 2, tmp_path / "logs")
     send_at_step(ranks, out, 5, signal.SIGTERM)
     assert ranks.wait(90) == [3, 3], ranks.output()
     stop = _stop_record(out)
-    assert stop["reason"] == "preempted" and stop["requeued"] is None
+    assert stop["reason"] == "preemption" and stop["requeued"] is None
     assert (out / "checkpoints" / f"step-{stop['step']:09d}" / "manifest.json").is_file()
 
 
@@ -167,7 +167,7 @@ def test_killed_rank_ends_the_others(tmp_path: Path) -> None:
     assert code not in (0, 3), ranks.output(0)
     assert took < 30, f"the surviving rank needed {took:.1f} s to exit"
     print(f"surviving rank exited {took:.2f} s after the kill (code {code})")
-    failed = [e for e in events(out) if e.get("reason") == "failed"]
+    failed = [e for e in events(out) if e.get("reason") == "crash"]
     assert failed and failed[0]["rank"] == 0
 
 
@@ -219,8 +219,10 @@ def test_deadline_watch_stops_before_the_time_limit_without_any_signal(tmp_path:
                    extra_env={"SLURM_JOB_END_TIME": str(int(end))})
     assert codes == [3, 3], r.output()
     stop = _stop_record(out)
-    assert stop["reason"] == "deadline" and stop["step"] >= 1
-    assert stop["time"] < end
+    assert stop["reason"] == "time_limit" and stop["step"] >= 1
+    # Stopped as soon as it could: after the first step or two. Not `stop["time"] < end`: on a
+    # loaded machine starting two ranks (torch import, process group) alone can take 20 s.
+    assert stop["step"] <= 2, stop
     assert (out / "checkpoints" / f"step-{stop['step']:09d}" / "manifest.json").is_file()
 
 
@@ -245,31 +247,12 @@ def test_stop_flag_handlers_only_record(tmp_path: Path) -> None:
     assert signal.getsignal(signal.SIGUSR2) == previous
 
 
-def test_requeue_runs_scontrol_and_reports_failures() -> None:
-    seen: list[list[str]] = []
+def test_end_time_from_squeue_and_deadline_arithmetic(fake_slurm) -> None:
+    from ddpjob.launch import slurm
 
-    def ok(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
-        seen.append(args)
-        return subprocess.CompletedProcess(args, 0, "", "")
-
-    def refused(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
-        return subprocess.CompletedProcess(args, 1, "", "scontrol: error: Requested operation is\n"
-                                           "presently disabled for job 12\n")
-
-    assert preemption.requeue("12", run=ok) is None and seen == [["scontrol", "requeue", "12"]]
-    assert preemption.requeue("12", run=refused) == (
-        "scontrol requeue 12 failed: scontrol: error: Requested operation is presently disabled for job 12")
-    assert "not a SLURM job id" in str(preemption.requeue("12; rm -rf /", run=ok))
-
-
-def test_end_time_from_squeue_and_deadline_arithmetic() -> None:
-    def squeue(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
-        assert args == ["squeue", "-h", "-j", "77", "-o", "%e"]
-        return subprocess.CompletedProcess(args, 0, "2030-01-02T03:04:05\n", "")
-
-    end = preemption.query_end_time("77", run=squeue)
-    assert end == time.mktime((2030, 1, 2, 3, 4, 5, 0, 0, -1))
-    assert preemption.parse_slurm_time("N/A") is None and preemption.query_end_time(None) is None
+    fake_slurm.answer("squeue -h -j 77 -o %e", "2030-01-02T03:04:05\n")
+    assert slurm.end_time("77") == time.mktime((2030, 1, 2, 3, 4, 5, 0, 0, -1))
+    assert slurm.parse_time("N/A") is None and isinstance(slurm.end_time(""), slurm.Failed)
     now = [1000.0]
     watch = preemption.DeadlineWatch(end_time=1100.0, safety=2.0, margin_s=10.0, clock=lambda: now[0])
     watch.observe_step(1.0)
@@ -279,18 +262,3 @@ def test_end_time_from_squeue_and_deadline_arithmetic() -> None:
     now[0] = 1081.0  # 19 s left
     assert watch.expired()
     assert not preemption.DeadlineWatch(end_time=None).expired()
-
-
-def test_being_preempted_reads_scontrol_show_job() -> None:
-    def show(state: str, preempt: str):
-        def run(args: list[str], **_: object) -> subprocess.CompletedProcess[str]:
-            assert args == ["scontrol", "show", "job", "-o", "55"]
-            return subprocess.CompletedProcess(args, 0, f"JobId=55 JobName=x JobState={state} "
-                                               f"Reason=None PreemptEligibleTime=2026-01-01T00:00:00 "
-                                               f"PreemptTime={preempt} SuspendTime=None\n", "")
-        return run
-
-    assert preemption.being_preempted("55", run=show("RUNNING", "2026-01-01T00:01:00"))
-    assert not preemption.being_preempted("55", run=show("RUNNING", "None"))  # plain scancel
-    assert not preemption.being_preempted("55", run=show("REQUEUED", "2026-01-01T00:01:00"))
-    assert not preemption.being_preempted("55; x", run=show("RUNNING", "2026"))

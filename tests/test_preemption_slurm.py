@@ -274,7 +274,7 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     reference.start()
     stop1 = wait_stop(run, 1, jid, timeout=300)
     times["time-limit warning"] = time.monotonic() - t0
-    assert stop1["reason"] == "requeue" and stop1["requeued"] is True, stop1
+    assert stop1["reason"] == "time_limit" and stop1["requeued"] is True, stop1
     # No more warnings after this: the next incarnations get 10 minutes.
     slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
     subprocess.run(["scontrol", "update", f"jobid={jid}", "TimeLimit=10"], check=True, timeout=30)
@@ -285,7 +285,7 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     high = preempt(jid, tmp_path, "s-high")
     stop2 = wait_stop(run, 2, jid)
     times["preemption"] = time.monotonic() - t0
-    assert stop2["reason"] == "preempted" and stop2["requeued"] is True, stop2
+    assert stop2["reason"] == "preemption" and stop2["requeued"] is True, stop2
     slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
     assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
     release(jid)
@@ -365,7 +365,8 @@ def test_submitit_job_through_scancel_usr2_scontrol_requeue_and_preemption_is_bi
     # 1. scancel --signal=USR2 during the first micro-step of step 25: all ranks stop at 25
     stop1 = wait_stop(run, 1, jid, timeout=300)
     times["scancel USR2"] = time.monotonic() - t0
-    assert stop1["reason"] == "requeue" and stop1["requeued"] is True and stop1["step"] == 25, stop1
+    # USR2 is the job's time-limit warning signal, whoever sends it
+    assert stop1["reason"] == "time_limit" and stop1["requeued"] is True and stop1["step"] == 25, stop1
     assert signal_events(run, 0) == [(r, "SIGUSR2", 24, 25) for r in range(4)]
     requeued_and_released(jid)
 
@@ -374,7 +375,8 @@ def test_submitit_job_through_scancel_usr2_scontrol_requeue_and_preemption_is_bi
     slurmtools.requeue(jid)
     stop2 = wait_stop(run, 2, jid)
     times["scontrol requeue"] = time.monotonic() - t0
-    assert stop2["reason"] == "preempted" and stop2["requeued"] is None, stop2
+    # SIGTERM with no PreemptTime: a plain signal, not a preemption (SLURM requeues it itself)
+    assert stop2["reason"] == "signal" and stop2["requeued"] is None, stop2
     assert "already requeued" in stop2["note"]
     requeued_and_released(jid)
 
@@ -383,7 +385,7 @@ def test_submitit_job_through_scancel_usr2_scontrol_requeue_and_preemption_is_bi
     high = preempt(jid, tmp_path, "m-high")
     stop3 = wait_stop(run, 3, jid)
     times["preemption"] = time.monotonic() - t0
-    assert stop3["reason"] == "preempted" and stop3["requeued"] is True, stop3
+    assert stop3["reason"] == "preemption" and stop3["requeued"] is True, stop3
     slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
     assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
     release(jid)

@@ -108,37 +108,6 @@ def test_run_dir_target_refuses_overrides(tmp_path: Path, capsys: pytest.Capture
     assert cli.main(["run", str(tmp_path / "nope.toml")]) == 2
 
 
-@pytest.mark.parametrize("source,code,preempting,expect_requeue", [
-    ("slurm", preemption.REQUEUE, False, True),     # time-limit warning / scancel --signal=USR2
-    ("slurm", preemption.DEADLINE, False, True),    # the deadline watch fired first
-    ("slurm", preemption.PREEMPTED, True, True),    # SIGTERM of a preemption: we exit within
-    # GraceTime, and SLURM requeues only jobs that outlive it
-    ("slurm", preemption.PREEMPTED, False, False),  # plain scancel, or already requeued
-    ("local", preemption.REQUEUE, False, False),    # the local supervisor restarts on exit 3
-    ("local", preemption.PREEMPTED, True, False),
-])
-def test_requeue_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, code: int,
-                        preempting: bool, expect_requeue: bool) -> None:
-    calls: list[str] = []
-    monkeypatch.setattr(preemption, "requeue", lambda job_id: calls.append(job_id))
-    monkeypatch.setattr(preemption, "being_preempted", lambda job_id: preempting)
-    env = ClusterEnv(source=source, job_id="123" if source == "slurm" else "local-1", restart_count=0)
-    requeue.after_stop(config.JobConfig(), env, tmp_path, code, 17)
-    assert calls == (["123"] if expect_requeue else [])
-    stop = rundir.events(tmp_path)[-1]
-    assert stop["event"] == "stop" and stop["step"] == 17 and stop["reason"] == preemption.REASONS[code]
-    assert stop["requeued"] is (True if expect_requeue else None)
-
-
-def test_no_requeue_when_max_requeues_is_used_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    monkeypatch.setattr(preemption, "requeue", lambda job_id: calls.append(job_id))
-    cfg = config.from_dict({"slurm": {"max_requeues": 2}})
-    requeue.after_stop(cfg, ClusterEnv(source="slurm", job_id="9", restart_count=2), tmp_path,
-                       preemption.REQUEUE, 3)
-    assert calls == [] and "max_requeues = 2 reached" in rundir.events(tmp_path)[-1]["note"]
-
-
 # ------------------------------------------------------------------ real SLURM: 2 nodes x 2 tasks
 @pytest.mark.cluster
 def test_same_job_under_srun_2_nodes_x_2_tasks(tmp_path: Path, slurm_cluster: Any) -> None:
@@ -224,7 +193,7 @@ def test_partition_preemption_of_srun_ranks_requeues_and_resumes_bit_exactly(
     assert state == "COMPLETED", log[-4000:]
     ev = rundir.events(run_dir)
     stop = [e for e in ev if e["event"] == "stop"]
-    assert stop[0]["reason"] == "preempted" and stop[0]["requeued"] is True, stop
+    assert stop[0]["reason"] == "preemption" and stop[0]["requeued"] is True, stop
     assert stop[-1]["reason"] == "finished" and stop[-1]["restart"] == 1
     assert [e["resumed_step"] for e in ev if e["event"] == "start"] == [None, stop[0]["step"]]
     codes, r = run([str(job), "--run-dir", str(tmp_path / "local")], 2, tmp_path / "logs")

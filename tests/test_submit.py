@@ -102,34 +102,6 @@ def test_nodetask_pickles_and_translates_exit_codes(monkeypatch, tmp_path):
     assert calls == [str(tmp_path)] * 3
 
 
-SLURM_ENV = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
-             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1",
-             "SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "2", "SLURM_RESTART_COUNT": "0"}
-
-
-@pytest.mark.parametrize("env, show, requeued", [
-    ({}, {"JobState": "RUNNING", "PreemptTime": "2026-01-01T00:00:00"}, True),   # preemption
-    ({}, {"JobState": "RUNNING", "PreemptTime": "None"}, False),      # scancel: not brought back
-    ({}, {"JobState": "PENDING", "PreemptTime": "2026-01-01T00:00:00"}, False),  # requeued already
-    ({"SLURM_PROCID": "1", "SLURM_LOCALID": "1"}, {"JobState": "RUNNING", "PreemptTime": "x"}, False),
-    ({"SLURM_RESTART_COUNT": "5"}, {"JobState": "RUNNING", "PreemptTime": "x"}, False),  # max_requeues
-])
-def test_a_preempted_job_that_stopped_within_grace_time_is_requeued_once(monkeypatch, tmp_path, env,
-                                                                          show, requeued):
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DDPJOB_JOB_ID"):
-        monkeypatch.delenv(k, raising=False)
-    for k, v in {**SLURM_ENV, **env}.items():
-        monkeypatch.setenv(k, v)
-    rundir.write_text_atomic(tmp_path / "config.json", cfg_with(max_requeues=5).to_json())
-    calls: list[str] = []
-    task = submit.NodeTask(tmp_path)
-    assert task.requeue_if_preempted(show=lambda j: show, requeue=lambda j: calls.append(j)) is requeued
-    assert calls == (["77"] if requeued else [])
-    if requeued:
-        [event] = rundir.events(tmp_path)
-        assert event["event"] == "requeue" and event["reason"] == "preempted" and event["requeued"]
-
-
 def test_nodetask_checkpoint_resubmits_the_same_stateless_task(tmp_path):
     task = submit.NodeTask(tmp_path)
     delayed = task.checkpoint()
@@ -287,7 +259,7 @@ def test_usr2_requeues_the_submitit_job_which_resumes_and_completes(slurm_cluste
     followed, _ = follower.communicate(timeout=120)  # --follow ends by itself with the job
     assert follower.returncode == 0 and followed.count("ddpjob run ") == 2
     stops = [e for e in rundir.events(run) if e["event"] == "stop"]
-    assert stops[0]["reason"] == "requeue" and stops[0]["requeued"] is True
+    assert stops[0]["reason"] == "time_limit" and stops[0]["requeued"] is True
     assert stops[-1]["reason"] == "finished" and stops[-1]["restart"] == 1
     out = run_cli("status", str(run))
     assert "state       COMPLETED" in out.stdout and "restarts    1" in out.stdout

@@ -9,7 +9,7 @@ on the ranks' PYTHONPATH.
   Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
   SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
   SLURM path, to every task of the job) and waits in this forward call until the signal has
-  reached this process. RANK falls back to SLURM_PROCID (submitit sets no RANK).
+  reached this process; HOW = "crash" raises instead. RANK falls back to SLURM_PROCID (submitit sets no RANK).
   DDPJOB_TEST_SLOW="SECONDS[:RESTART]" sleeps that long in every training forward call (of that
   incarnation only): stretches wall time without changing a single number.
 """
@@ -58,6 +58,8 @@ class SignallingCNN(TinyCNN):
             if self._armed and self._calls == self._at:
                 if self._how == "scancel":
                     self._scancel_and_wait()
+                elif self._how == "crash":  # a rank raising: srun --kill-on-bad-exit ends the rest
+                    raise RuntimeError(f"test crash at training forward call {self._calls}")
                 else:
                     os.kill(os.getpid(), signal.SIGUSR2)
         return super().forward(x)

@@ -11,7 +11,6 @@ import argparse
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 
 from ddpjob import console, rundir
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.launch import slurm
 
 LOCAL = "local.json"  # written by ddpjob/launch/local.py
 SWEEP = "sweep.json"
@@ -50,13 +50,6 @@ class RunInfo:
 
 
 # ------------------------------------------------------------------ scheduler queries
-def _run(cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str] | None:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
 def _expand_array_id(job_id: str) -> list[str]:
     """sacct/squeue's `123_[0-2,5%4]` (pending array tasks) -> 123_0 123_1 123_2 123_5."""
     m = _ARRAY.fullmatch(job_id)
@@ -78,19 +71,17 @@ def slurm_states(job_ids: list[str]) -> dict[str, dict[str, Any]]:
     if not bases:
         return {}
     out: dict[str, dict[str, Any]] = {}
-    res = _run(["sacct", "-X", "-D", "-n", "-P", "-o", "JobID,State,ExitCode,NodeList",
-                "-j", ",".join(bases)])
-    for line in (res.stdout.splitlines() if res and res.returncode == 0 else []):
-        parts = line.split("|")
+    # A failed sacct/squeue leaves what the other one (or the run dir) knows: status is a view.
+    rows = slurm.sacct_states(bases)
+    for parts in ([] if isinstance(rows, slurm.Failed) else rows):
         if len(parts) < 4:
             continue
         for jid in _expand_array_id(parts[0]):
             prev = out.get(jid)
             out[jid] = {"state": (parts[1].split() or ["UNKNOWN"])[0], "exit": parts[2],
                         "nodes": parts[3], "restarts": 0 if prev is None else prev["restarts"] + 1}
-    res = _run(["squeue", "-h", "-o", "%i|%T|%r", "-j", ",".join(bases)])
-    for line in (res.stdout.splitlines() if res and res.returncode == 0 else []):
-        parts = line.split("|")
+    rows = slurm.squeue_states(bases)
+    for parts in ([] if isinstance(rows, slurm.Failed) else rows):
         if len(parts) < 3:
             continue
         for jid in _expand_array_id(parts[0]):
@@ -244,7 +235,8 @@ def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
             if sweep and str(sweep.get("job_id")) == target:
                 return d, True
         for d, _ in runs_under(root):
-            if str(job_record(d).get("job_id", "")) == target:
+            job = job_record(d)
+            if target in {str(j) for j in [job.get("job_id", ""), *(job.get("job_ids") or [])]}:
                 return d, False
     raise DDPJobError(f"'{target}' is neither a run directory nor a job id of a run under {root}/",
                       "`ddpjob ls` lists the runs and their job ids")
@@ -273,7 +265,7 @@ def format_status(i: RunInfo) -> str:
     # progress, best accuracy and every restart with its reason, read from the run dir alone
     from ddpjob.launch.plot import summary
 
-    lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts")
+    lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts", "attempt")
               and not ln.startswith("restarts    0")]
     if i.extra.get("last_event"):
         lines.append(f"last event  {i.extra['last_event'][:200]}")
@@ -320,11 +312,12 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         raise DDPJobError(f"'{args.run}' has already finished, nothing to cancel",
                           f"`ddpjob status {args.run}` shows how it ended")
     for i in live:
+        # Recorded first: a rank deciding its requeue meanwhile must see it (no successor).
+        rundir.record_event(i.run_dir, "cancel", by="user", job_id=i.job_id, restart=i.restarts)
         if i.backend == "slurm":
-            res = _run(["scancel", i.job_id])
-            if res is None or res.returncode != 0:
-                why = " ".join(((res.stderr or res.stdout) if res else "scancel not found").split())
-                raise DDPJobError(f"scancel {i.job_id} failed: {why}", "check `squeue -j "
+            res = slurm.cancel(i.job_id)
+            if not res.ok:
+                raise DDPJobError(f"{res.error}, expected the job cancelled", "check `squeue -j "
                                   f"{i.job_id}`; you may only cancel your own jobs")
         elif i.backend == "local":
             job = job_record(i.run_dir)
@@ -335,7 +328,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                                                              "reason": "cancelled before it started"})
             elif _pid_alive(job.get("pid")):
                 os.kill(int(job["pid"]), signal.SIGTERM)  # the supervisor forwards it to the ranks
-        rundir.record_event(i.run_dir, "cancel", by="user", job_id=i.job_id, restart=i.restarts)
         console.info(f"cancelled {i.job_id} ({i.run_dir})")
     return 0
 
@@ -348,7 +340,8 @@ def log_files(run_dir: Path, rank: int) -> list[Path]:
     job = job_record(run_dir)
     if job.get("backend") == "slurm" and job.get("job_id"):
         folder = Path(job.get("log_folder") or run_dir / rundir.LOGS)
-        files += [folder / f"{job['job_id']}_{rank}_log.{ext}" for ext in ("out", "err")]
+        for jid in job.get("job_ids") or [job["job_id"]]:  # successor jobs: each id's logs, in order
+            files += [folder / f"{jid}_{rank}_log.{ext}" for ext in ("out", "err")]
     return files
 
 

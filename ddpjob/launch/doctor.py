@@ -13,7 +13,6 @@ import importlib.util
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from pathlib import Path
 from ddpjob import console
 from ddpjob.config import JobConfig, parse_time_s, resolve
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.launch import slurm
 from ddpjob.node import cluster
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -45,15 +45,9 @@ def raise_on_failures(checks: Sequence[Check]) -> None:
             raise DDPJobError(f"preflight check '{c.name}' failed: {c.detail}", c.hint)
 
 
-def _run(cmd: Sequence[str], timeout: float = 20) -> tuple[int, str]:
-    """(exit status, stdout+stderr); 127 when the program is missing, 124 on timeout."""
-    try:
-        p = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        return 127, f"{cmd[0]}: not found"
-    except subprocess.TimeoutExpired:
-        return 124, f"no answer within {timeout:.0f} s"
-    return p.returncode, (p.stdout + p.stderr).strip()
+def _text(res: slurm.Result) -> str:
+    """A command's output, or why it failed (missing, timeout): what a check shows."""
+    return (res.stdout + res.stderr).strip() or res.error
 
 
 def _one(text: str, limit: int = 160) -> str:  # command output as part of one table cell
@@ -87,18 +81,20 @@ def cluster_checks() -> list[Check]:
                       "run doctor on the cluster's login node (or load its slurm module); "
                       "without SLURM, use `ddpjob submit --backend local`")]
     out = [Check("slurm commands", PASS, " ".join(TOOLS) + " found")]
-    rc, text = _run(["scontrol", "ping"])
-    if rc != 0 or " UP" not in text:
-        return out + [Check("controller", FAIL, f"`scontrol ping`: {_one(text) or rc}",
+    res = slurm.run(["scontrol", "ping"], timeout=20)
+    text = _text(res)
+    if not res.ok or " UP" not in text:
+        return out + [Check("controller", FAIL, f"`scontrol ping`: {_one(text) or res.rc}",
                             "slurmctld is down or unreachable; ask the cluster admins")]
     out.append(Check("controller", PASS, _one(text)))
-    rc, text = _run(["sacct", "-n", "-X", "-S", "now"])
+    res = slurm.run(["sacct", "-n", "-X", "-S", "now"], timeout=20)
+    text = _text(res)
     out.append(Check("accounting", PASS, "sacct answers (finished and requeued jobs are visible)")
-               if rc == 0 else
+               if res.ok else
                Check("accounting", WARN, f"sacct fails: {_one(text)}",
                      "ask the admins for accounting (slurmdbd); `ddpjob status` then only "
                      "knows what the run dir records"))
-    rc, text = _run(["scontrol", "show", "config"])
+    text = _text(slurm.run(["scontrol", "show", "config"], timeout=20))
     m = re.search(r"\bJobRequeue\s*=\s*(\d)", text)
     if m and m.group(1) == "1":
         out.append(Check("requeue policy", PASS, "JobRequeue=1: batch jobs may be requeued"))
@@ -115,7 +111,7 @@ def cluster_checks() -> list[Check]:
 # ------------------------------------------------------------------ job-level checks
 def _partition_checks(cfg: JobConfig) -> list[Check]:
     s = cfg.slurm
-    rc, text = _run(["scontrol", "show", "partition", "-o"])
+    text = _text(slurm.run(["scontrol", "show", "partition", "-o"], timeout=20))
     parts = _records(text)
     found = [p for p in parts if (p.get("PartitionName") == s.partition if s.partition
                                   else p.get("Default") == "YES")]
@@ -147,7 +143,7 @@ def _partition_checks(cfg: JobConfig) -> list[Check]:
                Check("time limit", FAIL, f"slurm.time = {s.time}, above '{name}' MaxTime "
                      f"{part.get('MaxTime')}", f"set slurm.time <= {part.get('MaxTime')}: "
                      "the job checkpoints and requeues itself at the limit anyway"))
-    _, ntext = _run(["scontrol", "show", "node", "-o"])
+    ntext = _text(slurm.run(["scontrol", "show", "node", "-o"], timeout=20))
     nodes = [n for n in _records(ntext) if name in n.get("Partitions", "").split(",")]
     gres = {n.get("NodeName", "?"): _gpus(n.get("Gres", "")) for n in nodes}
     if s.gpus_per_node:
@@ -357,11 +353,12 @@ def srun_check(cfg: JobConfig, runs_root: Path, timeout_s: float = 120,
            "-J", "ddpjob-doctor", "--quiet"]
     cmd += [f"--{k}={getattr(s, k)}" for k in ("partition", "account", "qos") if getattr(s, k)]
     t0 = time.monotonic()
-    rc, text = _run([*cmd, "sh", "-c", script, "sh", *wanted], timeout=timeout_s)
+    res = slurm.run([*cmd, "sh", "-c", script, "sh", *wanted], timeout=timeout_s)
+    text = _text(res)
     lines = text.splitlines()
     missing = [x.removeprefix("missing:") for x in lines if x.startswith("missing:")]
     node = next((x.removeprefix("node:") for x in lines if x.startswith("node:")), "?")
-    if rc == 0 and not missing:
+    if res.ok and not missing:
         seen = " and ".join(("writable " if w[0] == "w" else "readable ") + w[2:] for w in wanted)
         return Check("compute node", PASS, f"on {node}: {seen} (srun took "
                      f"{time.monotonic() - t0:.1f} s)")
@@ -369,7 +366,7 @@ def srun_check(cfg: JobConfig, runs_root: Path, timeout_s: float = 120,
         return Check("compute node", FAIL, f"not visible/writable from compute node {node}: "
                      f"{', '.join(missing)}", "put the run dir and data.root on a filesystem "
                      "shared with the nodes (not /tmp or a local disk)")
-    return Check("compute node", WARN, f"srun did not run ({_one(text) or rc})",
+    return Check("compute node", WARN, f"srun did not run ({_one(text) or res.rc})",
                  "the partition may be busy; try again, or run `srun -N1 true` yourself")
 
 

@@ -194,7 +194,7 @@ def _state(run: Path, h: History) -> str:
             return "cancelled"
         if kind == "stop":
             reason = e.get("reason") or "stopped"
-            if reason == "failed":
+            if reason == "crash" and not e.get("requeued"):
                 return "failed" + (f": {e['error']}" if e.get("error") else "")
             requeued = ", requeued" if e.get("requeued") else ""
             return f"stopped ({reason}) at step {e.get('step')}{requeued}"
@@ -221,8 +221,32 @@ def summary(run_dir: str | Path) -> list[str]:
             f"resumed at step {m.step} after {m.reason}" for m in h.markers))
     else:
         lines.append("restarts    0")
+    lines += [f"attempt     {a}" for a in ledger(h.events)]
     lines.append(f"checkpoint  {_last_checkpoint(run) or 'none yet'}")
     return lines
+
+
+def ledger(events: list[dict[str, Any]]) -> list[str]:
+    """One line per stop of the run (rank 0's and the crash records): why, at which step, steps
+    lost, how it came back and the seconds from the signal to the next start's resumed step."""
+    out = []
+    for i, e in enumerate(events):
+        if e.get("event") != "stop" or "rank" in e or e.get("reason") == "finished":
+            continue
+        sig = [s.get("signal_time") for s in events if s.get("event") == "signal"
+               and s.get("job_id") == e.get("job_id") and s.get("restart") == e.get("restart")
+               and s.get("signal_time")]
+        t0 = min(sig, default=e.get("signal_time") or e.get("time"))
+        nxt = next((n for n in events[i + 1:] if n.get("event") == "start"), None)
+        back = (f"resumed step {nxt.get('resumed_step') or 0} after {nxt['time'] - t0:.0f} s"
+                if nxt and isinstance(t0, (int, float)) and "time" in nxt else "not resumed")
+        how = e.get("requeued_by") or ("requeued" if e.get("requeued") else "not requeued")
+        if e.get("next_job_id"):
+            how += f" -> job {e['next_job_id']}"
+        lost = e.get("steps_lost")
+        out.append(f"{e.get('reason') or 'stopped'} at step {e.get('step')} (job {e.get('job_id')}), "
+                   f"steps lost {'?' if lost is None else lost}, {how}, {back}")
+    return out
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -6,16 +6,15 @@ the scheduler: a submitit SlurmExecutor job (a job array for a sweep) whose call
 job.sbatch; status/logs/cancel (control.py) read them back.
 
 Requeue contract on SLURM. `NodeTask` is stateless (a run dir path): every incarnation resumes
-from the newest checkpoint in the run dir, so submitit may pickle it once and rerun it. On the
-node, `ddpjob.node.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
-stop it checkpoints on all ranks and returns 3, having asked `scontrol requeue` itself for a USR2
-stop. A TERM stop is scancel or preemption; SLURM requeues a preempted job only if it outlives
-GraceTime, so on 3 rank 0 requeues a job that is still RUNNING with a PreemptTime (scancel sets
-none). Then `NodeTask` ends the task with SystemExit(3) and no result pickle, as submitit's own
-handler does after requeueing (sys.exit(-1)), so a submitit Job waits for the next incarnation.
-0 returns 0; any other code raises, so submitit records the failure and the job ends FAILED.
-Should a signal reach submitit's handler before ours is installed, `checkpoint()` hands submitit
-the same task.
+from the newest checkpoint in the run dir, so submitit may pickle it once and rerun it (a
+successor job gets a copy of the pickle under its own id). On the node,
+`ddpjob.node.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
+stop rank 0's Job decides and does the requeue (node/requeue.py, the one decision, preemption
+within GraceTime included), and the task returns 3; `NodeTask` then ends with SystemExit(3) and
+no result pickle, as submitit's own handler does after requeueing, so a submitit Job waits for
+the next incarnation. 0 returns 0; a crash goes to requeue.after_crash on rank 0 (max_failures),
+else raises, so submitit records the failure and the job ends FAILED. Should a signal reach
+submitit's handler before ours is installed, `checkpoint()` hands submitit the same task.
 """
 
 from __future__ import annotations
@@ -32,12 +31,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ddpjob import config, console, rundir, scriptsafe
 from ddpjob.node import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.launch import slurm
 
 EXIT_REQUEUE = 3
 FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
@@ -58,38 +58,24 @@ class NodeTask:
         if code == 0:
             return 0
         if code == EXIT_REQUEUE:
-            self.requeue_if_preempted()
+            # rank 0's Job decided and did the requeue (node/requeue.py): nothing to decide here
             raise SystemExit(EXIT_REQUEUE)  # checkpoint written, requeue asked: no result pickle
+        if self._retried_after_crash(code):
+            raise SystemExit(code)  # brought back from the newest checkpoint: no result pickle
         raise RuntimeError(f"ddpjob run {self.run_dir} exited with {code}; see the rank logs "
                            f"(`ddpjob logs {self.run_dir} --rank R`)")
 
-    def requeue_if_preempted(self, show: Callable[[str], dict[str, str]] | None = None,
-                             requeue: Callable[[str], str | None] | None = None) -> bool:
-        """Rank 0, after a stop: requeue a job that SLURM is preempting and nobody requeued yet.
-
-        SLURM requeues a preempted job (PreemptMode=REQUEUE) only if it is still running when
-        GraceTime ends; one that checkpoints and exits within the grace time simply ends FAILED
-        (exit 3). So: job still RUNNING, PreemptTime set, requeues left -> `scontrol requeue`.
-        A USR2 stop was requeued by the runner already (state no longer RUNNING), and scancel
-        sets no PreemptTime, so neither is requeued twice or brought back."""
-        from ddpjob.node import preemption
+    def _retried_after_crash(self, code: int) -> bool:
+        """Rank 0 hands a crash to requeue.py's one decision (max_failures); the batch script's
+        equivalent for `ddpjob sbatch` jobs is in templates/sbatch.sh.tmpl."""
+        from ddpjob.node import requeue
         from ddpjob.node.cluster import ClusterEnv
 
         env = ClusterEnv.from_environ()
-        if not env.is_rank0 or env.source != "slurm" or not env.job_id:
+        if not env.is_rank0 or env.source != "slurm":
             return False
-        cfg = config.read_run_config(self.run_dir)
-        if not cfg.slurm.requeue or env.restart_count >= cfg.slurm.max_requeues:
-            return False
-        info = (show or scontrol_show_job)(env.job_id)
-        if info.get("JobState") != "RUNNING" or info.get("PreemptTime", "None") in ("None", "", "Unknown"):
-            return False
-        failure = (requeue or preemption.requeue)(env.job_id)
-        rundir.record_event(self.run_dir, "requeue", reason="preempted", job_id=env.job_id,
-                            restart=env.restart_count, requeued=failure is None, note=failure)
-        print(f"ddpjob: job {env.job_id} is being preempted: "
-              + ("requeued it" if failure is None else failure), flush=True)
-        return failure is None
+        return bool(requeue.after_crash(config.read_run_config(self.run_dir), env,
+                                        Path(self.run_dir), code))
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         import submitit
@@ -98,17 +84,6 @@ class NodeTask:
 
     def __repr__(self) -> str:
         return f"NodeTask({self.run_dir!r})"
-
-
-def scontrol_show_job(job_id: str) -> dict[str, str]:
-    """`scontrol show job -o JOB` as a dict ({} if it fails)."""
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                             text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    line = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
-    return dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
 
 
 # ------------------------------------------------------------------ sweeps
@@ -255,15 +230,10 @@ def preflight_slurm(cfg: JobConfig) -> None:
         if shutil.which(tool) is None:
             raise DDPJobError(f"--backend slurm needs `{tool}`, which is not on PATH",
                               "run on a SLURM login node, or use --backend local")
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise DDPJobError(f"sinfo did not answer ({exc})",
-                          "is the SLURM controller up? try `sinfo`") from None
-    if out.returncode != 0:
-        raise DDPJobError(f"sinfo failed: {' '.join(out.stderr.split())[:200]}",
+    parts = slurm.partitions()
+    if isinstance(parts, slurm.Failed):
+        raise DDPJobError(f"sinfo did not answer ({parts.why}), expected the partition list",
                           "is the SLURM controller up? try `sinfo`")
-    parts = sorted(set(out.stdout.split()))
     if cfg.slurm.partition and cfg.slurm.partition not in parts:
         raise DDPJobError(f"partition '{cfg.slurm.partition}' does not exist on this cluster "
                           f"(sinfo lists: {', '.join(parts) or 'none'})",

@@ -179,6 +179,16 @@ class ClusterEnv:
         _check(result)
         return result
 
+    @classmethod
+    def batch_shell(cls, environ: Mapping[str, str] | None = None) -> ClusterEnv:
+        """The job as the sbatch batch script sees it (outside any srun step, so not a rank):
+        job id, restart count, partition. For `python -m ddpjob.node.requeue` after srun failed;
+        from_environ refuses this process (SLURM_NTASKS > 1 without SLURM_STEP_ID)."""
+        v = _Vars(os.environ if environ is None else environ)
+        return cls(job_id=v.text("SLURM_JOB_ID"), restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
+                   source="slurm", hostname=v.text("SLURMD_NODENAME") or socket.gethostname(),
+                   partition=v.text("SLURM_JOB_PARTITION"))
+
 
 def _master(v: _Vars, addr: str, job_id: str | None) -> dict:
     """An explicitly set MASTER_ADDR / MASTER_PORT always wins over the derived ones."""

@@ -39,10 +39,17 @@ class DistContext:
     def is_rank0(self) -> bool:
         return self.env.is_rank0
 
-    def destroy(self, barrier_timeout_s: float = 30.0) -> None:
+    def destroy(self, barrier_timeout_s: float | None = 30.0) -> None:
         """Best-effort barrier (so no rank tears down while another still sends), then
-        destroy_process_group. Never raises: it runs on the way out, often after an error."""
+        destroy_process_group. Never raises: it runs on the way out, often after an error.
+        None: this rank failed alone (a raise in its training step): its peers wait in a
+        collective for it, so neither a barrier (a non-zero rank's monitored_barrier waits for
+        rank 0 for the whole process-group timeout) nor a teardown that waits for queued work;
+        the process exits and srun --kill-on-bad-exit / the local launcher ends the peers."""
         if not self.initialized or not self.owned or not dist.is_initialized():
+            return
+        if barrier_timeout_s is None:
+            self.initialized = False
             return
         try:
             if self.backend == "gloo":

@@ -1,5 +1,5 @@
-"""Preemption mechanics on the nodes: flag-only signal handlers, stop codes, the requeue command
-and the deadline watch.
+"""Preemption mechanics on the nodes: flag-only signal handlers, stop codes and the deadline
+watch (SLURM's commands are in launch/slurm.py).
 
 runner.py (or ddpjob.init()) installs the StopFlag; api.Job.steps() votes on its code once per
 optimizer step (dist.Control.agree) so that every rank stops at the same step; requeue.py decides.
@@ -9,9 +9,7 @@ Nothing here saves or exits inside a signal handler (that is how Lightning hangs
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ def signal_number(name: str | int) -> int:
 
 
 def stop_code_for(signum: int) -> int:
-    """SIGTERM = preemption or scancel (see `being_preempted` for which requeues); any other
+    """SIGTERM = preemption or scancel (requeue.py asks SLURM which); any other
     handled signal (USR2: the time-limit warning or `scancel --signal=USR2`) asks us to
     checkpoint and requeue ourselves."""
     return PREEMPTED if signum == signal.SIGTERM else REQUEUE
@@ -98,61 +96,6 @@ class StopFlag:
         if self.signum is not None:
             return f"{signal.Signals(self.signum).name} during step {(self.signal_step or 0) + 1}"
         return REASONS[self.code] or "no stop requested"
-
-
-_JOB_ID = re.compile(r"^\d+(_\d+)?$")
-
-
-def requeue(job_id: str, *, run: Callable[..., Any] = subprocess.run) -> str | None:
-    """`scontrol requeue JOB`; None on success, else a one-line reason (printed by the caller)."""
-    if not _JOB_ID.match(job_id):
-        return f"job id {job_id!r} is not a SLURM job id"
-    try:
-        out = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scontrol requeue {job_id} failed: {exc}"
-    if out.returncode != 0:
-        why = " ".join((out.stderr or out.stdout or "").split()) or f"exit code {out.returncode}"
-        return f"scontrol requeue {job_id} failed: {why}"
-    return None
-
-
-def being_preempted(job_id: str, *, run: Callable[..., Any] = subprocess.run) -> bool:
-    """True while SLURM is preempting the job: still RUNNING, with a PreemptTime.
-
-    With PreemptMode=REQUEUE, SLURM requeues a preempted job only if it is still running when
-    GraceTime ends; a job that checkpoints and exits within the grace time just ends (FAILED,
-    exit 3). So the runner requeues it itself in that case. A plain `scancel` sets no
-    PreemptTime (the job must end), and a job that was already requeued is no longer RUNNING."""
-    if not _JOB_ID.match(job_id):
-        return False
-    try:
-        out = run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    if out.returncode != 0:
-        return False
-    fields = dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
-    return fields.get("JobState") == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
-
-
-def query_end_time(job_id: str | None, *, run: Callable[..., Any] = subprocess.run) -> float | None:
-    """The job's end time (epoch seconds) from `squeue -h -j JOB -o %e`, None if unknown."""
-    if not job_id or not _JOB_ID.match(job_id):
-        return None
-    try:
-        out = run(["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_slurm_time(out.stdout.strip()) if out.returncode == 0 else None
-
-
-def parse_slurm_time(text: str) -> float | None:
-    """'2026-05-09T12:34:56' (the controller's local time) -> epoch seconds; None for N/A etc."""
-    try:
-        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return None
 
 
 @dataclass

@@ -1,50 +1,170 @@
-"""The requeue decision, made once, by rank 0, after every rank stopped at the same step with a
-checkpoint written (api.Job.steps).
+"""The one requeue decision: rank 0 after every rank stopped with a checkpoint (api.Job.steps), and
+the batch script (or NodeTask) after the ranks crashed (`python -m ddpjob.node.requeue`).
 
-SLURM requeues by itself only a job that outlives GraceTime after a preemption, or one that
-`scontrol requeue` was run on. So: a stop asked for by the time-limit signal (or the deadline
-watch) runs `scontrol requeue`; so does a SIGTERM while SLURM is preempting the job (we stopped
-within GraceTime, and 22.05 would end it FAILED), but not a plain scancel, and never twice.
+SLURM requeues by itself only a job that outlives GraceTime after a preemption. So ddpjob brings
+the job back itself after: the time-limit warning / deadline watch; a SIGTERM while SLURM is
+preempting the job (we stopped within GraceTime, 22.05 would end it FAILED), not a plain scancel;
+a crash while [slurm] max_failures lasts. "Bringing back" is `scontrol requeue`, or, where that
+is refused or missing, one successor job (sbatch --dependency=afterany) of the same run dir.
+Budgets: max_requeues for preemptions and time limits, max_failures for crashes and node
+failures, both counted from the run dir's events (SLURM_RESTART_COUNT restarts at 0 in a
+successor).
 """
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 from ddpjob import console, rundir
+from ddpjob.config import JobConfig
+from ddpjob.launch import slurm
 from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv
-from ddpjob.config import JobConfig
+
+FAILURES = ("crash", "node_failure")  # spend max_failures; every other stop spends max_requeues
+CHECK_TRIES, CHECK_PAUSE_S = 3, 2.0
+sleep: Callable[[float], None] = time.sleep  # tests skip the pauses
 
 
-def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int) -> bool | None:
-    """Rank 0: record the stop and, where nobody else will, requeue the job. Returns whether it
-    requeued (None: it was not asked to)."""
-    reason = preemption.REASONS[code]
+def used(run_dir: Path, restart: int) -> tuple[int, int]:
+    """(requeues, failures) spent so far: failures are the crash retries recorded in events;
+    every other restart of the run (SLURM's and successors') was a requeue."""
+    failures = sum(1 for e in rundir.events(run_dir) if e.get("event") == "stop"
+                   and e.get("reason") in FAILURES and e.get("requeued") and "rank" not in e)
+    return max(0, restart - failures), failures
+
+
+def bring_back(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> dict[str, Any]:
+    """`scontrol requeue`, else a successor job; the fields for the stop event."""
+    job_id = str(env.job_id)
+    res = slurm.requeue(job_id)
+    if res.ok:
+        return {"requeued": True, "requeued_by": "scontrol", "note": f"requeued job {job_id}"}
+    if any(e.get("event") == "cancel" for e in rundir.events(run_dir)):
+        return {"requeued": False, "note": f"{res.error}; the run was cancelled: no successor"}
+    script = run_dir / "job.sbatch"
+    new = (slurm.submit_successor(job_id, script, cwd=run_dir) if script.is_file()
+           else slurm.Failed(f"{script} is missing"))
+    if isinstance(new, slurm.Failed):
+        return {"requeued": False, "note": f"{res.error}; no successor either: {new.why}"}
+    _follow(run_dir, job_id, new)
+    return {"requeued": True, "requeued_by": "successor", "next_job_id": new,
+            "note": f"{res.error}; submitted successor job {new}"}
+
+
+def _follow(run_dir: Path, old: str, new: str) -> None:
+    """job.json: the successor becomes the job that status/logs/cancel follow; `job_ids` keeps
+    the chain. submitit's task pickle is copied under the new id (its script loads it by id)."""
+    job = rundir.read_json(run_dir / rundir.JOB, {}) or {"backend": "slurm", "via": "sbatch"}
+    chain = list(job.get("job_ids") or [job.get("job_id") or old])
+    job.update(job_id=new, job_ids=[*chain, new])
+    rundir.write_json_atomic(run_dir / rundir.JOB, job)
+    folder = Path(job.get("log_folder") or run_dir / rundir.LOGS)
+    pickle = folder / f"{old}_submitted.pkl"
+    if pickle.is_file():
+        rundir.write_atomic(folder / f"{new}_submitted.pkl", lambda f: f.write(pickle.read_bytes()))
+
+
+def _preempting(job_id: str) -> bool | slurm.Failed:
+    answer: bool | slurm.Failed = slurm.Failed("not asked")
+    for attempt in range(CHECK_TRIES):
+        answer = slurm.being_preempted(job_id)
+        if not isinstance(answer, slurm.Failed):
+            return answer
+        if attempt + 1 < CHECK_TRIES:
+            sleep(CHECK_PAUSE_S)
+    return answer
+
+
+def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int, *,
+               restart: int = 0, signal_step: int | None = None,
+               signal_time: float | None = None) -> bool | None:
+    """Rank 0: record the stop (the ledger: reason, steps_lost) and, where nobody else will,
+    bring the job back. Returns whether it did (None: it was not asked to)."""
     under_slurm = env.source in ("slurm", "torchrun") and bool(env.job_id)
-    requeued = None
-    note = ""
-    if code in (preemption.REQUEUE, preemption.DEADLINE) and under_slurm:
-        if not cfg.slurm.requeue:
-            note = "slurm.requeue = false: not requeueing"
-        elif env.restart_count >= cfg.slurm.max_requeues:
-            note = f"max_requeues = {cfg.slurm.max_requeues} reached: not requeueing"
-        else:
-            failure = preemption.requeue(str(env.job_id))
-            requeued = failure is None
-            note = f"requeued job {env.job_id}" if requeued else str(failure)
-    elif code == preemption.PREEMPTED and under_slurm:
-        if not preemption.being_preempted(str(env.job_id)):
-            note = "not being preempted (scancel, or already requeued): not requeueing"
-        elif not cfg.slurm.requeue or env.restart_count >= cfg.slurm.max_requeues:
-            note = "preempted, but slurm.requeue is off or max_requeues is reached: not requeueing"
-        else:
-            failure = preemption.requeue(str(env.job_id))
-            requeued = failure is None
-            note = (f"preempted within GraceTime: requeued job {env.job_id}" if requeued
-                    else str(failure))
-    rundir.record_event(run_dir, "stop", reason=reason, step=step, job_id=env.job_id,
-                        restart=env.restart_count, requeued=requeued, note=note or None)
+    reason = {preemption.PREEMPTED: "preemption", preemption.NONE: "signal"}.get(code, "time_limit")
+    fields: dict[str, Any] = {"requeued": None}
+    decide = under_slurm
+    if code == preemption.PREEMPTED and under_slurm:
+        preempting = _preempting(str(env.job_id))
+        if isinstance(preempting, slurm.Failed):
+            # SIGTERM came and scontrol could not say why, even after retries. Reading that as
+            # "not preempted" would end a preempted job FAILED over a controller hiccup, so it
+            # counts as a preemption: `scontrol requeue` of a job the user scancel'd is refused
+            # (it is CANCELLED already), and `ddpjob cancel` records a cancel event first,
+            # which stops the successor fallback. Only a raw scancel during a controller outage
+            # on a site without scontrol requeue can come back: the lesser harm.
+            fields["note"] = f"preemption check failed ({preempting.why}): treated as preemption"
+        elif not preempting:
+            reason, decide = "signal", False
+            fields["note"] = "not being preempted (scancel, or already requeued): not requeueing"
+    if decide:
+        fields.update(_decide(cfg, env, run_dir, reason, restart, fields.get("note")))
+    lost = None if signal_step is None else max(0, step - signal_step - 1)
+    rundir.record_event(run_dir, "stop", reason=reason, step=step, job_id=env.job_id, restart=restart,
+                        steps_lost=lost, signal_time=signal_time, **fields)
+    note = fields.get("note")
     console.print0(f"ddpjob: stopped at step {step} ({reason}); checkpoint written"
                    + (f"; {note}" if note else ""))
-    return requeued
+    return fields["requeued"]
+
+
+def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, reason: str, restart: int,
+            prefix: str | None) -> dict[str, Any]:
+    requeues, failures = used(run_dir, restart)
+    if not cfg.slurm.requeue:
+        why = "slurm.requeue = false: not requeueing"
+    elif reason in FAILURES and failures >= cfg.slurm.max_failures:
+        why = f"max_failures = {cfg.slurm.max_failures} reached: not retrying"
+    elif reason not in FAILURES and requeues >= cfg.slurm.max_requeues:
+        why = f"max_requeues = {cfg.slurm.max_requeues} reached: not requeueing"
+    else:
+        out = bring_back(cfg, env, run_dir)
+        out["note"] = "; ".join(x for x in (prefix, out["note"]) if x)
+        return out
+    return {"requeued": None, "note": "; ".join(x for x in (prefix, why) if x)}
+
+
+def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int) -> bool | None:
+    """The ranks ended with `status` (not 0, not 3): a rank raised or was killed. Retry from the
+    newest checkpoint while max_failures lasts; returns whether the job was brought back."""
+    if rundir.completed(run_dir) is not None or not env.job_id:
+        return None
+    restart = rundir.run_restart(run_dir, str(env.job_id), env.restart_count)
+    if any(e.get("event") == "stop" and "rank" not in e and str(e.get("job_id")) == str(env.job_id)
+           and e.get("restart") == restart for e in rundir.events(run_dir)):
+        # Rank 0 stopped with a checkpoint and decided already: srun's status is not 3 only
+        # because --kill-on-bad-exit ended rank 0 after the others exited 3 (and SLURM does not
+        # always signal the batch shell on a preemption).
+        return None
+    fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}")
+    resume_at = _newest_checkpoint(run_dir)
+    trained = [r.get("step") for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
+               if isinstance(r.get("step"), int)]
+    lost = max(0, max(trained) - resume_at) if trained else None
+    rundir.record_event(run_dir, "stop", reason="crash", step=resume_at, job_id=env.job_id,
+                        restart=restart, status=status, steps_lost=lost, **fields)
+    print(f"ddpjob: job {env.job_id} crashed (status {status}): {fields['note']}", flush=True)
+    return fields["requeued"]
+
+
+def _newest_checkpoint(run_dir: Path) -> int:
+    steps = [int(p.name[5:]) for p in (run_dir / rundir.CHECKPOINTS).glob("step-*")
+             if p.name[5:].isdigit() and (p / "manifest.json").is_file()]
+    return max(steps, default=0)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m ddpjob.node.requeue RUN_DIR STATUS`: the batch script after srun failed."""
+    from ddpjob import config
+
+    run_dir, status = Path(argv[0]), int(argv[1])
+    after_crash(config.read_run_config(run_dir), ClusterEnv.batch_shell(), run_dir, status)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -113,7 +113,7 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
         where = job.run_dir if job is not None else run_dir
         if where is not None and not isinstance(exc, SystemExit):
             why = exc.line() if isinstance(exc, DDPJobError) else _one_line(exc)
-            rundir.record_event(where, "stop", reason="failed", rank=env.rank, job_id=env.job_id,
+            rundir.record_event(where, "stop", reason="crash", rank=env.rank, job_id=env.job_id,
                                 restart=env.restart_count, error=why)
             if not isinstance(exc, (DDPJobError, KeyboardInterrupt)):
                 traceback.print_exc()  # a bug: the log keeps the full story on every rank

@@ -1,0 +1,190 @@
+"""The one place that runs SLURM's commands (sbatch, squeue, scontrol, sacct, sinfo, scancel).
+
+Used by the login side (submit, status, cancel, doctor) and by rank 0 on the nodes (requeue,
+preemption check, end time, successor job); never imports torch. Every command has a timeout and
+comes back as one `Result`; the typed helpers answer a value or `Failed`. `Failed` is not a
+"no": it refuses to be read as a bool, so `if being_preempted(j):` on a failed query raises
+instead of quietly deciding. Tests swap `runner` for tests/fake_slurm.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Union
+
+JOB_ID = re.compile(r"^\d+(_\d+)?$")
+TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Result:
+    """One command's outcome. `error` is "" when it ran and exited 0, else one line: missing
+    binary, timeout, non-zero exit (with stderr), so `ok` tells "it answered" from "it failed"."""
+
+    args: tuple[str, ...]
+    rc: int | None  # None: it never ran or never finished (missing, timeout)
+    stdout: str = ""
+    stderr: str = ""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    def failed(self) -> Failed:
+        return Failed(self.error or f"{self.args[0]} answered nothing useful")
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A question SLURM did not answer (command failed), as opposed to an answer of "no"."""
+
+    why: str
+
+    def __bool__(self) -> bool:
+        # Reading a failure as yes/no is exactly the bug this type exists to prevent.
+        raise TypeError(f"a failed SLURM query is neither true nor false: {self.why}")
+
+    def __str__(self) -> str:
+        return self.why
+
+
+def _subprocess(args: Sequence[str], timeout: float, env: Mapping[str, str] | None,
+                cwd: str | None) -> Result:
+    argv = tuple(args)
+    try:
+        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                           env=None if env is None else dict(env), cwd=cwd)
+    except FileNotFoundError:
+        return Result(argv, None, error=f"{argv[0]}: command not found")
+    except subprocess.TimeoutExpired:
+        return Result(argv, None, error=f"{' '.join(argv[:3])} gave no answer within {timeout:.0f} s")
+    except OSError as exc:
+        return Result(argv, None, error=f"{argv[0]} could not run: {exc.strerror or exc}")
+    if p.returncode != 0:
+        why = " ".join((p.stderr or p.stdout or "").split())[:300] or f"exit code {p.returncode}"
+        return Result(argv, p.returncode, p.stdout, p.stderr, f"{' '.join(argv[:3])} failed: {why}")
+    return Result(argv, 0, p.stdout, p.stderr)
+
+
+Runner = Callable[[Sequence[str], float, Union[Mapping[str, str], None], Union[str, None]], Result]
+runner: Runner = _subprocess  # the fake replaces this (tests/fake_slurm.py)
+
+
+def run(args: Sequence[str], timeout: float = TIMEOUT_S, *, env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None) -> Result:
+    """Run one SLURM command; never raises for a command that fails."""
+    return runner(list(args), timeout, env, None if cwd is None else str(cwd))
+
+
+def _bad_id(job_id: str | None) -> Failed | None:
+    if not job_id or not JOB_ID.match(str(job_id)):
+        return Failed(f"job id {job_id!r} is not a SLURM job id")
+    return None
+
+
+def parse_fields(line: str) -> dict[str, str]:
+    """`Key=value Key2=va lue` (scontrol -o): a value runs up to the next ` Key=`."""
+    keys = list(re.finditer(r"(?:^|\s)([A-Za-z][\w:/.\-]*)=", line))
+    return {m.group(1): line[m.end():(keys[i + 1].start() if i + 1 < len(keys) else len(line))].strip()
+            for i, m in enumerate(keys)}
+
+
+def show_job(job_id: str) -> dict[str, str] | Failed:
+    """`scontrol show job -o JOB` as a dict; Failed when scontrol did not answer (or the
+    controller no longer knows the job)."""
+    bad = _bad_id(job_id)
+    if bad is not None:
+        return bad
+    res = run(["scontrol", "show", "job", "-o", str(job_id)])
+    line = res.stdout.strip().splitlines()[0] if res.ok and res.stdout.strip() else ""
+    return parse_fields(line) if line else res.failed()
+
+
+def being_preempted(job_id: str) -> bool | Failed:
+    """True while SLURM preempts the job: still RUNNING, with a PreemptTime. False for a plain
+    scancel (no PreemptTime) or a job already requeued (no longer RUNNING)."""
+    info = show_job(job_id)
+    if isinstance(info, Failed):
+        return info
+    return info.get("JobState") == "RUNNING" and info.get("PreemptTime", "None") not in ("None", "Unknown", "")
+
+
+def requeue(job_id: str) -> Result:
+    """`scontrol requeue JOB` (the job goes back to PENDING, keeping its id)."""
+    bad = _bad_id(job_id)
+    if bad is not None:
+        return Result(("scontrol", "requeue", str(job_id)), None, error=bad.why)
+    return run(["scontrol", "requeue", str(job_id)], timeout=60)
+
+
+def parse_time(text: str) -> float | None:
+    """'2026-05-09T12:34:56' (the controller's local time) -> epoch seconds; None for N/A etc."""
+    try:
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def end_time(job_id: str) -> float | None | Failed:
+    """The job's end time (epoch seconds) from `squeue -h -j JOB -o %e`; None: no end time."""
+    bad = _bad_id(job_id)
+    if bad is not None:
+        return bad
+    res = run(["squeue", "-h", "-j", str(job_id), "-o", "%e"])
+    return parse_time(res.stdout) if res.ok else res.failed()
+
+
+def partitions() -> list[str] | Failed:
+    """The cluster's partition names (`sinfo -h -o %R`)."""
+    res = run(["sinfo", "-h", "-o", "%R"])
+    return sorted(set(res.stdout.split())) if res.ok else res.failed()
+
+
+def cancel(job_id: str) -> Result:
+    bad = _bad_id(job_id)
+    if bad is not None:
+        return Result(("scancel", str(job_id)), None, error=bad.why)
+    return run(["scancel", str(job_id)])
+
+
+def submit(script: str | Path, *sbatch_args: str, cwd: str | Path | None = None) -> str | Failed:
+    """`sbatch --parsable ARGS SCRIPT` -> the new job id. Run from inside a job, the environment
+    loses SLURM_*/SBATCH_*/SRUN_*: sbatch and srun read those as options, and the running job's
+    (its task count, step id, CPU binding) must not become the new job's."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
+    res = run(["sbatch", "--parsable", *sbatch_args, str(script)], timeout=60, env=env, cwd=cwd)
+    job_id = res.stdout.strip().split(";")[0] if res.ok else ""
+    if not JOB_ID.match(job_id):
+        return res.failed() if not res.ok else Failed(f"sbatch printed {res.stdout!r}, expected a job id")
+    return job_id
+
+
+def submit_successor(job_id: str, script: str | Path, cwd: str | Path | None = None) -> str | Failed:
+    """A new job running `script` once `job_id` has ended, however it ends (afterany): the
+    requeue that needs no `scontrol requeue`. Should the old job be requeued after all, the
+    successor waits for its final end (and finds the run completed)."""
+    bad = _bad_id(job_id)
+    if bad is not None:
+        return bad
+    return submit(script, f"--dependency=afterany:{job_id}", cwd=cwd)
+
+
+def sacct_states(base_ids: Sequence[str]) -> list[list[str]] | Failed:
+    """Rows JobID|State|ExitCode|NodeList of every incarnation (`sacct -X -D`)."""
+    res = run(["sacct", "-X", "-D", "-n", "-P", "-o", "JobID,State,ExitCode,NodeList",
+               "-j", ",".join(base_ids)])
+    return [ln.split("|") for ln in res.stdout.splitlines()] if res.ok else res.failed()
+
+
+def squeue_states(base_ids: Sequence[str]) -> list[list[str]] | Failed:
+    """Rows JobID|State|Reason of the queued and running jobs."""
+    res = run(["squeue", "-h", "-o", "%i|%T|%r", "-j", ",".join(base_ids)])
+    return [ln.split("|") for ln in res.stdout.splitlines()] if res.ok else res.failed()

@@ -1,0 +1,225 @@
+"""launch/slurm.py (failed vs no) and node/requeue.py's one decision, every branch, against the
+scripted fake (tests/fake_slurm.py): preemption within GraceTime, scancel, a failed preemption
+check, scontrol refused -> successor job, budgets (max_requeues, max_failures), the ledger."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ddpjob import config, rundir
+from ddpjob.launch import control, plot, slurm
+from ddpjob.node import preemption, requeue
+from ddpjob.node.cluster import ClusterEnv
+
+PREEMPTING = "JobId=77 JobState=RUNNING PreemptTime=2026-01-01T00:00:00 Command=/a b/job.sbatch"
+CANCELLED = "JobId=77 JobState=RUNNING PreemptTime=None"
+ENV = ClusterEnv(source="slurm", job_id="77", restart_count=0)
+
+
+def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
+    cfg = config.from_dict({"name": "t", "slurm": {"max_requeues": 3, **slurm_keys}})
+    rundir.write_text_atomic(tmp_path / "config.json", cfg.to_json())
+    rundir.write_text_atomic(tmp_path / "job.sbatch", "#!/bin/bash\n")
+    rundir.write_json_atomic(tmp_path / "job.json", {"backend": "slurm", "job_id": "77"})
+    return cfg, tmp_path
+
+
+def last_stop(d: Path) -> dict:
+    return [e for e in rundir.events(d) if e["event"] == "stop"][-1]
+
+
+# ------------------------------------------------------------------ slurm.py
+def test_a_failed_query_is_neither_yes_nor_no(fake_slurm) -> None:
+    fake_slurm.hang("scontrol show job")
+    answer = slurm.being_preempted("77")
+    assert isinstance(answer, slurm.Failed) and "no answer" in answer.why
+    with pytest.raises(TypeError, match="neither true nor false"):
+        bool(answer)
+    fake_slurm.answer("scontrol show job", CANCELLED)
+    assert slurm.being_preempted("77") is False
+    fake_slurm.answer("scontrol show job", PREEMPTING)
+    assert slurm.being_preempted("77") is True
+    assert slurm.show_job("77")["Command"] == "/a b/job.sbatch"  # values with spaces
+    assert isinstance(slurm.being_preempted("77; rm -rf /"), slurm.Failed)  # never reaches a shell
+
+
+def test_result_tells_missing_timeout_and_refusal(fake_slurm) -> None:
+    fake_slurm.missing("scontrol")
+    assert not slurm.requeue("5").ok and "not found" in slurm.requeue("5").error
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled")
+    res = slurm.requeue("5")
+    assert res.rc == 1 and "Requeue of job is disabled" in res.error
+    fake_slurm.answer("squeue", "2026-05-09T12:00:00\n")
+    assert isinstance(slurm.end_time("5"), float)
+    fake_slurm.answer("squeue", "N/A\n")
+    assert slurm.end_time("5") is None
+    fake_slurm.hang("squeue")
+    assert isinstance(slurm.end_time("5"), slurm.Failed)
+
+
+def test_the_real_runner_reports_a_missing_binary(monkeypatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    res = slurm.run(["scontrol", "ping"])
+    assert res.rc is None and not res.ok and "command not found" in res.error
+
+
+def test_successor_job_drops_the_running_jobs_slurm_variables(fake_slurm, monkeypatch) -> None:
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    fake_slurm.answer("sbatch", "91\n")
+    assert slurm.submit_successor("77", "/r/job.sbatch", cwd="/r") == "91"
+    call = fake_slurm.calls[-1]
+    assert call.args == ["sbatch", "--parsable", "--dependency=afterany:77", "/r/job.sbatch"]
+    assert call.env is not None and "SLURM_NTASKS" not in call.env and call.cwd == "/r"
+
+
+# ------------------------------------------------------------------ the decision
+@pytest.mark.parametrize("code, show, reason, requeued", [
+    (preemption.REQUEUE, None, "time_limit", True),        # USR2 warning
+    (preemption.DEADLINE, None, "time_limit", True),       # the deadline watch
+    (preemption.PREEMPTED, PREEMPTING, "preemption", True),  # stopped within GraceTime
+    (preemption.PREEMPTED, CANCELLED, "signal", None),      # scancel: stays ended
+])
+def test_stop_decision(fake_slurm, tmp_path, code, show, reason, requeued) -> None:
+    cfg, d = run_dir(tmp_path)
+    fake_slurm.answer("scontrol requeue")
+    if show:
+        fake_slurm.answer("scontrol show job", show)
+    assert requeue.after_stop(cfg, ENV, d, code, 17, signal_step=14) is requeued
+    stop = last_stop(d)
+    assert (stop["reason"], stop["step"], stop["steps_lost"]) == (reason, 17, 2)
+    assert fake_slurm.called("scontrol requeue") == ([["scontrol", "requeue", "77"]] if requeued else [])
+
+
+def test_a_failed_preemption_check_is_retried_then_treated_as_preemption(fake_slurm, tmp_path) -> None:
+    cfg, d = run_dir(tmp_path)
+    fake_slurm.hang("scontrol show job")
+    fake_slurm.answer("scontrol requeue")
+    assert requeue.after_stop(cfg, ENV, d, preemption.PREEMPTED, 5) is True
+    assert len(fake_slurm.called("scontrol show job")) == requeue.CHECK_TRIES
+    assert "preemption check failed" in last_stop(d)["note"]
+    # a hiccup that passes: the answer of the retry counts
+    fake_slurm.answer("scontrol show job", rc=1, stderr="Socket timed out", then=[{"stdout": CANCELLED}])
+    assert requeue.after_stop(cfg, ENV, d, preemption.PREEMPTED, 6) is None
+
+
+@pytest.mark.parametrize("refusal", ["Requeue of job is disabled", "Access/permission denied", None])
+def test_scontrol_refused_or_missing_submits_one_successor(fake_slurm, tmp_path, refusal) -> None:
+    cfg, d = run_dir(tmp_path)
+    if refusal:
+        fake_slurm.answer("scontrol requeue", rc=1, stderr=refusal)
+    else:
+        fake_slurm.missing("scontrol")
+    fake_slurm.answer("sbatch", "78")
+    assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 9) is True
+    stop = last_stop(d)
+    assert stop["requeued_by"] == "successor" and stop["next_job_id"] == "78"
+    assert fake_slurm.called("sbatch") == [["sbatch", "--parsable", "--dependency=afterany:77",
+                                            str(d / "job.sbatch")]]
+    job = json.loads((d / "job.json").read_text())
+    assert job["job_id"] == "78" and job["job_ids"] == ["77", "78"]
+    # the successor's SLURM_RESTART_COUNT is 0, the run's restart is 1
+    assert rundir.run_restart(d, "78", 0) == 1 and rundir.run_restart(d, "77", 2) == 2
+    assert control.job_record(d)["job_id"] == "78"
+
+
+def test_submitit_successor_gets_the_task_pickle_under_its_id(fake_slurm, tmp_path) -> None:
+    cfg, d = run_dir(tmp_path)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "77_submitted.pkl").write_bytes(b"task")
+    rundir.write_json_atomic(d / "job.json", {"backend": "slurm", "job_id": "77", "log_folder": str(logs)})
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled").answer("sbatch", "80")
+    requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 3)
+    assert (logs / "80_submitted.pkl").read_bytes() == b"task"
+    assert [f.name for f in control.log_files(d, 0)][1:] == [
+        "77_0_log.out", "77_0_log.err", "80_0_log.out", "80_0_log.err"]
+
+
+def test_no_successor_for_a_cancelled_run_or_without_sbatch(fake_slurm, tmp_path) -> None:
+    cfg, d = run_dir(tmp_path)
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled")
+    fake_slurm.answer("sbatch", rc=1, stderr="Batch job submission failed")
+    assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 3) is False
+    assert "no successor either" in last_stop(d)["note"]
+    rundir.record_event(d, "cancel", by="user")
+    assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 4) is False
+    assert len(fake_slurm.called("sbatch")) == 1
+
+
+def test_max_requeues_counts_successors_too(fake_slurm, tmp_path) -> None:
+    cfg, d = run_dir(tmp_path, max_requeues=1)
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled").answer("sbatch", "78")
+    assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 3) is True
+    successor = ClusterEnv(source="slurm", job_id="78", restart_count=0)
+    restart = rundir.run_restart(d, "78", 0)
+    assert requeue.after_stop(cfg, successor, d, preemption.REQUEUE, 6, restart=restart) is None
+    assert "max_requeues = 1 reached" in last_stop(d)["note"]
+
+
+def test_local_backend_and_requeue_off_decide_nothing(fake_slurm, tmp_path) -> None:
+    cfg, d = run_dir(tmp_path, requeue=False)
+    assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 3) is None
+    assert "slurm.requeue = false" in last_stop(d)["note"]
+    local = ClusterEnv(source="local", job_id="local-1", restart_count=0)
+    assert requeue.after_stop(cfg, local, d, preemption.PREEMPTED, 3) is None
+    assert fake_slurm.calls == []
+
+
+@pytest.mark.parametrize("max_failures, requeued", [(0, None), (1, True)])
+def test_a_crash_is_retried_only_within_max_failures(fake_slurm, tmp_path, max_failures, requeued) -> None:
+    cfg, d = run_dir(tmp_path, max_failures=max_failures)
+    (d / "checkpoints" / "step-10").mkdir(parents=True)
+    (d / "checkpoints" / "step-10" / "manifest.json").write_text("{}")
+    rundir.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 13})
+    fake_slurm.answer("scontrol requeue")
+    assert requeue.after_crash(cfg, ENV, d, 1) is requeued
+    stop = last_stop(d)
+    assert (stop["reason"], stop["step"], stop["steps_lost"]) == ("crash", 10, 3)
+    if requeued:  # the second crash finds the budget spent; preemptions keep theirs
+        assert requeue.used(d, 1) == (0, 1)
+        again = ClusterEnv(source="slurm", job_id="77", restart_count=1)
+        assert requeue.after_crash(cfg, again, d, 1) is None
+        assert "max_failures = 1 reached" in last_stop(d)["note"]
+        assert requeue.after_stop(cfg, again, d, preemption.REQUEUE, 12, restart=1) is True
+
+
+def test_the_ledger_in_status(tmp_path) -> None:
+    d = tmp_path
+    rundir.append_jsonl(d / "events.jsonl", {"event": "start", "time": 100.0, "restart": 0, "job_id": "77"})
+    rundir.append_jsonl(d / "events.jsonl", {"event": "signal", "time": 130.0, "signal_time": 120.0,
+                                             "rank": 1, "job_id": "77", "restart": 0, "at_step": 7})
+    rundir.append_jsonl(d / "events.jsonl", {"event": "stop", "time": 131.0, "reason": "preemption",
+                                             "step": 9, "steps_lost": 1, "job_id": "77", "restart": 0,
+                                             "requeued": True, "requeued_by": "successor",
+                                             "next_job_id": "78"})
+    rundir.append_jsonl(d / "events.jsonl", {"event": "start", "time": 165.0, "restart": 1,
+                                             "job_id": "78", "resumed_step": 9})
+    [line] = plot.ledger(rundir.events(d))
+    assert line == ("preemption at step 9 (job 77), steps lost 1, successor -> job 78, "
+                    "resumed step 9 after 45 s")
+
+
+def test_the_batch_shell_env_is_the_job_not_a_rank() -> None:
+    # The batch script runs `python -m ddpjob.node.requeue` outside any srun step, where
+    # from_environ refuses a multi-task job (no SLURM_STEP_ID).
+    environ = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_RESTART_COUNT": "2",
+               "SLURM_JOB_PARTITION": "low"}
+    with pytest.raises(Exception, match="SLURM_STEP_ID"):
+        ClusterEnv.from_environ(environ, argv=[])
+    env = ClusterEnv.batch_shell(environ)
+    assert (env.job_id, env.restart_count, env.source, env.partition) == ("77", 2, "slurm", "low")
+
+
+def test_no_crash_decision_after_rank0_already_stopped(fake_slurm, tmp_path) -> None:
+    # Preempted: ranks 1-3 exit 3, srun --kill-on-bad-exit ends rank 0 after it recorded its
+    # stop (srun's status 143), and the batch shell was not signalled: not a crash.
+    cfg, d = run_dir(tmp_path, max_failures=1)
+    fake_slurm.answer("scontrol show job", PREEMPTING)
+    fake_slurm.answer("scontrol requeue")
+    assert requeue.after_stop(cfg, ENV, d, preemption.PREEMPTED, 9) is True
+    calls = len(fake_slurm.calls)
+    assert requeue.after_crash(cfg, ENV, d, 143) is None
+    assert len(fake_slurm.calls) == calls and last_stop(d)["reason"] == "preemption"

@@ -1,0 +1,94 @@
+"""node/requeue.py on the real SLURM test cluster: a job whose ranks cannot run `scontrol requeue`
+comes back through a successor job after a preemption, bit-identical to an uninterrupted run; a
+crash is retried within slurm.max_failures and stays FAILED without it. Every stop is caused at
+a chosen step (partition-priority preemption once a step is reached; a crash at a forward call)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ranks import write_job
+from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob, events, job_env,
+                                   job_file, poll, preempt, reference, release, wait_step, wait_stop)
+
+__all__ = ["reference"]  # the module-scoped fixture, shared with test_preemption_slurm
+
+
+def fake_scontrol(folder: Path) -> Path:
+    """A bin dir whose scontrol refuses `requeue` like a site that disabled it; the rest is real."""
+    real = shutil.which("scontrol")
+    folder.mkdir()
+    (folder / "scontrol").write_text(
+        "#!/bin/sh\nif [ \"$1\" = requeue ]; then\n"
+        "  echo 'scontrol: error: Requeue of job is disabled' >&2; exit 1\nfi\n"
+        f"exec {real} \"$@\"\n")
+    (folder / "scontrol").chmod(0o755)
+    return folder
+
+
+def sbatch(tmp_path: Path, job: Path, **env: str) -> tuple[Path, str]:
+    import slurmtools
+
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
+    return run, slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=job_env(**env))
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_preempted_job_without_scontrol_requeue_comes_back_as_a_successor(
+        slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    reference.start()
+    bin_dir = fake_scontrol(tmp_path / "bin")
+    run, jid = sbatch(tmp_path, job_file(tmp_path, setup=[f"export PATH={bin_dir}:$PATH"]),
+                      DDPJOB_TEST_SLOW="0.05:0")
+    wait_step(run, 30, 0, jid)
+    high = preempt(jid, tmp_path, "high-successor")
+    stop = wait_stop(run, 1, jid)
+    assert stop["reason"] == "preemption" and stop["requeued_by"] == "successor", stop
+    assert "Requeue of job is disabled" in stop["note"], stop
+    new = str(stop["next_job_id"])
+    slurmtools.submitted.append(new)
+    slurmtools.wait_done(high, 300)
+    assert slurmtools.wait_done(new, 900) == "COMPLETED"
+    starts = events(run, "start")
+    assert [s["job_id"] for s in starts] == [jid, new] and starts[1]["restart"] == 1, starts
+    assert starts[1]["resumed_step"] == stop["step"]
+    assert [e["reason"] for e in events(run, "stop") if "rank" not in e] == ["preemption", "finished"]
+    assert_same_as_reference(run, reference.run_dir())
+    status = ddpjob("status", str(run), cwd=tmp_path).stdout
+    assert f"successor -> job {new}" in status and new in status, status
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("max_failures, final", [(1, "COMPLETED"), (0, "FAILED")])
+def test_a_crash_is_retried_only_within_max_failures(slurm_cluster: Any, tmp_path: Path,
+                                                     max_failures: int, final: str) -> None:
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    job = write_job(tmp_path / "job.toml", train={**TRAIN, "max_steps": 40}, data=DATA,
+                    checkpoint=CHECKPOINT,
+                    slurm={**SLURM, "nodes": 1, "tasks_per_node": 2, "max_failures": max_failures})
+    # rank 1 raises in its 25th training forward call (step 13), first incarnation only
+    run, jid = sbatch(tmp_path, job, DDPJOB_TEST_SIGNAL="1:25:0:crash")
+    if max_failures:  # the retry is a requeue: skip SLURM's BeginTime hold
+        poll("the crash record", 300, lambda: [e for e in events(run, "stop")
+                                               if e["reason"] == "crash" and "rank" not in e])
+        try:
+            slurmtools.wait_state(jid, {"PENDING"}, timeout=60)
+            release(jid)
+        except slurmtools.SlurmError:
+            pass  # already started again
+    assert slurmtools.wait_done(jid, 600) == final
+    stops = [e for e in events(run, "stop") if "rank" not in e]
+    crash = [e for e in stops if e["reason"] == "crash"]
+    assert len(crash) == 1 and crash[0]["requeued"] is (True if max_failures else None), stops
+    assert (stops[-1]["reason"] == "finished") is bool(max_failures), stops
