@@ -37,7 +37,7 @@ def _record(marks: Marks, losses: dict[str, float], step: int, loss: torch.Tenso
             rank: int, world: int) -> None:
     """What a hand-written loop logs: the mean loss over ranks (one all-reduce), printed by
     rank 0 (the trainer's log line costs the same); then the step's mark."""
-    loss = loss.detach().clone()
+    loss = loss.detach().to(torch.float64)  # averaged in float64, as the trainer's job.log does
     if world > 1:
         tdist.all_reduce(loss)
         loss /= world

@@ -33,22 +33,23 @@ _fit_marks: Marks | None = None
 
 
 def _mark_log_steps() -> None:
-    """Mark every rank's clocks where the trainer logs a step (its MetricsLog.step runs on
-    every rank, after the loss all-reduce; only rank 0's writes). A measuring hook only: the
+    """Mark every rank's clocks where the trainer logs a training step (job.log runs on every
+    rank: it averages the loss over the ranks; only rank 0 writes). A measuring hook only: the
     trainer's computation is untouched."""
-    from ddpjob.node import metrics
+    from ddpjob import api
 
-    original = metrics.MetricsLog.step
+    original = api.Job.log
     if getattr(original, "bench_hook", False):
         return
 
-    def step(self: Any, *, step: int, **kw: Any) -> None:
-        if _fit_marks is not None:
+    def log(self: Any, step: int, **kw: Any) -> Any:
+        out = original(self, step, **kw)
+        if _fit_marks is not None and "loss" in kw:
             _fit_marks.mark(step)
-        original(self, step=step, **kw)
+        return out
 
-    step.bench_hook = True  # type: ignore[attr-defined]
-    metrics.MetricsLog.step = step  # type: ignore[method-assign]
+    log.bench_hook = True  # type: ignore[attr-defined]
+    api.Job.log = log  # type: ignore[method-assign]
 
 
 _ckpt_events: list[dict[str, Any]] | None = None  # P6 timings of this trial

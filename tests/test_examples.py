@@ -187,14 +187,14 @@ def _error_lines(text: str) -> list[str]:
 
 def _failed_run(tmp_path: Path, job: Path) -> tuple[Path, str]:
     """`ddpjob submit JOB --backend local --wait` of a failing entry: exit 1, the FAILED summary,
-    a stop record with reason failed and no requeue; returns the run dir and rank 0's log."""
+    a stop record with reason crash and no requeue; returns the run dir and rank 0's log."""
     out = tmp_path / "run"
     p = _cli("submit", str(job), "--backend", "local", "--wait", "--run-dir", str(out))
     assert p.returncode == 1, p.stdout + p.stderr
     assert [x for x in (p.stdout + p.stderr).splitlines() if "FAILED" in x] == \
         [f"ddpjob: {out}: FAILED (exit codes [1])"]
     stops = [e for e in events(out) if e["event"] == "stop"]
-    assert [s["reason"] for s in stops] == ["failed"], stops
+    assert [s["reason"] for s in stops] == ["crash"], stops
     assert [e["restart"] for e in events(out) if e["event"] == "local_start"] == [0]  # no requeue
     assert not (out / "COMPLETED").exists()
     return out, (out / "logs" / "rank-0.log").read_text()
