@@ -60,7 +60,7 @@ def test_unknown_id_is_a_usage_error(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "bench", "P10", "--work", str(tmp_path)],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
-    assert "unknown benchmark id(s) P9" in out.stderr
+    assert "unknown benchmark id(s) P10" in out.stderr
 
 
 def test_table_marks_pass_fail_and_unmeasured() -> None:
