@@ -262,8 +262,12 @@ def test_raising_script_under_slurm_fails_keeps_traceback_and_is_not_requeued(
     assert [e["restart"] for e in events(run_dir, "start")] in ([], [0])
     status = _cli("status", str(run_dir), check=False)
     out = (status.stdout + status.stderr).strip()
-    failed = [x for x in out.splitlines() if "FAILED" in x]
-    assert len(failed) == 1, out
-    assert len(out.splitlines()) == 1, out
+    rows = dict(x.split(None, 1) if x[:4] != "last" else (x[:10], x[10:].strip()) for x in out.splitlines())
+    assert rows["state"].startswith("FAILED"), out
+    assert rows["restarts"] == "0", out
+    # the failure once, in one line (the 2 ranks' stop records are not listed twice), no traceback
+    assert [x for x in out.splitlines() if "bad hidden size" in x] == \
+        ["last event  stop: ValueError: bad hidden size 0"], out
+    assert "Traceback" not in out
     assert not (run_dir / "COMPLETED").exists()
     print(f"\nfailing job {jid}: {out}")
