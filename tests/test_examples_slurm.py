@@ -106,7 +106,7 @@ def _preempted_then_time_limit_then_done(tmp_path: Path, job: Path, total: int, 
 
     slurmtools.cluster_free(timeout=600)
     run_dir = tmp_path / "run"
-    jid = _submit(job, run_dir, "slurm.tasks_per_node=1", "slurm.time=00:10:00",
+    jid = _submit(job, run_dir, "slurm.tasks_per_node=1", "slurm.time=\"00:10:00\"",
                   f"slurm.signal_lead_s={LEAD_S}", "slurm.max_requeues=4",
                   env={"DDPJOB_TEST_PREEMPT_AT": f"0:{at}:{tmp_path / 'high.id'}",
                        "DDPJOB_TEST_SLOW_STEP": f"1:{slow_s}"})
@@ -204,7 +204,7 @@ def test_charlm_slurm_2x2_preempted_resumed_1x2_sees_every_sample_once_per_epoch
     at = 20
     job = _charlm_job(tmp_path, max_steps=total, num_workers=1)
     run_dir = tmp_path / "run"
-    jid = _submit(job, run_dir, "slurm.tasks_per_node=2", "slurm.time=00:10:00",
+    jid = _submit(job, run_dir, "slurm.tasks_per_node=2", "slurm.time=\"00:10:00\"",
                   env={"DDPJOB_TEST_PREEMPT_AT": f"0:{at}:{tmp_path / 'high.id'}"})
     stop = wait_stop(run_dir, 1, jid, timeout=400)
     assert stop["reason"] == "preempted" and stop["requeued"] is True and stop["step"] == at + 1, stop
