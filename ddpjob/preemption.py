@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +46,21 @@ def _ignore_in_child() -> None:
     # flag nobody reads, but SIG_IGN also covers signals that arrive before the child's code runs.
     for signum in _child_ignores:
         signal.signal(signum, signal.SIG_IGN)
+    # A forked torch DataLoader worker then installs torch's own SIGTERM handler, which kills the
+    # worker on any SIGTERM not sent by its parent: SLURM's preemption signals every process of
+    # the step, so the rank would die of "DataLoader worker ... killed by signal: Terminated"
+    # instead of stopping. Ignore the stop signals again right after torch set its handlers.
+    handling = sys.modules.get("torch.utils.data._utils.signal_handling")
+    torch_set = getattr(handling, "_set_worker_signal_handlers", None)
+    if torch_set is not None and not getattr(torch_set, "_ddpjob", False):
+        def set_then_ignore(*args: Any, **kwargs: Any) -> Any:
+            out = torch_set(*args, **kwargs)
+            for signum in _child_ignores:
+                signal.signal(signum, signal.SIG_IGN)
+            return out
+
+        set_then_ignore._ddpjob = True  # type: ignore[attr-defined]
+        handling._set_worker_signal_handlers = set_then_ignore  # type: ignore[union-attr]
 
 
 def ignore_signals(signals: Sequence[str | int] = ("USR2", "TERM")) -> None:
