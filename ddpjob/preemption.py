@@ -63,6 +63,16 @@ def _ignore_in_child() -> None:
         handling._set_worker_signal_handlers = set_then_ignore  # type: ignore[union-attr]
 
 
+def _kill_daemon_children() -> None:
+    import multiprocessing
+
+    children = [c for c in multiprocessing.active_children() if c.daemon]
+    if children:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would report the kills
+    for child in children:
+        child.kill()
+
+
 def ignore_signals(signals: Sequence[str | int] = ("USR2", "TERM")) -> None:
     """For `worker_init_fn` of spawned (not forked) workers: ignore the stop signals."""
     for s in signals:
@@ -90,6 +100,13 @@ class StopFlag:
             flag._previous[signum] = signal.signal(signum, flag._handle)
         if not _child_ignores:
             os.register_at_fork(after_in_child=_ignore_in_child)
+            # Daemonic children (DataLoader workers) now ignore SIGTERM, and multiprocessing's
+            # exit handler ends them with terminate() (SIGTERM) and then joins them: the process
+            # would hang at exit. Kill them first (atexit runs the handlers registered last first).
+            import atexit
+            import multiprocessing.util  # noqa: F401  (its exit handler is registered before ours)
+
+            atexit.register(_kill_daemon_children)
         _child_ignores = numbers
         return flag
 

@@ -129,7 +129,8 @@ def _preempted_then_time_limit_then_done(tmp_path: Path, job: Path, total: int, 
     return run_dir, jid, [stop1, stop2]
 
 
-def _assert_two_stops(run_dir: Path, jid: str, stops: list[dict[str, Any]], world: int = 2) -> None:
+def _assert_two_stops(run_dir: Path, jid: str, stops: list[dict[str, Any]], total: int,
+                      world: int = 2) -> None:
     import slurmtools
 
     starts = events(run_dir, "start")
@@ -137,7 +138,8 @@ def _assert_two_stops(run_dir: Path, jid: str, stops: list[dict[str, Any]], worl
         [(0, world, None), (1, world, stops[0]["step"]), (2, world, stops[1]["step"])], starts
     sig = sorted((e["restart"], e["rank"], e["signal"]) for e in events(run_dir, "signal"))
     assert sig == [(0, r, "SIGTERM") for r in range(world)] + [(1, r, "SIGUSR2") for r in range(world)], sig
-    assert [e["step"] for e in events(run_dir, "stop") if "rank" not in e] == [s["step"] for s in stops]
+    assert [(e["reason"], e["step"]) for e in events(run_dir, "stop") if "rank" not in e] == \
+        [(s["reason"], s["step"]) for s in stops] + [("finished", total)]
     assert slurmtools.job_info(jid)["Restarts"] == "2"
     assert (run_dir / "COMPLETED").is_file()
 
@@ -166,7 +168,7 @@ def test_charlm_slurm_preempted_at_a_step_then_time_limit_then_finishes_bit_exac
     job = _charlm_job(tmp_path, max_steps=total, num_workers=1)
     run_dir, jid, stops = _preempted_then_time_limit_then_done(tmp_path, job, total, at=6, slow_s=4)
     took = time.monotonic() - t0
-    _assert_two_stops(run_dir, jid, stops)
+    _assert_two_stops(run_dir, jid, stops, total)
     counts = _assert_same_as_reference(run_dir, _reference(tmp_path, job), total)
     log = (run_dir / "logs" / f"{jid}_0_log.out").read_text()
     assert "sample:" in log and f"step {total}/{total}" in log
@@ -182,7 +184,7 @@ def test_cifar_slurm_preempted_at_a_step_then_time_limit_then_finishes_bit_exact
     job = _cifar_job(tmp_path, epochs=4, num_workers=1)
     run_dir, jid, stops = _preempted_then_time_limit_then_done(tmp_path, job, total, at=2, slow_s=10)
     took = time.monotonic() - t0
-    _assert_two_stops(run_dir, jid, stops)
+    _assert_two_stops(run_dir, jid, stops, total)
     counts = _assert_same_as_reference(run_dir, _reference(tmp_path, job), total)
     log = (run_dir / "logs" / f"{jid}_0_log.out").read_text()
     assert "epoch 3: test accuracy" in log
