@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,31 @@ def _ignore_in_child() -> None:
     # flag nobody reads, but SIG_IGN also covers signals that arrive before the child's code runs.
     for signum in _child_ignores:
         signal.signal(signum, signal.SIG_IGN)
+    # A forked torch DataLoader worker then installs torch's own SIGTERM handler, which kills the
+    # worker on any SIGTERM not sent by its parent: SLURM's preemption signals every process of
+    # the step, so the rank would die of "DataLoader worker ... killed by signal: Terminated"
+    # instead of stopping. Ignore the stop signals again right after torch set its handlers.
+    handling = sys.modules.get("torch.utils.data._utils.signal_handling")
+    torch_set = getattr(handling, "_set_worker_signal_handlers", None)
+    if torch_set is not None and not getattr(torch_set, "_ddpjob", False):
+        def set_then_ignore(*args: Any, **kwargs: Any) -> Any:
+            out = torch_set(*args, **kwargs)
+            for signum in _child_ignores:
+                signal.signal(signum, signal.SIG_IGN)
+            return out
+
+        set_then_ignore._ddpjob = True  # type: ignore[attr-defined]
+        handling._set_worker_signal_handlers = set_then_ignore  # type: ignore[union-attr]
+
+
+def _kill_daemon_children() -> None:
+    import multiprocessing
+
+    children = [c for c in multiprocessing.active_children() if c.daemon]
+    if children:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would report the kills
+    for child in children:
+        child.kill()
 
 
 def ignore_signals(signals: Sequence[str | int] = ("USR2", "TERM")) -> None:
@@ -72,6 +98,13 @@ class StopFlag:
             flag._previous[signum] = signal.signal(signum, flag._handle)
         if not _child_ignores:
             os.register_at_fork(after_in_child=_ignore_in_child)
+            # Daemonic children (DataLoader workers) now ignore SIGTERM, and multiprocessing's
+            # exit handler ends them with terminate() (SIGTERM) and then joins them: the process
+            # would hang at exit. Kill them first (atexit runs the handlers registered last first).
+            import atexit
+            import multiprocessing.util  # noqa: F401  (its exit handler is registered before ours)
+
+            atexit.register(_kill_daemon_children)
         _child_ignores = numbers
         return flag
 
