@@ -243,7 +243,7 @@ def _build_section(name: str, cls: type, raw: Mapping[str, Any], source: str) ->
     for k, v in raw.items():
         if k not in by_key:
             raise UsageError(f"unknown key '{name}.{k}' in {source}, expected one of: "
-                             f"{', '.join(sorted(by_key))}", _did_you_mean(k, by_key))
+                             f"{', '.join(sorted(by_key))}", _did_you_mean(k, list(by_key)))
         f = by_key[k]
         kwargs[f.name] = _coerce(f"{name}.{k}", v, hints[f.name])
     return cls(**kwargs)

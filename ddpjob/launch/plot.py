@@ -233,9 +233,9 @@ def ledger(events: list[dict[str, Any]]) -> list[str]:
     for i, e in enumerate(events):
         if e.get("event") != "stop" or "rank" in e or e.get("reason") == "finished":
             continue
-        sig = [s.get("signal_time") for s in events if s.get("event") == "signal"
+        sig = [float(s["signal_time"]) for s in events if s.get("event") == "signal"
                and s.get("job_id") == e.get("job_id") and s.get("restart") == e.get("restart")
-               and s.get("signal_time")]
+               and isinstance(s.get("signal_time"), (int, float))]
         t0 = min(sig, default=e.get("signal_time") or e.get("time"))
         nxt = next((n for n in events[i + 1:] if n.get("event") == "start"), None)
         back = (f"resumed step {nxt.get('resumed_step') or 0} after {nxt['time'] - t0:.0f} s"

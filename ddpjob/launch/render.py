@@ -32,18 +32,22 @@ _CONTROL = scriptsafe.CONTROL
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*", re.ASCII)
 
 
+_PATTERN = r"""
+    \$(?:
+      (?P<escaped>(?!))                       # no escape sequence: `$$` is the shell's PID
+    | (?P<named>(?!))                         # bare $name is always shell
+    | \{(?P<braced>[a-z][a-z0-9_]*)\}         # ${placeholder}
+    | (?P<invalid>(?!))
+    )
+"""
+
+
 class ShellTemplate(string.Template):
     """`${lower_case}` placeholders only: `$VAR`, `${UPPER}`, `$(...)`, `$?`, `$1` stay shell."""
 
-    flags = 0  # string.Template ignores case by default, which would capture ${UPPER} too
-    pattern = r"""
-        \$(?:
-          (?P<escaped>(?!))                       # no escape sequence: `$$` is the shell's PID
-        | (?P<named>(?!))                         # bare $name is always shell
-        | \{(?P<braced>[a-z][a-z0-9_]*)\}         # ${placeholder}
-        | (?P<invalid>(?!))
-        )
-    """
+    # string.Template ignores case by default, which would capture ${UPPER} too
+    flags = 0  # type: ignore[assignment]
+    pattern = _PATTERN  # type: ignore[assignment]
 
 
 def load_template(path: str | Path | None = None) -> str:

@@ -142,7 +142,7 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int) -> 
         return None
     fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}")
     resume_at = _newest_checkpoint(run_dir)
-    trained = [r.get("step") for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
+    trained = [int(r["step"]) for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
                if isinstance(r.get("step"), int)]
     lost = max(0, max(trained) - resume_at) if trained else None
     rundir.record_event(run_dir, "stop", reason="crash", step=resume_at, job_id=env.job_id,

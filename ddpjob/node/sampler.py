@@ -31,7 +31,7 @@ def _sample_seed(seed: int, epoch: int, index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-class _Batch(list):  # type: ignore[type-arg]
+class _Batch(list[int]):
     """A batch of sample indices that seeds a DataLoader worker's RNGs (torch, random, numpy)
     from (seed, epoch, index) just before the worker reads each sample. Why: a worker's streams
     start from a seed drawn when the iterator is made and advance with every batch it reads, so

@@ -299,7 +299,8 @@ class _ErrnoRecorder:
     and hashes the bytes on their way out (torch.save writes sequentially, never seeks)."""
 
     def __init__(self, f: Any) -> None:
-        self.f, self.error = f, None
+        self.f = f
+        self.error: OSError | None = None
         self.digest, self.size = hashlib.sha256(), 0
 
     def write(self, data: Any) -> int:

@@ -12,7 +12,8 @@ import torch
 
 def capture_rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert not isinstance(keys, str)  # legacy=True: a tuple whose keys are an array
     state: dict[str, Any] = {
         "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
         "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
