@@ -154,6 +154,7 @@ class Job:
                  restart: int = 0) -> None:
         self._standalone = standalone
         from ddpjob.node import dist, preemption
+        from ddpjob.store.schedule import SaveSchedule
         from ddpjob.store.state import StateStore
 
         self.config, self.env, self._ctx, self.run_dir, self._stop = cfg, ctx.env, ctx, run_dir, stop
@@ -169,7 +170,7 @@ class Job:
                                  config_hash=cfg.hash(), async_save=c.async_save, rank=self.rank,
                                  world_size=self.world_size, restart=self.restart,
                                  job_id=self.job_id, control=self._control)
-        self._schedule = _schedule(c.every_steps, c.every_minutes)
+        self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
         self._deadline = preemption.DeadlineWatch(_end_time(self.env))
         self._step: int | None = None  # set by resume()
         self.resumed_world_size: int | None = None  # the checkpoint's, after resume()
@@ -396,12 +397,6 @@ class Job:
         # The interpreter's final garbage collection walks torch's module graph: seconds per
         # rank at every exit. Everything is closed and flushed by now.
         gc.freeze()
-
-
-def _schedule(every_steps: int, every_minutes: float) -> Any:
-    from ddpjob.store.schedule import SaveSchedule
-
-    return SaveSchedule(every_steps, every_minutes)
 
 
 def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Path:

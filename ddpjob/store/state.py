@@ -44,13 +44,16 @@ def check_state(state: Any) -> None:
                               "rename the key, e.g. 'optimizer' or 'lr_scheduler'")
 
 
+# wrapper class -> the attribute holding the wrapped module (DDP, torch.compile)
+_WRAPPERS = {"DistributedDataParallel": "module", "OptimizedModule": "_orig_mod"}
+
+
 def _target(obj: Any) -> Any:
-    """What to load into: DDP's and torch.compile's wrapped module, so checkpoints hold plain
-    names (`fc.weight`, not `module.fc.weight`) and load at any world size, also unwrapped."""
-    for attr in ("_orig_mod", "module"):
-        while isinstance(obj, torch.nn.Module) and isinstance(getattr(obj, attr, None), torch.nn.Module) \
-                and type(obj).__name__ in ("DistributedDataParallel", "OptimizedModule"):
-            obj = getattr(obj, attr)
+    """What to load into: the module inside DDP / torch.compile wrappers (in any nesting), so
+    checkpoints hold plain names (`fc.weight`, not `module.fc.weight`) and load at any world
+    size, also unwrapped."""
+    while (attr := _WRAPPERS.get(type(obj).__name__)) is not None:
+        obj = getattr(obj, attr)
     return obj
 
 
