@@ -180,6 +180,22 @@ class Job:
         console.print0(f"ddpjob run {run_dir}: {self.env.describe()}")
         if standalone:
             atexit.register(self.close)
+            self._excepthook = sys.excepthook
+            sys.excepthook = self._report_uncaught
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """What to report for an exception that ends this rank: a failed collective in the
+        training code becomes one line naming the ranks that did not arrive (node/hang.py)."""
+        from ddpjob.node import dist
+
+        return dist.explain_failure(exc)
+
+    def _report_uncaught(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        # A script run alone (no `ddpjob run` around it): Python prints the traceback, then the line.
+        self._excepthook(kind, exc, tb)
+        explained = self.explain(exc)
+        if isinstance(explained, DDPJobError):
+            print(explained.line(), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ model
     def wrap(self, model: Any, **ddp_kwargs: Any) -> Any:
@@ -228,7 +244,7 @@ class Job:
         stop, the checkpoint is written, the requeue decided and the process ends with
         EXIT_REQUEUE (StopForRequeue). After the last step a final checkpoint is written.
         `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
-        from ddpjob.node import preemption
+        from ddpjob.node import dist, preemption
         from ddpjob.node.sampler import StepSampler
 
         if self._step is None:
@@ -241,12 +257,14 @@ class Job:
         self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
         self._stop.current_step = step
+        dist.at_step(step)
         t_step = time.monotonic()
         while step < total:
             yield step
             step += 1
             self._step = step
             self._stop.current_step = step
+            dist.at_step(step)
             now = time.monotonic()
             self._deadline.observe_step(now - t_step)
             if step >= total:
@@ -283,7 +301,8 @@ class Job:
         if self.is_rank0:
             requeue.after_stop(self.config, self.env, self.run_dir, code, step, restart=self.restart,
                                signal_step=self._stop.signal_step, signal_time=self._stop.time)
-        self._control.barrier()  # nobody exits (srun --kill-on-bad-exit) before rank 0 requeued
+        # nobody exits (srun --kill-on-bad-exit) before rank 0 requeued
+        self._control.barrier("the barrier after the requeue decision")
         raise StopForRequeue(step)
 
     def _record_signal(self, step: int) -> None:
@@ -304,7 +323,7 @@ class Job:
 
         if op not in ("sum", "mean", "max"):
             raise DDPJobError(f"all_reduce op {op!r} is unknown, expected sum, mean or max", "use op=\"sum\"")
-        return dist.all_reduce_(tensor, op)
+        return dist.all_reduce_(tensor, op, what="job.all_reduce()")
 
     def broadcast_buffers(self, model: Any) -> None:
         """Rank 0's buffers (BatchNorm running statistics) on every rank, e.g. before an
@@ -330,7 +349,7 @@ class Job:
         if names:
             values = torch.stack([torch.as_tensor(scalars[n]).detach().to(self.device, torch.float64)
                                   for n in names])
-            dist.all_reduce_(values, "mean")
+            dist.all_reduce_(values, "mean", what="job.log()'s average")
             scalars.update(zip(names, values.tolist()))
         record = {name: (v.item() if hasattr(v, "item") else v) for name, v in scalars.items()}
         if self.is_rank0:
@@ -376,7 +395,7 @@ class Job:
             rundir.mark_completed(self.run_dir, step=step, **info)
             rundir.record_event(self.run_dir, "stop", reason="finished", step=step, job_id=self.job_id,
                                 restart=self.restart, **{k: v for k, v in info.items() if k == "accuracy"})
-        self._control.barrier()
+        self._control.barrier("job.finish()")
         self.finished = True
 
     # ------------------------------------------------------------------ teardown
@@ -416,7 +435,7 @@ def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Pat
             path = rundir.prepare(Path(path).resolve(), cfg)
         except DDPJobError as exc:
             path = exc  # tell the other ranks, so that they stop too instead of waiting
-    path = dist.broadcast_object(path)
+    path = dist.broadcast_object(path, what="the choice of the run directory")
     if isinstance(path, DDPJobError):
         raise path
     return Path(path)
@@ -433,7 +452,7 @@ def _end_time(env: ClusterEnv) -> float | None:
         return None
     end = slurm.end_time(env.job_id) if env.is_rank0 else None
     # No answer just means no deadline watch: the warning signal still comes.
-    return dist.broadcast_object(None if isinstance(end, slurm.Failed) else end)
+    return dist.broadcast_object(None if isinstance(end, slurm.Failed) else end, what="the end time's broadcast")
 
 
 __all__ = ["AlreadyCompleted", "EXIT_REQUEUE", "Job", "Launch", "StopForRequeue", "current", "init"]

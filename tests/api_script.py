@@ -3,8 +3,9 @@ dropout (so the RNG matters), AdamW + a LambdaLR scheduler, a map-style dataset 
 DataLoader with a StepSampler, a stateful object of the user's own and a plain value.
 
 [user] keys: steps, global_batch, workers, signal_at (rank:step, e.g. "1:7": that rank sends
-itself SIGUSR2 during that step: the stop is caused at that step, not by a timer), job (a job
-file for runs started alone).
+itself SIGUSR2 during that step: the stop is caused at that step, not by a timer), stall_at
+(rank:step[:after]: that rank stops making progress in that step, before its backward pass
+or, with ":after", after its optimizer step, and prints "stalled at <unix time>"), job (a job file for runs started alone).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 
 import torch
 import torch.nn as nn
@@ -46,6 +49,11 @@ class Counter:
         self.seen = int(state["seen"])
 
 
+def stall() -> None:
+    print(f"stalled at {time.time()}", flush=True)
+    threading.Event().wait()  # a deadlock in the user's code: never returns
+
+
 def main() -> None:
     job = ddpjob.init(sys.argv[1] if len(sys.argv) > 1 else None)
     u = job.user
@@ -62,15 +70,21 @@ def main() -> None:
     job.resume(state)
     batches = iter(DataLoader(data, batch_sampler=sampler, num_workers=int(u.get("workers", 0))))
     who, _, when = str(u.get("signal_at", "")).partition(":")
+    stall_rank, _, stall_step = str(u.get("stall_at", "")).partition(":")
+    stall_step, _, stall_after = stall_step.partition(":")
     for step in job.steps(state, steps):
         x, y, ids = next(batches)
         if who and int(who) == job.rank and int(when) == step and job.restart == 0:
             os.kill(os.getpid(), signal.SIGUSR2)  # arrives mid-step, like SLURM's warning
         loss = nn.functional.mse_loss(model(x).squeeze(1), y)
+        if stall_rank and int(stall_rank) == job.rank and int(stall_step) == step and not stall_after:
+            stall()
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
+        if stall_rank and int(stall_rank) == job.rank and int(stall_step) == step and stall_after:
+            stall()
         counter.seen += len(ids)
         state["note"] = f"at {step + 1}"
         logged = job.log(step + 1, average=["loss"], loss=loss, lr=sched.get_last_lr()[0])

@@ -158,9 +158,11 @@ def assert_bit_equal(a: Any, b: Any, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def send_at_step(ranks: Ranks, run_dir: Path, step: int, signum: int = signal.SIGUSR2,
-                 to: list[int] | None = None, timeout: float = 90) -> None:
-    """Send `signum` once metrics.jsonl shows `step` (needs log_every = 1)."""
-    wait_for(lambda: max(metrics(run_dir), default=-1) >= step
-             or any(p.poll() is not None for p in ranks.procs), timeout, f"step {step}")
+def signal_when_paused(ranks: Ranks, paused: int, signum: int = signal.SIGUSR2,
+                       to: list[int] | None = None, timeout: float = 120) -> None:
+    """Send `signum` (to the ranks `to`, default all) once rank `paused` says "paused at call"
+    (trainer_plugins' DDPJOB_TEST_SIGNAL="RANK:CALL::pause"): the rank waits in that training
+    step until the signal arrives, so the stop lands at that step however busy the machine is."""
+    wait_for(lambda: "paused at call" in ranks.output(paused)
+             or any(p.poll() is not None for p in ranks.procs), timeout, f"rank {paused} to pause")
     ranks.signal(signum, to)

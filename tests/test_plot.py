@@ -13,28 +13,30 @@ import pytest
 
 from ddpjob.cli import main
 from ddpjob.launch import plot
-from ranks import Ranks, events, run, send_at_step, write_job
+from ranks import Ranks, events, run, signal_when_paused, write_job
 
 pytest.importorskip("matplotlib")  # the `plot` extra; in the `test` extra too
 
-TRAIN = dict(model="cnn_tiny", batch_size=32, lr=0.05, warmup_steps=2, max_steps=24, log_every=1,
+TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=32, lr=0.05, warmup_steps=2, max_steps=24, log_every=1,
              eval_every=6, amp="off", channels_last=False, threads=1, seed=3)
 DATA = dict(dataset="synthetic", synthetic_train=256, synthetic_test=64, augment=False)
 
 
 @pytest.fixture(scope="module")
 def requeued_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One rank trains 24 steps; SIGUSR2 near step 7 (requeue), SIGTERM near step 15
-    (preemption: what SLURM sends), each followed by a restart that resumes from the
-    checkpoint written at the stop."""
+    """One rank trains 24 steps; SIGUSR2 in step 8 (requeue), SIGTERM in step 16 (preemption:
+    what SLURM sends), each followed by a restart that resumes from the checkpoint written at
+    the stop. The rank pauses in the 8th training forward call of each incarnation until the
+    test's signal has reached it."""
     tmp = tmp_path_factory.mktemp("plotrun")
     job = write_job(tmp / "job.toml", train=TRAIN, data=DATA,
                     checkpoint=dict(every_steps=0, keep_last=2), slurm=dict(max_requeues=3))
     out = tmp / "run"
-    for restart, (at, sig) in enumerate([(7, signal.SIGUSR2), (15, signal.SIGTERM)]):
+    for restart, sig in enumerate([signal.SIGUSR2, signal.SIGTERM]):
         args = [str(job), "--run-dir", str(out)] if restart == 0 else [str(out)]
-        ranks = Ranks(args, 1, tmp / "logs", restart=restart)
-        send_at_step(ranks, out, at, sig)
+        ranks = Ranks(args, 1, tmp / "logs", restart=restart,
+                      extra_env={"DDPJOB_TEST_SIGNAL": f"0:8:{restart}:pause"})
+        signal_when_paused(ranks, 0, sig)
         assert ranks.wait(120) == [3], ranks.output()
     codes, r = run([str(out)], 1, tmp / "logs", restart=2)
     assert codes == [0], r.output()
@@ -52,7 +54,7 @@ def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: P
     stops, starts = _stops_and_starts(requeued_run)
     assert [s["reason"] for s in stops] == ["time_limit", "preemption", "finished"]
     resumed = [s["resumed_step"] for s in starts[1:]]
-    assert resumed == [stops[0]["step"], stops[1]["step"]] and 7 <= resumed[0] < resumed[1] < 24
+    assert resumed == [stops[0]["step"], stops[1]["step"]] == [8, 16]
 
     png = tmp_path / "curves.png"
     record = plot.plot_runs([requeued_run], png)

@@ -9,7 +9,9 @@ on the ranks' PYTHONPATH.
   Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
   SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
   SLURM path, to every task of the job) and waits in this forward call until the signal has
-  reached this process; HOW = "crash" raises instead. RANK falls back to SLURM_PROCID (submitit sets no RANK).
+  reached this process; HOW = "crash" raises instead; HOW = "pause" prints "paused at call N"
+  and waits in this forward call until ddpjob's stop flag has a signal (or 120 s): the test sends
+  the signal from outside (tests/ranks.py: signal_when_paused), and it lands in that very step. RANK falls back to SLURM_PROCID (submitit sets no RANK).
   DDPJOB_TEST_SLOW="SECONDS[:RESTART]" sleeps that long in every training forward call (of that
   incarnation only): stretches wall time without changing a single number.
 """
@@ -57,19 +59,23 @@ class SignallingCNN(TinyCNN):
                 time.sleep(self._sleep)
             if self._armed and self._calls == self._at:
                 if self._how == "scancel":
-                    self._scancel_and_wait()
+                    subprocess.run(["scancel", "--signal=USR2", self._job_id], check=True, timeout=60)
+                    self._wait_for_signal()
+                elif self._how == "pause":
+                    print(f"paused at call {self._calls}", flush=True)
+                    self._wait_for_signal(120)
                 elif self._how == "crash":  # a rank raising: srun --kill-on-bad-exit ends the rest
                     raise RuntimeError(f"test crash at training forward call {self._calls}")
                 else:
                     os.kill(os.getpid(), signal.SIGUSR2)
         return super().forward(x)
 
-    def _scancel_and_wait(self) -> None:
-        subprocess.run(["scancel", "--signal=USR2", self._job_id], check=True, timeout=60)
+    @staticmethod
+    def _wait_for_signal(timeout: float = 60) -> None:
         # ddpjob's handler is a bound method of its StopFlag: wait until it has recorded the
         # signal, so the stop request lands inside this micro-step (mid-accumulation).
         flag = getattr(signal.getsignal(signal.SIGUSR2), "__self__", None)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while getattr(flag, "code", 1) == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
 

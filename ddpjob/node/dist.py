@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -23,7 +24,11 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from ddpjob.errors import DDPJobError
+from ddpjob.node import hang
 from ddpjob.node.cluster import ClusterEnv
+
+# This process's hang watch (node/hang.py), while it is one rank of a group of several.
+_watch: hang.Watch | None = None
 
 
 @dataclass
@@ -46,8 +51,12 @@ class DistContext:
         collective for it, so neither a barrier (a non-zero rank's monitored_barrier waits for
         rank 0 for the whole process-group timeout) nor a teardown that waits for queued work;
         the process exits and srun --kill-on-bad-exit / the local launcher ends the peers."""
+        global _watch
         if not self.initialized or not self.owned or not dist.is_initialized():
             return
+        if _watch is not None:
+            _watch.close()
+            _watch = None
         if barrier_timeout_s is None:
             self.initialized = False
             return
@@ -168,7 +177,55 @@ def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float 
                           "look at the other ranks' logs (one may have failed to start); if the nodes "
                           "have several networks, set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the one "
                           "they share") from None
+    global _watch
+    _watch = hang.make(env)
     return DistContext(env, backend, device, initialized=True, timeout_s=timeout_s)
+
+
+# ------------------------------------------------------------ the hang watch's view of the rank
+@contextmanager
+def guard(what: str) -> Iterator[None]:
+    """Run one collective as `what` ("the stop vote", ...): the process group's timeout bounds
+    it, and a failure becomes one line naming the ranks that did not arrive (hang.py)."""
+    w = _watch
+    if w is None:
+        yield
+        return
+    w.enter(what)
+    try:
+        yield
+    except Exception as exc:
+        if not hang.is_comm_failure(exc):
+            raise
+        raise w.diagnose(what, exc) from exc
+    finally:
+        w.leave()
+
+
+def at_step(step: int) -> None:
+    """The step this rank is at, for the hang watch's reports (an attribute write)."""
+    if _watch is not None:
+        _watch.step = step
+
+
+def explain_failure(exc: BaseException) -> BaseException:
+    """For an exception that ends a rank outside ddpjob's collectives: a collective failure in
+    the user's code (DDP's gradient all-reduce in the backward pass) becomes the hang watch's
+    line; any other error is told to the peers so that their line names it. Returns what to
+    report: `exc` itself or the DDPJobError."""
+    w = _watch
+    if w is None or isinstance(exc, (DDPJobError, SystemExit, KeyboardInterrupt)):
+        return exc
+    if hang.is_comm_failure(exc):
+        tb = exc.__traceback__
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code)
+            tb = tb.tb_next
+        backward = any("autograd" in c.co_filename and "backward" in c.co_name for c in frames)
+        return w.diagnose(hang.BACKWARD if backward else "a collective of the training code", exc)
+    w.report_failure(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+    return exc
 
 
 # ------------------------------------------------------------ helpers on the default group
@@ -183,43 +240,33 @@ def _tensor_device() -> torch.device:
     return torch.device("cpu")
 
 
-def is_rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def barrier(group: Any = None) -> None:
+def barrier(group: Any = None, what: str = "a barrier") -> None:
     """All ranks of `group` (default: the job's) meet; a no-op with one process."""
     if _active():
-        if group is None:
-            dist.barrier()
-        else:
-            dist.barrier(group=group)
+        with guard(what):
+            if group is None:
+                dist.barrier()
+            else:
+                dist.barrier(group=group)
 
 
-def all_reduce_max_int(value: int) -> int:
-    """The largest `value` over all ranks (e.g. "does anyone want to stop?")."""
-    if not _active():
-        return int(value)
-    t = torch.tensor([int(value)], dtype=torch.int64, device=_tensor_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: Any, src: int = 0, what: str = "a broadcast") -> Any:
     """Rank `src`'s picklable object, on every rank."""
     if not _active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with guard(what):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
-def all_gather_object(obj: Any) -> list[Any]:
+def all_gather_object(obj: Any, what: str = "an all-gather") -> list[Any]:
     """Every rank's picklable object, in rank order, on every rank."""
     if not _active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    with guard(what):
+        dist.all_gather_object(out, obj)
     return out
 
 
@@ -234,30 +281,30 @@ class Control:
         if ctx.initialized and ctx.backend == "nccl":
             self.group = dist.new_group(backend="gloo")
 
-    def agree(self, values: list[int]) -> list[int]:
+    def agree(self, values: list[int], what: str = "the stop vote") -> list[int]:
         """Element-wise MAX of small integers over all ranks: one all-reduce of a few int64s,
         so every rank takes the same decision at the same step."""
         if not self.active:
             return list(values)
         t = torch.tensor(list(values), dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        with guard(what):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "a barrier") -> None:
         if self.active:
-            dist.barrier(group=self.group)
+            with guard(what):
+                dist.barrier(group=self.group)
 
 
-def all_reduce_(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+def all_reduce_(t: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> torch.Tensor:
     """In place over all ranks: "sum", "mean" or "max" (a no-op for one process)."""
     if not _active():
         return t
-    if op == "max":
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    else:
-        dist.all_reduce(t)
-        if op == "mean":
-            t /= dist.get_world_size()
+    with guard(what):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    if op == "mean":
+        t /= dist.get_world_size()
     return t
 
 
@@ -266,20 +313,17 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
     each forward, so after the last step every other rank still holds its own update: without
     this, the ranks would evaluate slightly different models."""
     if _active():
-        for buf in model.buffers():
-            dist.broadcast(buf, src=0)
+        with guard("the broadcast of rank 0's buffers"):
+            for buf in model.buffers():
+                dist.broadcast(buf, src=0)
 
 
-# ------------------------------------------------------------ tensor collectives (in place)
-# Callers check that a group exists (DistContext.initialized) before calling these.
-def all_reduce_sum(t: torch.Tensor) -> None:
-    """Sum of `t` over all ranks, in place."""
-    dist.all_reduce(t)
-
-
-def broadcast_tensor(t: torch.Tensor, src: int = 0) -> None:
-    """Rank `src`'s `t` on every rank, in place."""
-    dist.broadcast(t, src=src)
+def broadcast_(t: torch.Tensor, src: int = 0, what: str = "a broadcast") -> torch.Tensor:
+    """Rank `src`'s `t` on every rank, in place (a no-op for one process)."""
+    if _active():
+        with guard(what):
+            dist.broadcast(t, src=src)
+    return t
 
 
 def ordered_sum_hook(group, bucket):

@@ -107,16 +107,21 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
                               "job.finish(), expected the training to end with it (the run would "
                               "never be marked completed)", "call job.finish(model) after the loop")
         return EXIT_OK
-    except BaseException as exc:
+    except BaseException as raised:
         failed = True
         job = api.current()
+        # A collective that failed in the user's code (DDP's all-reduce) becomes the hang
+        # watch's line naming the ranks that did not arrive; other errors are told to the peers.
+        reported = job.explain(raised) if job is not None else raised
         where = job.run_dir if job is not None else run_dir
-        if where is not None and not isinstance(exc, SystemExit):
-            why = exc.line() if isinstance(exc, DDPJobError) else _one_line(exc)
+        if where is not None and not isinstance(reported, SystemExit):
+            why = reported.line() if isinstance(reported, DDPJobError) else _one_line(reported)
             rundir.record_event(where, "stop", reason="crash", rank=env.rank, job_id=env.job_id,
                                 restart=env.restart_count, error=why)
-            if not isinstance(exc, (DDPJobError, KeyboardInterrupt)):
+            if not isinstance(reported, (DDPJobError, KeyboardInterrupt)):
                 traceback.print_exc()  # a bug: the log keeps the full story on every rank
+        if reported is not raised:
+            raise reported from raised
         raise
     finally:
         job = api.current()

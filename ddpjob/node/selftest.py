@@ -16,8 +16,8 @@ import torch
 
 from ddpjob import console
 from ddpjob.node.cluster import ClusterEnv
-from ddpjob.node.dist import (DistContext, all_gather_object, all_reduce_sum, barrier, broadcast_object,
-                              broadcast_tensor, init_process_group)
+from ddpjob.node.dist import (DistContext, all_gather_object, all_reduce_, barrier, broadcast_,
+                              broadcast_object, init_process_group)
 
 WARMUP, TIMED = 2, 5
 
@@ -27,16 +27,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _all_reduce(t: torch.Tensor, ctx: DistContext) -> None:
-    if ctx.initialized:
-        all_reduce_sum(t)
-
-
 def check_sum(ctx: DistContext, device: torch.device) -> tuple[int, str | None]:
     """Integer sum of ranks: exact, so any lost or doubled contribution shows."""
     n = ctx.env.world_size
     t = torch.tensor([ctx.env.rank], dtype=torch.int64, device=device)
-    _all_reduce(t, ctx)
+    all_reduce_(t)
     got, expected = int(t.item()), n * (n - 1) // 2
     return got, (None if got == expected else f"all_reduce sum of ranks {got}, expected {expected}")
 
@@ -44,8 +39,7 @@ def check_sum(ctx: DistContext, device: torch.device) -> tuple[int, str | None]:
 def check_broadcast(ctx: DistContext, device: torch.device) -> str | None:
     """Rank 0's random tensor must arrive bit-exact: compare sha256 of the raw bytes."""
     t = torch.rand(4096, generator=torch.Generator().manual_seed(time.time_ns())).to(device)
-    if ctx.initialized:
-        broadcast_tensor(t, src=0)
+    broadcast_(t, src=0)
     digest = hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()
     reference = broadcast_object(digest)
     return None if digest == reference else f"broadcast differs on rank {ctx.env.rank}"
@@ -82,7 +76,7 @@ def measure_bandwidth(ctx: DistContext, device: torch.device,
         _sync(device)
         barrier()  # everyone starts together: the time is the collective's, not the stragglers'
         t0 = time.perf_counter()
-        _all_reduce(x, ctx)
+        all_reduce_(x)
         _sync(device)
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)

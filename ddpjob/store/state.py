@@ -86,7 +86,8 @@ class StateStore:
         self.control = control
         # Same staging name on every rank, new for each (re)start: a folder left by a killed
         # incarnation (half-written .tmp files) is never reused.
-        token = dist.broadcast_object(secrets.token_hex(4) if rank == 0 else None)
+        token = dist.broadcast_object(secrets.token_hex(4) if rank == 0 else None,
+                                     what="the checkpoint store's start")
         self.attempt = f"r{restart}-{token}"
         self.saved_step: int | None = None
         self.resumed_meta: dict[str, Any] = {}
@@ -104,7 +105,7 @@ class StateStore:
             # latest() hashes whole checkpoints: rank 0 does it, the others get the answer. A
             # checkpoint that verifies but does not load is skipped like a damaged one.
             info = self._pick(state) if self.rank == 0 else None
-            info = dist.broadcast_object(info)
+            info = dist.broadcast_object(info, what="the choice of the checkpoint to resume from")
         self._rng_seed = (seed, 0 if info is None else info.step)
         if info is None:
             return 0
@@ -196,10 +197,10 @@ class StateStore:
         if blocking or not self.async_save:
             for name, obj in files.items():
                 self.store.write(staging, name, obj)
-            self.control.barrier()  # every rank's files are on disk before rank 0 commits
+            self.control.barrier("the checkpoint's write")  # every rank's files are on disk before rank 0 commits
             if self.rank == 0:
                 self.store.commit(staging, step, extra)
-            self.control.barrier()  # nobody moves on (or exits) before the checkpoint exists
+            self.control.barrier("the checkpoint's commit")  # nobody moves on (or exits) before it exists
             return
         snap = {name: CheckpointStore.snapshot(obj) for name, obj in files.items()}
         self._pending = (self.store.write_async(staging, snap), staging, step, extra)
@@ -220,5 +221,5 @@ class StateStore:
     def finish_pending(self) -> None:
         if self._pending is not None:
             self._pending[0].wait()
-            self.control.barrier()
+            self.control.barrier("the background checkpoint write")
             self.commit_pending()

@@ -1,0 +1,258 @@
+"""Nothing hangs: when a collective fails on a rank (timed out after train.dist_timeout_s, or a
+peer is gone), name the ranks that did not arrive and where they were, write every thread's
+stack to every rank's log, and make every rank end.
+
+Every collective ddpjob runs goes through dist.py's `guard` (and a failure in DDP's own
+gradient all-reduce reaches runner.py / the excepthook of a script run alone), so the process
+group timeout bounds each of them; this module turns the bare "Timed out waiting 300000ms for
+recv" into the one line a user needs. How: each rank keeps a second connection to rank 0's
+TCPStore (the one the process group was built on) and a daemon thread that polls it every
+couple of seconds. The rank whose collective failed sets an alarm key; every rank's thread then
+reports where its main thread is (which collective, which step, the innermost frame), dumps
+all stacks with faulthandler into the rank log and, if its main thread has not ended on its own
+within EXIT_AFTER_S (a rank stuck in its own code never will), ends the process. So the whole
+job ends within dist_timeout_s + REPORT_S + EXIT_AFTER_S + one poll, well under +60 s.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import re
+import sys
+import sysconfig
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ddpjob.errors import DDPJobError
+
+POLL_S = 2.0  # how often each rank looks for the alarm: one tiny store request
+REPORT_S = 10.0  # how long the failing rank waits for the others' reports
+EXIT_AFTER_S = 20.0  # then a rank whose main thread is still running is ended
+BACKWARD = "DDP's gradient all-reduce (in the backward pass)"
+
+# What gloo, NCCL and the TCPStore say when a peer is late or gone (torch.distributed.DistError
+# and its subclasses are matched by type).
+_COMM_FAILURE = re.compile(r"timed out|timeout|connection (closed|reset|refused)|broken pipe|"
+                           r"peer|socket|nccl (error|watchdog)|gloo", re.IGNORECASE)
+
+
+# The standard library and installed packages (torch): where a stuck rank waits, not why.
+_LIBRARY_DIRS = tuple(sorted({os.path.join(sysconfig.get_paths()[k], "") for k in
+                              ("stdlib", "platstdlib", "purelib", "platlib")} | {"<frozen"}))
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """A collective that failed because of the other ranks, not a bug in the call."""
+    import torch.distributed as dist
+
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_COMM_FAILURE.search(str(exc)))
+
+
+@dataclass
+class Report:
+    """Where one rank's main thread was when the alarm came."""
+
+    rank: int
+    host: str
+    step: int | None
+    inside: str | None  # the ddpjob collective it waited in, None: its own code
+    frame: str  # innermost frame of the main thread, "file.py:12 in fn"
+    for_s: float  # how long it had been there (since the collective began / the step began)
+    backward: bool  # the main thread is in autograd's backward (DDP's all-reduce waits there)
+    failed: str | None = None  # this rank raised (its one-line error)
+
+
+class Watch:
+    """One rank's hang watch. The main thread only sets attributes (`step`, and `enter`/`leave`
+    around a collective): no cost per step beyond that."""
+
+    def __init__(self, rank: int, world_size: int, host: str, master_addr: str, master_port: int) -> None:
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.host = rank, world_size, host
+        self.step: int | None = None
+        self.inside: str | None = None
+        self.since = time.monotonic()
+        self._main = threading.main_thread().ident
+        self._store = dist.TCPStore(master_addr, master_port, is_master=False,
+                                    timeout=timedelta(seconds=REPORT_S), wait_for_workers=False)
+        # Keys of this process group only: torchrun's agent keeps its store across restarts. The
+        # ranks of one attempt all join before any rank of the next, so they share a generation.
+        generation = (int(self._store.add("ddpjob/hang/joined", 1)) - 1) // world_size
+        self._prefix = f"ddpjob/hang/{generation}/"
+        self._alarm_key, self._reported_key = self._key("alarm"), self._key("reported")
+        self._store.set(self._key(f"host/{rank}"), host)  # named even if it never reports
+        self._closed = threading.Event()
+        self._alarmed = False
+        _enable_faulthandler()
+        self._thread = threading.Thread(target=self._listen, name="ddpjob-hang-watch", daemon=True)
+        self._thread.start()
+
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    # ------------------------------------------------------------------ main thread
+    def enter(self, what: str) -> None:
+        self.inside, self.since = what, time.monotonic()
+
+    def leave(self) -> None:
+        self.inside, self.since = None, time.monotonic()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def diagnose(self, what: str, exc: BaseException) -> DDPJobError:
+        """Called by the rank whose collective `what` failed with `exc`: wake every rank's
+        watch, gather their reports and say in one line who did not arrive."""
+        waited = time.monotonic() - self.since
+        cause = " ".join(str(exc).split())[:160] or type(exc).__name__
+        here = f"{what} at step {self.step}" if self.step is not None else what
+        try:
+            self._store.set(self._alarm_key, str(self.rank))
+            self._publish(self._report(what))
+            reports = self._gather()
+        except Exception:  # noqa: BLE001 - rank 0's store is gone with rank 0
+            return DDPJobError(
+                f"rank {self.rank} on {self.host}: {here} failed after {waited:.0f} s ({cause}), and "
+                "rank 0's store no longer answers: rank 0 has ended or its node is gone",
+                "look at rank 0's log for why it ended; every rank's stack is in its log")
+        return DDPJobError(f"rank {self.rank} on {self.host}: {here} failed after {waited:.0f} s "
+                           f"({cause}); {describe(what, self.step, reports, self._hosts())}",
+                           "each rank's log holds every thread's stack at that moment; if a step "
+                           "can legitimately take this long, raise train.dist_timeout_s")
+
+    def report_failure(self, error: str) -> None:
+        """This rank is failing on its own (an exception in its code): tell the peers waiting
+        for it, so their line names the cause instead of "did not arrive"."""
+        try:
+            self._publish(self._report(self.inside, failed=error))
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
+            pass
+
+    # ------------------------------------------------------------------ both threads
+    def _report(self, inside: str | None, failed: str | None = None) -> Report:
+        frame, backward = "?", False
+        top = sys._current_frames().get(self._main) if self._main is not None else None
+        if top is not None:
+            stack = traceback.extract_stack(top)
+            # The innermost frame of the user's (or ddpjob's) code, not threading.py's wait().
+            last = next((f for f in reversed(stack) if not f.filename.startswith(_LIBRARY_DIRS)), stack[-1])
+            frame = f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}"
+            backward = any("autograd" in f.filename and f.name in ("backward", "_engine_run_backward")
+                           for f in stack)
+        return Report(self.rank, self.host, self.step, inside, frame,
+                      round(time.monotonic() - self.since, 1), backward, failed)
+
+    def _publish(self, report: Report) -> None:
+        first = not self._store.check([self._key(f"where/{self.rank}")])
+        self._store.set(self._key(f"where/{self.rank}"), json.dumps(report.__dict__))
+        if first:
+            self._store.add(self._reported_key, 1)
+
+    def _gather(self) -> dict[int, Report]:
+        deadline = time.monotonic() + REPORT_S
+        while self._store.add(self._reported_key, 0) < self.world_size and time.monotonic() < deadline:
+            time.sleep(0.25)
+        time.sleep(0.5)  # ranks whose own collective fails a moment later re-report as waiting
+        out: dict[int, Report] = {}
+        for r in range(self.world_size):
+            key = self._key(f"where/{r}")
+            if self._store.check([key]):
+                out[r] = Report(**json.loads(self._store.get(key)))
+        return out
+
+    def _hosts(self) -> dict[int, str]:
+        keys = [self._key(f"host/{r}") for r in range(self.world_size)]
+        return {r: self._store.get(k).decode() for r, k in enumerate(keys) if self._store.check([k])}
+
+    # ------------------------------------------------------------------ the watch thread
+    def _listen(self) -> None:
+        while not self._closed.wait(POLL_S):
+            try:
+                if not self._store.check([self._alarm_key]):
+                    continue
+                who = self._store.get(self._alarm_key).decode()
+                if who != str(self.rank):
+                    self._publish(self._report(self.inside))
+            except Exception:  # noqa: BLE001 - rank 0 (the store) has ended: so does the job
+                return
+            self._alarmed = True
+            print(f"[ddpjob] rank {self.rank} on {self.host}: a collective failed on rank {who}; "
+                  "every thread's stack follows", file=sys.stderr, flush=True)
+            dump_stacks()
+            if self._closed.wait(EXIT_AFTER_S):
+                return  # the main thread ended on its own (it raised from its collective)
+            print(f"ddpjob: error: rank {self.rank} on {self.host} was still running "
+                  f"{EXIT_AFTER_S:g} s after rank {who}'s collective failed (at "
+                  f"{self._report(self.inside).frame}), expected it to end with the job. Hint: its "
+                  "stack is above; ending this process", file=sys.stderr, flush=True)
+            os._exit(1)
+
+
+def describe(what: str, step: int | None, reports: dict[int, Report], hosts: dict[int, str]) -> str:
+    """Who did not arrive at `what` (of `step`), from the ranks' reports: the part of the error
+    line that names ranks, hosts and where each one was."""
+    late, failed, silent = [], [], []
+    for r in sorted(set(hosts) | set(reports)):
+        rep = reports.get(r)
+        host = hosts.get(r, rep.host if rep else "?")
+        if rep is None:
+            silent.append(f"rank {r} ({host})")
+        elif rep.failed:
+            failed.append(f"rank {r} ({host}) failed: {rep.failed[:200]}")
+        elif _arrived(rep, what, step):
+            continue
+        elif rep.inside:
+            late.append(f"rank {r} ({host}) was in {rep.inside} at step {rep.step} for {rep.for_s:.0f} s")
+        else:
+            late.append(f"rank {r} ({host}) did not arrive: it was running its own code at "
+                        f"{rep.frame} (step {rep.step}, for {rep.for_s:.0f} s)")
+    parts = failed + late
+    if silent:
+        parts.append(f"{', '.join(silent)} did not answer (the process ended or is stuck outside "
+                     "Python: see its log)")
+    return "; ".join(parts) if parts else "every rank had arrived: the network between the nodes failed"
+
+
+def _arrived(rep: Report, what: str, step: int | None) -> bool:
+    if step is not None and rep.step is not None and rep.step != step:
+        return False
+    return rep.inside == what or (what == BACKWARD and rep.inside is None and rep.backward)
+
+
+def dump_stacks() -> None:
+    """Every thread's stack to stderr (the rank log): faulthandler writes it without the GIL
+    dance; where stderr is no real file (a captured test), the Python equivalent."""
+    try:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        for ident, frame in sys._current_frames().items():
+            print(f"Thread 0x{ident:x}:\n{''.join(traceback.format_stack(frame))}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _enable_faulthandler() -> None:
+    # Fatal signals (a segfault, NCCL's watchdog aborting the process) dump every thread's stack too.
+    try:
+        if not faulthandler.is_enabled():
+            faulthandler.enable(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        pass
+
+
+def make(env: Any) -> Watch | None:
+    """The watch for a process group built on rank 0's TCPStore at MASTER_ADDR:MASTER_PORT."""
+    try:
+        return Watch(env.rank, env.world_size, env.hostname, env.master_addr, env.master_port)
+    except Exception as exc:  # noqa: BLE001 - no watch is no reason to stop training
+        print(f"ddpjob: warning: rank {env.rank}: no hang watch ({' '.join(str(exc).split())[:120]})",
+              file=sys.stderr, flush=True)
+        return None

@@ -1,0 +1,123 @@
+"""Nothing hangs (node/hang.py): a rank that stops making progress ends the job within
+train.dist_timeout_s + 60 s, with one line naming the rank, its host and where it was, and
+every thread's stack in each rank's log. Real processes (tests/api_script.py, 2 ranks under
+`ddpjob run`); the stall is caused at a chosen step by the script itself, and the only clock
+in the assertions is the issue's own bound (timeout + 60 s), measured from the stall."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpjob.node import hang
+from ddpjob.node.hang import Report
+from ranks import TESTS, Ranks, events, write_job
+
+TIMEOUT_S = 10
+HOSTS = {0: "n1", 1: "n1", 2: "n2", 3: "n2"}
+
+
+def _report(rank: int, **kw: object) -> Report:
+    base: dict[str, object] = dict(rank=rank, host=HOSTS[rank], step=6, inside=None,
+                                   frame="train.py:40 in main", for_s=12.0, backward=False, failed=None)
+    base.update(kw)
+    return Report(**base)  # type: ignore[arg-type]
+
+
+def test_describe_names_the_rank_that_did_not_arrive_and_where_it_was() -> None:
+    vote = "the stop vote"
+    reports = {0: _report(0, inside=vote), 1: _report(1, inside=vote), 2: _report(2),
+               3: _report(3, inside=vote)}
+    assert hang.describe(vote, 6, reports, HOSTS) == (
+        "rank 2 (n2) did not arrive: it was running its own code at train.py:40 in main (step 6, for 12 s)")
+
+
+def test_describe_backward_waiters_failures_silence_and_other_collectives() -> None:
+    reports = {0: _report(0, backward=True), 1: _report(1, failed="ValueError: bad batch"),
+               3: _report(3, inside="the checkpoint's write", step=5)}
+    line = hang.describe(hang.BACKWARD, 6, reports, HOSTS)
+    assert line == ("rank 1 (n1) failed: ValueError: bad batch; rank 3 (n2) was in the checkpoint's "
+                    "write at step 5 for 12 s; rank 2 (n2) did not answer (the process ended or is "
+                    "stuck outside Python: see its log)")
+    everyone = {r: _report(r, backward=True) for r in range(4)}
+    assert "network between the nodes failed" in hang.describe(hang.BACKWARD, 6, everyone, HOSTS)
+
+
+def test_comm_failures_are_told_from_bugs() -> None:
+    assert hang.is_comm_failure(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+                                             "waiting 10000ms for recv operation to complete"))
+    assert hang.is_comm_failure(RuntimeError("[pair.cc:534] Connection closed by peer [10.0.0.2]:4242"))
+    assert not hang.is_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 3x2)"))
+    assert not hang.is_comm_failure(ValueError("timed out"))  # a value error is the caller's
+
+
+def _stalled_job(tmp_path: Path, where: str) -> tuple[list[int], Ranks, float, float]:
+    job = write_job(tmp_path / "job.toml",
+                    train={"entry": str(TESTS / "api_script.py"), "threads": 1, "dist_timeout_s": TIMEOUT_S},
+                    checkpoint={"every_steps": 5}, user={"steps": 20, "stall_at": where})
+    ranks = Ranks([str(job), "--run-dir", str(tmp_path / "run")], 2, tmp_path / "logs", job_id="hang")
+    codes = ranks.wait(300)
+    ended = time.time()
+    (stalled,) = re.findall(r"stalled at ([0-9.]+)", ranks.output(1))
+    return codes, ranks, float(stalled), ended
+
+
+@pytest.mark.parametrize("where, waiting_in", [
+    ("1:6", "DDP's gradient all-reduce (in the backward pass) at step 6"),  # rank 0 waits in DDP's backward
+    ("1:6:after", "job.log()'s average at step 6"),  # rank 0 waits in a ddpjob collective
+])
+def test_a_stalled_rank_ends_the_job_with_its_name_host_and_stack(tmp_path: Path, where: str,
+                                                                   waiting_in: str) -> None:
+    codes, ranks, stalled, ended = _stalled_job(tmp_path, where)
+    assert codes == [1, 1], ranks.output()
+    assert ended - stalled < TIMEOUT_S + 60, f"the job took {ended - stalled:.0f} s to end after the stall"
+    rank0 = ranks.output(0)
+    (line,) = [x for x in rank0.splitlines() if x.startswith("ddpjob: error:")]
+    assert f"rank 0 on {_host()}: {waiting_in} failed after" in line, line
+    assert f"rank 1 ({_host()}) did not arrive: it was running its own code at api_script.py:" in line
+    assert "in stall (step 6" in line and "Hint:" in line and "Traceback" not in rank0
+    # every thread's stack in rank 1's log, with the line where the user's code is stuck
+    rank1 = ranks.output(1)
+    assert "every thread's stack follows" in rank1
+    assert re.search(r'File ".*api_script\.py", line \d+ in stall', rank1), rank1[-3000:]
+    crash = [e for e in events(tmp_path / "run") if e["event"] == "stop" and e["reason"] == "crash"]
+    assert crash and "rank 1 (" in crash[0]["error"] and "did not arrive" in crash[0]["error"]
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+@pytest.mark.cluster
+def test_a_stalled_rank_on_the_slurm_cluster_fails_the_job_naming_rank_1_and_n2(
+        slurm_cluster: object, tmp_path: Path) -> None:
+    """2 nodes x 1 task through `ddpjob submit --backend slurm`: rank 1 (on n2) deadlocks in step
+    6. The job ends FAILED (max_failures = 0) within dist_timeout_s + 60 s of the stall (SLURM's
+    EndTime), rank 0's log names rank 1 and n2, rank 1's log holds its stack."""
+    import slurmtools
+    from test_examples_slurm import _submit
+
+    slurmtools.cluster_free(timeout=600)
+    timeout_s = 20
+    job = write_job(tmp_path / "job.toml",
+                    train={"entry": str(TESTS / "api_script.py"), "threads": 1, "dist_timeout_s": timeout_s},
+                    checkpoint={"every_steps": 5}, user={"steps": 20, "stall_at": "1:6"},
+                    slurm={"nodes": 2, "tasks_per_node": 1, "time": "00:10:00", "max_failures": 0})
+    run_dir = tmp_path / "run"
+    jid = _submit(job, run_dir)
+    assert slurmtools.wait_done(jid, timeout=600) == "FAILED"
+    logs = run_dir / "logs"
+    rank0 = "".join(p.read_text() for p in sorted(logs.glob(f"{jid}_0_log.*")))
+    rank1 = "".join(p.read_text() for p in sorted(logs.glob(f"{jid}_1_log.*")))
+    (stalled,) = re.findall(r"stalled at ([0-9.]+)", rank1)
+    ended = time.mktime(time.strptime(slurmtools.job_info(jid)["EndTime"], "%Y-%m-%dT%H:%M:%S"))
+    assert ended - float(stalled) < timeout_s + 60, f"ended {ended - float(stalled):.0f} s after the stall"
+    (line,) = [x for x in rank0.splitlines() if x.startswith("ddpjob: error:")]
+    assert "rank 0 on n1:" in line and "rank 1 (n2) did not arrive" in line and "api_script.py:" in line
+    assert re.search(r'File ".*api_script\.py", line \d+ in stall', rank1), rank1[-3000:]
+    assert slurmtools.job_info(jid)["Restarts"] == "0"
