@@ -206,12 +206,9 @@ def test_charlm_slurm_2x2_preempted_resumed_1x2_sees_every_sample_once_per_epoch
     at = 20
     job = _charlm_job(tmp_path, max_steps=total, num_workers=1)
     run_dir = tmp_path / "run"
-    # submitit's batch script runs a bare `srun`, which takes the task count from SLURM_NTASKS as
-    # at submission (4), not from the shrunk allocation: recompute it from the nodes (ddpjob's own
-    # sbatch template passes --nodes/--ntasks from SLURM_JOB_NUM_NODES for the same reason).
-    ntasks = "export SLURM_NTASKS=$((SLURM_JOB_NUM_NODES * 2)) SLURM_NPROCS=$((SLURM_JOB_NUM_NODES * 2))"
+    # Nothing in the job file about the shrink: submitit's script recomputes its task count from
+    # the allocation (launch/submit.py), as the sbatch template does.
     jid = _submit(job, run_dir, "slurm.tasks_per_node=2", "slurm.time=\"00:10:00\"",
-                  f"slurm.setup={json.dumps([ntasks])}",
                   env={"DDPJOB_TEST_PREEMPT_AT": f"0:{at}:{tmp_path / 'high.id'}"})
     stop = wait_stop(run_dir, 1, jid, timeout=400)
     assert stop["reason"] == "preemption" and stop["requeued"] is True and stop["step"] == at + 1, stop

@@ -44,6 +44,9 @@ def test_a_failed_query_is_neither_yes_nor_no(fake_slurm) -> None:
     assert slurm.being_preempted("77") is True
     assert slurm.show_job("77")["Command"] == "/a b/job.sbatch"  # values with spaces
     assert isinstance(slurm.being_preempted("77; rm -rf /"), slurm.Failed)  # never reaches a shell
+    # whole strings only: a trailing newline or non-ASCII digits are no job id
+    for bad in ("77\n", "\n77", "٧٧", "77_", "77_1_2"):
+        assert isinstance(slurm.being_preempted(bad), slurm.Failed), repr(bad)
 
 
 def test_result_tells_missing_timeout_and_refusal(fake_slurm) -> None:

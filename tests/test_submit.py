@@ -42,7 +42,14 @@ def test_slurm_parameters_map_every_field():
     assert {k: p[k] for k in keys} == {
         "job_name": "t", "nodes": 2, "ntasks_per_node": 4, "gpus_per_node": 4, "cpus_per_task": 8,
         "mem": "64G", "partition": "gpu", "account": "proj1", "qos": "high", "constraint": "a100",
-        "signal_delay_s": 300, "setup": [submit._guard_lines(cfg, None)[0], "module load cuda"]}
+        "signal_delay_s": 300, "setup": [*submit._guard_lines(cfg, None), "module load cuda"]}
+    # submitit's bare srun takes SLURM_NTASKS: after a shrink to 1 node it must be 1 x 4, not 8
+    for nodes, expected in (("1", "4 4"), ("2", "8 8"), (None, "8 8")):
+        env = {"PATH": "/usr/bin:/bin", **({"SLURM_JOB_NUM_NODES": nodes} if nodes else {})}
+        lines = "\n".join([*submit._guard_lines(cfg, None)[1:], 'echo "$SLURM_NTASKS $SLURM_NPROCS"'])
+        out = subprocess.run(["bash", "-c", lines], env={**env, "SLURM_NTASKS": "8"}, capture_output=True,
+                             text=True, timeout=30)
+        assert out.stdout.strip() == expected, (nodes, out)
     assert p["srun_args"] == ["--kill-on-bad-exit=1"]  # as in the template
     assert p["time"] == 1 * 1440 + 2 * 60 + 4  # whole minutes, rounded up, for submitit
     assert p["additional_parameters"] == {"time": "1-02:03:04", "open-mode": "append", "requeue": True,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
 
-JOB_ID = re.compile(r"^\d+(_\d+)?$")
+JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # used with fullmatch: no newline, ASCII digits only
 TIMEOUT_S = 30.0
 
 
@@ -84,7 +84,7 @@ def run(args: Sequence[str], timeout: float = TIMEOUT_S, *, env: Mapping[str, st
 
 
 def _bad_id(job_id: str | None) -> Failed | None:
-    if not job_id or not JOB_ID.match(str(job_id)):
+    if not job_id or not JOB_ID.fullmatch(str(job_id)):
         return Failed(f"job id {job_id!r} is not a SLURM job id")
     return None
 
@@ -162,7 +162,7 @@ def submit(script: str | Path, *sbatch_args: str, cwd: str | Path | None = None)
            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
     res = run(["sbatch", "--parsable", *sbatch_args, str(script)], timeout=60, env=env, cwd=cwd)
     job_id = res.stdout.strip().split(";")[0] if res.ok else ""
-    if not JOB_ID.match(job_id):
+    if not JOB_ID.fullmatch(job_id):
         return res.failed() if not res.ok else Failed(f"sbatch printed {res.stdout!r}, expected a job id")
     return job_id
 

@@ -197,9 +197,15 @@ def _guard_lines(cfg: JobConfig, folder: Path | None) -> list[str]:
     (0750 with slurm.share_group); this refuses a folder someone loosened since, before the
     pickle is read. Why the trap: SLURM sends SIGTERM to the batch shell too (scancel, time
     limit, preemption); without a trap bash dies at once and the job ends while the ranks are
-    still writing their checkpoint. Trapped, bash waits for srun (the template does the same)."""
+    still writing their checkpoint. Trapped, bash waits for srun (the template does the same).
+    Why the task count: submitit's bare `srun` takes it from SLURM_NTASKS, which after an elastic
+    shrink of the pending job (scontrol update NumNodes=1 ...) still holds the submission's count;
+    recompute it from the allocation, as the template's --ntasks does."""
+    s = cfg.slurm
     lines = ["trap 'echo \"ddpjob: batch shell got a stop signal; waiting for the ranks\" >&2' "
-             "TERM INT HUP"]
+             "TERM INT HUP",
+             f"DDPJOB_NTASKS=$(( ${{SLURM_JOB_NUM_NODES:-{int(s.nodes)}}} * {int(s.tasks_per_node)} ))",
+             "export SLURM_NTASKS=$DDPJOB_NTASKS SLURM_NPROCS=$DDPJOB_NTASKS"]
     if folder is not None:
         dirs = " ".join(shlex.quote(str(d)) for d in (folder.parent, folder))
         lines.append(f"for DDPJOB_D in {dirs}; do if [ -n \"$(find \"$DDPJOB_D\" -maxdepth 0 "
