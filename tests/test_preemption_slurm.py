@@ -231,11 +231,16 @@ def assert_same_as_reference(run: Path, ref: Path) -> dict[str, int]:
 
 
 def assert_signalled_stop(run: Path, stop: dict[str, Any], restart: int, signal_name: str) -> int:
-    """Every rank got the signal; they stopped at most one optimizer step after it arrived (the
-    step in flight), all at the same step, and the next start resumed exactly there: the work
-    lost is nothing but the unfinished part of that step, which the stop finished instead."""
+    """The ranks that had the signal by the stop (SLURM signals the nodes one after the other: on
+    a busy machine the vote of the first node's ranks can stop the job before the other node's
+    slurmd delivers it, and a rank stopped by the vote records no signal) stopped at most one
+    optimizer step after it arrived (the step in flight), all at the same step, and the next
+    start resumed exactly there: the work lost is nothing but the unfinished part of that step,
+    which the stop finished instead."""
     sig = signal_events(run, restart)
-    assert [(r, s) for r, s, _, _ in sig] == [(r, signal_name) for r in range(4)], sig
+    ranks = [r for r, *_ in sig]
+    assert sig and all(s == signal_name for _, s, _, _ in sig), sig
+    assert len(set(ranks)) == len(ranks) and set(ranks) <= set(range(4)), sig  # once per rank
     assert {stop_step for *_, stop_step in sig} == {stop["step"]}, sig
     assert all(0 <= stop_step - at_step <= 1 for _, _, at_step, stop_step in sig), sig
     starts = events(run, "start")  # the checkpoint of the stop step is the one resumed from
