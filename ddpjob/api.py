@@ -165,6 +165,7 @@ class Job:
         self.finished = False
         self.stopped_at: int | None = None
         self._control = dist.Control(ctx)
+        dist.watch_steps(stop)
         c = cfg.checkpoint
         self._store = StateStore(run_dir / rundir.CHECKPOINTS, keep_last=c.keep_last,
                                  config_hash=cfg.hash(), async_save=c.async_save, rank=self.rank,
@@ -244,7 +245,7 @@ class Job:
         stop, the checkpoint is written, the requeue decided and the process ends with
         EXIT_REQUEUE (StopForRequeue). After the last step a final checkpoint is written.
         `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
-        from ddpjob.node import dist, preemption
+        from ddpjob.node import preemption
         from ddpjob.node.sampler import StepSampler
 
         if self._step is None:
@@ -257,14 +258,12 @@ class Job:
         self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
         self._stop.current_step = step
-        dist.at_step(step)
         t_step = time.monotonic()
         while step < total:
             yield step
             step += 1
             self._step = step
             self._stop.current_step = step
-            dist.at_step(step)
             now = time.monotonic()
             self._deadline.observe_step(now - t_step)
             if step >= total:

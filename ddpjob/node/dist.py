@@ -202,30 +202,15 @@ def guard(what: str) -> Iterator[None]:
         w.leave()
 
 
-def at_step(step: int) -> None:
-    """The step this rank is at, for the hang watch's reports (an attribute write)."""
-    if _watch is not None:
-        _watch.step = step
-
-
 def explain_failure(exc: BaseException) -> BaseException:
-    """For an exception that ends a rank outside ddpjob's collectives: a collective failure in
-    the user's code (DDP's gradient all-reduce in the backward pass) becomes the hang watch's
-    line; any other error is told to the peers so that their line names it. Returns what to
-    report: `exc` itself or the DDPJobError."""
-    w = _watch
-    if w is None or isinstance(exc, (DDPJobError, SystemExit, KeyboardInterrupt)):
-        return exc
-    if hang.is_comm_failure(exc):
-        tb = exc.__traceback__
-        frames = []
-        while tb is not None:
-            frames.append(tb.tb_frame.f_code)
-            tb = tb.tb_next
-        backward = any("autograd" in c.co_filename and "backward" in c.co_name for c in frames)
-        return w.diagnose(hang.BACKWARD if backward else "a collective of the training code", exc)
-    w.report_failure(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
-    return exc
+    """What to report for an exception that ends this rank (hang.Watch.explain)."""
+    return _watch.explain(exc) if _watch is not None else exc
+
+
+def watch_steps(stop: Any) -> None:
+    """The hang watch reads the step this rank is at from the Job's StopFlag (current_step)."""
+    if _watch is not None:
+        _watch.steps = stop
 
 
 # ------------------------------------------------------------ helpers on the default group

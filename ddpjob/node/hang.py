@@ -78,7 +78,7 @@ class Watch:
         import torch.distributed as dist
 
         self.rank, self.world_size, self.host = rank, world_size, host
-        self.step: int | None = None
+        self.steps: Any = None  # the Job's StopFlag: its current_step is the step this rank is at
         self.inside: str | None = None
         self.since = time.monotonic()
         self._main = threading.main_thread().ident
@@ -91,13 +91,16 @@ class Watch:
         self._alarm_key, self._reported_key = self._key("alarm"), self._key("reported")
         self._store.set(self._key(f"host/{rank}"), host)  # named even if it never reports
         self._closed = threading.Event()
-        self._alarmed = False
         _enable_faulthandler()
         self._thread = threading.Thread(target=self._listen, name="ddpjob-hang-watch", daemon=True)
         self._thread.start()
 
     def _key(self, name: str) -> str:
         return self._prefix + name
+
+    @property
+    def step(self) -> int | None:
+        return getattr(self.steps, "current_step", None)
 
     # ------------------------------------------------------------------ main thread
     def enter(self, what: str) -> None:
@@ -129,13 +132,21 @@ class Watch:
                            "each rank's log holds every thread's stack at that moment; if a step "
                            "can legitimately take this long, raise train.dist_timeout_s")
 
-    def report_failure(self, error: str) -> None:
-        """This rank is failing on its own (an exception in its code): tell the peers waiting
-        for it, so their line names the cause instead of "did not arrive"."""
+    def explain(self, exc: BaseException) -> BaseException:
+        """For an exception that ends this rank outside ddpjob's collectives: a collective that
+        failed in the user's code (DDP's gradient all-reduce) becomes the diagnosis; any other
+        error is told to the peers waiting for this rank, so that their line names the cause
+        instead of "did not arrive". Returns what to report: `exc` or the DDPJobError."""
+        if isinstance(exc, (DDPJobError, SystemExit, KeyboardInterrupt)):
+            return exc
+        if is_comm_failure(exc):
+            frames = traceback.extract_tb(exc.__traceback__)
+            return self.diagnose(BACKWARD if _in_backward(frames) else "a collective of the training code", exc)
         try:
-            self._publish(self._report(self.inside, failed=error))
+            self._publish(self._report(self.inside, failed=" ".join(f"{type(exc).__name__}: {exc}".split())[:300]))
         except Exception:  # noqa: BLE001 - the store is gone: nothing to tell
             pass
+        return exc
 
     # ------------------------------------------------------------------ both threads
     def _report(self, inside: str | None, failed: str | None = None) -> Report:
@@ -146,8 +157,7 @@ class Watch:
             # The innermost frame of the user's (or ddpjob's) code, not threading.py's wait().
             last = next((f for f in reversed(stack) if not f.filename.startswith(_LIBRARY_DIRS)), stack[-1])
             frame = f"{os.path.basename(last.filename)}:{last.lineno} in {last.name}"
-            backward = any("autograd" in f.filename and f.name in ("backward", "_engine_run_backward")
-                           for f in stack)
+            backward = _in_backward(stack)
         return Report(self.rank, self.host, self.step, inside, frame,
                       round(time.monotonic() - self.since, 1), backward, failed)
 
@@ -184,7 +194,6 @@ class Watch:
                     self._publish(self._report(self.inside))
             except Exception:  # noqa: BLE001 - rank 0 (the store) has ended: so does the job
                 return
-            self._alarmed = True
             print(f"[ddpjob] rank {self.rank} on {self.host}: a collective failed on rank {who}; "
                   "every thread's stack follows", file=sys.stderr, flush=True)
             dump_stacks()
@@ -226,6 +235,11 @@ def _arrived(rep: Report, what: str, step: int | None) -> bool:
     if step is not None and rep.step is not None and rep.step != step:
         return False
     return rep.inside == what or (what == BACKWARD and rep.inside is None and rep.backward)
+
+
+def _in_backward(frames: traceback.StackSummary) -> bool:
+    # DDP's gradient all-reduce runs in autograd's engine, entered through these functions.
+    return any("autograd" in f.filename and f.name in ("backward", "_engine_run_backward") for f in frames)
 
 
 def dump_stacks() -> None:
