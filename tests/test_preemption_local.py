@@ -214,7 +214,7 @@ def test_elastic_resume_refuses_a_world_size_that_cannot_keep_the_global_batch(t
 
 
 def test_deadline_watch_stops_before_the_time_limit_without_any_signal(tmp_path: Path) -> None:
-    """SLURM_JOB_END_TIME 20 s away: less than the 30 s margin alone of (step + eval + checkpoint
+    """SLURM_JOB_END_TIME 20 s away: less than the 30 s margin alone of (step + checkpoint
     estimate) x 1.5 + 30 s, so the watch has expired at the first vote however long the start
     took: the ranks checkpoint and stop after their first step, reason 'time_limit'."""
     job = _job(tmp_path, batch_size=_batch(2), max_steps=500)

@@ -218,13 +218,6 @@ def _active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _tensor_device() -> torch.device:
-    # NCCL only moves CUDA tensors; gloo wants CPU ones for these small values.
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def barrier(group: Any = None, what: str = "a barrier") -> None:
     """All ranks of `group` (default: the job's) meet; a no-op with one process."""
     if _active():

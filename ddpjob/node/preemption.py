@@ -71,12 +71,6 @@ def _kill_daemon_children() -> None:
         child.kill()
 
 
-def ignore_signals(signals: Sequence[str | int] = ("USR2", "TERM")) -> None:
-    """For `worker_init_fn` of spawned (not forked) workers: ignore the stop signals."""
-    for s in signals:
-        signal.signal(signal_number(s), signal.SIG_IGN)
-
-
 class StopFlag:
     """Signal handlers that only record (signal, time). `code` is read at step boundaries."""
 
@@ -135,7 +129,8 @@ class StopFlag:
 class DeadlineWatch:
     """Stop before the time limit even if no warning signal comes (no --signal, or it was lost).
 
-    Stop when the remaining time falls below (step + eval + checkpoint time) x safety + margin:
+    Stop when the remaining time falls below (step + checkpoint time) x safety + margin (an
+    evaluation inside a step raises the step estimate):
     the step in flight must finish, then the checkpoint must be written, before SLURM's SIGKILL.
     Times are measured as the job runs; the checkpoint time starts from a guess until a save
     has been timed.
@@ -145,7 +140,6 @@ class DeadlineWatch:
     safety: float = 1.5
     margin_s: float = 30.0
     step_s: float = 0.0
-    eval_s: float = 0.0
     checkpoint_s: float = 10.0
     clock: Callable[[], float] = time.time
 
@@ -153,14 +147,11 @@ class DeadlineWatch:
         # Slow-moving max-biased average: one slow step (eval, GC) should raise the estimate.
         self.step_s = max(seconds, 0.9 * self.step_s + 0.1 * seconds)
 
-    def observe_eval(self, seconds: float) -> None:
-        self.eval_s = max(self.eval_s, seconds)
-
     def observe_checkpoint(self, seconds: float) -> None:
         self.checkpoint_s = seconds
 
     def needed_s(self) -> float:
-        return (self.step_s + self.eval_s + self.checkpoint_s) * self.safety + self.margin_s
+        return (self.step_s + self.checkpoint_s) * self.safety + self.margin_s
 
     def remaining_s(self) -> float | None:
         return None if self.end_time is None else self.end_time - self.clock()
