@@ -124,22 +124,19 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
 
 
 def _check_budget(cfg: JobConfig, env: ClusterEnv, path: Path, ctx: Any) -> int:
-    """This start's restart number within the run (successor jobs included); refuses a start
-    past slurm.max_requeues (SLURM may requeue a job by itself, e.g. after GraceTime)."""
-    from ddpjob.node import requeue
+    """This start's restart number within the run (successor jobs included). Rank 0 records
+    what ended the previous attempt unseen and checks the budgets; every rank gets its answer
+    (one reader: the file may be changing under the others)."""
+    from ddpjob.node import dist, requeue
 
-    restart = rundir.run_restart(path, env.job_id, env.restart_count)
-    requeues, _ = requeue.used(path, restart)
-    if requeues > cfg.slurm.max_requeues:
-        if env.is_rank0:
-            rundir.record_event(path, "stop", reason="crash", step=None, job_id=env.job_id,
-                                restart=restart, error="max_requeues exceeded")
+    answer = requeue.check_start(cfg, env, path) if env.is_rank0 else None
+    restart, why = dist.broadcast_object(answer, what="the start's budget check")
+    if why:
         ctx.destroy(barrier_timeout_s=1.0)
-        raise DDPJobError(f"this is restart {restart} of run {path.name} ({requeues} requeues), more "
-                          f"than slurm.max_requeues = {cfg.slurm.max_requeues}",
-                          "raise slurm.max_requeues, or find out why the job keeps stopping "
+        raise DDPJobError(f"this is restart {restart} of run {path.name}: {why}",
+                          "raise the budget in [slurm], or find out why the job keeps stopping "
                           "(`ddpjob status RUN_DIR` lists every stop)")
-    return restart
+    return int(restart)
 
 
 def current() -> Job | None:

@@ -94,18 +94,32 @@ def test_keep_last_below_one_is_a_usage_error(tmp_path: Path) -> None:
 
 
 def test_prune_never_deletes_the_only_valid_one(tmp_path: Path) -> None:
+    save_steps(CheckpointStore(tmp_path, keep_last=2), 1, 2)
+    # the newer file rotted on disk (same size: only its hash tells); a resume falls back to 1
+    p = tmp_path / "step-000000002" / "model.pt"
+    p.write_bytes(bytes(len(p.read_bytes())))
     store = CheckpointStore(tmp_path, keep_last=1)
-    save_steps(store, 1)
-    # a newer, broken checkpoint (e.g. left by a disk that lost its tail) fills keep_last
-    broken = tmp_path / "step-000000002"
-    broken.mkdir()
-    (broken / "model.pt").write_bytes(b"")
     store.prune()
     assert [i.step for i in store.list()] == [2, 1]
     assert store.latest(log=lambda _: None).step == 1
-    # and it still holds after a later commit: keep_last=1 keeps the newest plus nothing older
+    # and a later commit: keep_last=1 keeps the newest plus nothing older
     save_steps(store, 3)
     assert [i.step for i in store.list()] == [3]
+
+
+def test_damaged_checkpoints_are_pruned_and_take_no_keep_last_slot(tmp_path: Path) -> None:
+    save_steps(CheckpointStore(tmp_path, keep_last=2), 1, 2)
+    # left by a disk that lost its tail: no manifest; a truncated file
+    broken = tmp_path / "step-000000003"
+    broken.mkdir()
+    (broken / "model.pt").write_bytes(b"")
+    save_steps(CheckpointStore(tmp_path, keep_last=10), 4)
+    _truncate(tmp_path / "step-000000004")
+    store = CheckpointStore(tmp_path, keep_last=2)
+    store.prune()
+    assert [i.step for i in store.list()] == [2, 1]  # two valid ones kept, as keep_last says
+    save_steps(store, 5)
+    assert [i.step for i in store.list()] == [5, 2]
 
 
 def _truncate(folder: Path) -> None:

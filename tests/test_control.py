@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_checkpoint
 import pytest
 from test_local_backend import fake_command, local_state, make_run, wait_for
 
@@ -60,13 +61,14 @@ def test_format_status_is_a_compact_summary(tmp_path):
         "last step   150  loss 1.2346", "checkpoint  step-000000100", "completed   no"]
 
 
-def test_last_checkpoint_skips_unfinished_saves_and_last_metric_skips_torn_lines(tmp_path):
-    for step, manifest in ((5, True), (12, True), (20, False)):
-        d = tmp_path / "checkpoints" / f"step-{step:09d}"
-        d.mkdir(parents=True)
-        if manifest:
-            (d / "manifest.json").write_text("{}")
+def test_last_checkpoint_is_the_newest_valid_one_and_last_metric_skips_torn_lines(tmp_path):
+    # what a resume would pick: step 20's save never finished, step 16 is truncated on disk
+    fake_checkpoint.committed(tmp_path, 5)
+    fake_checkpoint.committed(tmp_path, 12)
+    fake_checkpoint.committed(tmp_path, 16, damaged=True)
+    (fake_checkpoint.committed(tmp_path, 20) / "manifest.json").unlink()
     assert control.last_checkpoint(tmp_path) == "step-000000012"
+    assert control.last_checkpoint(tmp_path / "nothing-here") == ""
     (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 2.5}\n{"step": 20, "eval_acc": 0.1}\n'
                                             '{"step": 30, "loss": 1.5}\n{"step": 40, "lo')
     assert control.last_metric(tmp_path) == (30, 1.5)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import fake_checkpoint
+
 from ddpjob import config, rundir
 from ddpjob.launch import control, plot, slurm
 from ddpjob.node import preemption, requeue
@@ -174,8 +176,8 @@ def test_local_backend_and_requeue_off_decide_nothing(fake_slurm, tmp_path) -> N
 @pytest.mark.parametrize("max_failures, requeued", [(0, None), (1, True)])
 def test_a_crash_is_retried_only_within_max_failures(fake_slurm, tmp_path, max_failures, requeued) -> None:
     cfg, d = run_dir(tmp_path, max_failures=max_failures)
-    (d / "checkpoints" / "step-10").mkdir(parents=True)
-    (d / "checkpoints" / "step-10" / "manifest.json").write_text("{}")
+    fake_checkpoint.committed(d, 10)
+    fake_checkpoint.committed(d, 12, damaged=True)  # a resume skips it: so does the ledger
     rundir.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 13})
     fake_slurm.answer("scontrol requeue")
     assert requeue.after_crash(cfg, ENV, d, 1) is requeued
@@ -226,3 +228,68 @@ def test_no_crash_decision_after_rank0_already_stopped(fake_slurm, tmp_path) -> 
     calls = len(fake_slurm.calls)
     assert requeue.after_crash(cfg, ENV, d, 143) is None
     assert len(fake_slurm.calls) == calls and last_stop(d)["reason"] == "preemption"
+
+
+def sacct_time(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t))
+
+
+def started(d: Path, job_id: str, restart: int, t: float) -> None:
+    rundir.append_jsonl(d / "events.jsonl", {"event": "start", "time": t, "restart": restart,
+                                             "job_id": job_id, "source": "slurm"})
+    if not (d / "checkpoints").is_dir():
+        fake_checkpoint.committed(d, 10)
+    rundir.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 13})
+
+
+@pytest.mark.parametrize("max_failures", [0, 1])
+def test_a_node_failure_nobody_saw_is_recorded_at_the_next_start(fake_slurm, tmp_path, max_failures) -> None:
+    # Attempt 0 of job 77 started and its node died: no ddpjob code ran, nothing was recorded,
+    # and SLURM requeued the job by itself. The next start learns it from sacct.
+    cfg, d = run_dir(tmp_path, max_failures=max_failures)
+    t = 1_790_000_000.0
+    started(d, "77", 0, t)
+    fake_slurm.answer("sacct", f"NODE_FAIL|{sacct_time(t - 5)}|{sacct_time(t + 60)}\n"
+                               f"RUNNING|{sacct_time(t + 80)}|Unknown\n")
+    again = ClusterEnv(source="slurm", job_id="77", restart_count=1)
+    restart, why = requeue.check_start(cfg, again, d)
+    stops = [e for e in rundir.events(d) if e["event"] == "stop"]
+    failure = stops[0]
+    assert (failure["reason"], failure["job_id"], failure["restart"]) == ("node_failure", "77", 0)
+    assert (failure["step"], failure["steps_lost"], failure["requeued_by"]) == (10, 3, "slurm")
+    assert "sacct says NODE_FAIL" in failure["note"] and failure["signal_time"] == t + 60
+    assert restart == 1 and requeue.used(d, 1) == (0, 1)  # a failure, not a requeue
+    if max_failures:
+        assert why is None and len(stops) == 1
+    else:
+        assert why == "1 failure(s) retried, more than slurm.max_failures = 0", why
+        assert (stops[-1]["reason"], stops[-1]["restart"]) == ("budget", 1)
+        assert plot.ledger(rundir.events(d))[1] == (
+            "start refused (job 77): 1 failure(s) retried, more than slurm.max_failures = 0")
+        # the batch shell's crash check after the refusal decides nothing more
+        assert requeue.after_crash(cfg, again, d, 1) is None
+    calls = len(fake_slurm.calls)
+    requeue.check_start(cfg, again, d)  # recorded once: the next start asks nothing
+    assert len(fake_slurm.calls) == calls
+    events = rundir.events(d) + [{"event": "start", "time": t + 100, "restart": 1, "job_id": "77",
+                                  "resumed_step": 10}]
+    assert plot.ledger(events)[0] == ("node_failure at step 10 (job 77), steps lost 3, slurm, "
+                                      "resumed step 10 after 40 s")
+
+
+def test_an_unseen_end_without_sacct_or_in_another_job(fake_slurm, tmp_path) -> None:
+    cfg, d = run_dir(tmp_path, max_failures=0)
+    started(d, "70", 0, 1_790_000_000.0)  # an earlier job of this run dir, then resubmitted by hand
+    started(d, "77", 0, 1_790_000_500.0)  # this job's first start, SIGKILLed: sacct is down
+    fake_slurm.answer("sacct -X -D -n -P -o State,Start,End -j 70",
+                      f"FAILED|{sacct_time(1_789_999_990.0)}|{sacct_time(1_790_000_100.0)}\n")
+    fake_slurm.answer("sacct -X -D -n -P -o State,Start,End -j 77", rc=1,
+                      stderr="Slurm accounting storage is disabled")
+    restart, why = requeue.check_start(cfg, ClusterEnv(source="slurm", job_id="77", restart_count=1), d)
+    old, mine = [e for e in rundir.events(d) if e["event"] == "stop"]
+    assert (old["reason"], old["requeued"]) == ("crash", False)  # not retried by anyone: free
+    assert (mine["reason"], mine["requeued_by"]) == ("killed", "slurm")
+    assert "sacct did not answer (sacct -X -D failed: Slurm accounting storage is disabled)" in mine["note"]
+    assert (restart, why) == (1, None) and requeue.used(d, 1) == (1, 0)

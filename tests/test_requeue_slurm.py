@@ -1,6 +1,7 @@
 """node/requeue.py on the real SLURM test cluster: a job whose ranks cannot run `scontrol requeue`
 comes back through a successor job after a preemption, bit-identical to an uninterrupted run; a
-crash is retried within slurm.max_failures and stays FAILED without it. Every stop is caused at
+crash, and a node failure nobody saw, are retried within slurm.max_failures and stay FAILED
+without it. Every stop is caused at
 a chosen step (partition-priority preemption once a step is reached; a crash at a forward call)."""
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 import pytest
 
 from ranks import write_job
-from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob, events, job_env,
-                                   job_file, poll, preempt, reference, release, wait_step, wait_stop)
+from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob,
+                                   events, job_env, job_file, poll, preempt, reference, release, task_pids,
+                                   wait_step, wait_stop)
 
 __all__ = ["reference"]  # the module-scoped fixture, shared with test_preemption_slurm
 
@@ -92,3 +94,79 @@ def test_a_crash_is_retried_only_within_max_failures(slurm_cluster: Any, tmp_pat
     crash = [e for e in stops if e["reason"] == "crash"]
     assert len(crash) == 1 and crash[0]["requeued"] is (True if max_failures else None), stops
     assert (stops[-1]["reason"] == "finished") is bool(max_failures), stops
+
+
+def freeze_node(job_id: str, tasks: tuple[int, ...]) -> list[int]:
+    """Node n2 dies as far as the job can tell: its ranks stop dead (SIGSTOP: no handler, no
+    last words) and the controller marks the node DOWN, so SLURM ends the attempt as NODE_FAIL
+    and, the job being --requeue, requeues it by itself. No ddpjob code runs on the way down."""
+    import os
+    import signal
+
+    import slurmtools
+
+    pids = [pid for task, pid in task_pids(job_id).items() if task in tasks]
+    assert len(pids) == len(tasks), task_pids(job_id)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    slurmtools._run(["scontrol", "update", "nodename=n2", "state=down", "reason=ddpjob-test-node-failure"])
+    return pids
+
+
+def revive_node(pids: list[int]) -> None:
+    """The node comes back empty: the frozen processes are gone and n2 takes jobs again."""
+    import os
+    import signal
+
+    import slurmtools
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    slurmtools._run(["scontrol", "update", "nodename=n2", "state=resume"], check=False)
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.parametrize("max_failures, final", [(1, "COMPLETED"), (0, "FAILED")])
+def test_a_failed_node_is_recorded_at_the_next_start_and_spends_max_failures(
+        slurm_cluster: Any, tmp_path: Path, reference: Reference, max_failures: int, final: str) -> None:
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    if max_failures:
+        reference.start()
+    # rank 2 (on n2) waits in its 55th training forward call: step 27, checkpoint at step 20
+    run, jid = sbatch(tmp_path, job_file(tmp_path, max_failures=max_failures),
+                      DDPJOB_TEST_SIGNAL="2:55:0:pause")
+    slurmtools.read_when(run / "logs" / "rank-2.log", "paused at call 55", timeout=300)
+    pids = freeze_node(jid, (2, 3))
+    try:
+        slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
+        assert slurmtools.job_info(jid).get("Restarts") == "1"
+    finally:
+        revive_node(pids)
+    release(jid)
+    assert slurmtools.wait_done(jid, 900) == final
+    stops = [e for e in events(run, "stop") if "rank" not in e]
+    failure = stops[0]
+    assert (failure["reason"], failure["job_id"], failure["restart"]) == ("node_failure", jid, 0), stops
+    assert (failure["step"], failure["steps_lost"], failure["requeued_by"]) == (20, 7, "slurm"), failure
+    assert "sacct says NODE_FAIL" in failure["note"], failure
+    status = ddpjob("status", str(run), cwd=tmp_path).stdout
+    assert f"node_failure at step 20 (job {jid}), steps lost 7, slurm" in status, status
+    if max_failures:
+        assert [s["reason"] for s in stops] == ["node_failure", "finished"], stops
+        starts = events(run, "start")
+        assert [s["resumed_step"] for s in starts] == [None, 20], starts
+        assert_same_as_reference(run, reference.run_dir())
+    else:
+        assert [s["reason"] for s in stops] == ["node_failure", "budget"], stops
+        log = (run / "logs" / "rank-0.log").read_text()
+        assert ("ddpjob: error: this is restart 1 of run run: 1 failure(s) retried, more than "
+                "slurm.max_failures = 0") in log, log[-3000:]
+        assert len(events(run, "start")) == 1  # the refused attempt trained nothing
+        assert (f"start refused (job {jid}): 1 failure(s) retried, more than slurm.max_failures = 0"
+                in status), status

@@ -20,6 +20,7 @@ from typing import Any
 from ddpjob import console, rundir
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import slurm
+from ddpjob.store import manifest
 
 LOCAL = "local.json"  # written by ddpjob/launch/local.py
 SWEEP = "sweep.json"
@@ -126,13 +127,9 @@ def last_metric(run_dir: Path) -> tuple[int | None, float | None]:
 
 
 def last_checkpoint(run_dir: Path) -> str:
-    """Newest `checkpoints/step-N` with its manifest (written last, so the save is complete)."""
-    best: tuple[int, str] | None = None
-    for p in (run_dir / rundir.CHECKPOINTS).glob("step-*"):
-        m = re.fullmatch(r"step-(\d+)", p.name)
-        if m and (p / "manifest.json").is_file() and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), p.name)
-    return best[1] if best else ""
+    """The newest checkpoint a resume would use (verified: sizes and hashes), "" if none."""
+    found = manifest.newest_valid(run_dir / rundir.CHECKPOINTS)
+    return found[1].name if found else ""
 
 
 def job_record(run_dir: Path) -> dict[str, Any]:

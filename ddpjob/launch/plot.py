@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from ddpjob.errors import DDPJobError
 # (metrics key, panel title): the four panels, in reading order.
 PANELS = (("loss", "train loss"), ("eval_acc", "eval accuracy"), ("lr", "learning rate"),
           ("img_s", "images/s"))
-_STEP_DIR = re.compile(r"step-(\d+)", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -172,14 +170,6 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path) -> PlotRecord:
 
 
 # ------------------------------------------------------------------------- text summary
-def _last_checkpoint(run: Path) -> str | None:
-    """The newest committed checkpoint folder (manifest.json is written last)."""
-    root = run / rundir.CHECKPOINTS
-    steps = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ())
-                   if (m := _STEP_DIR.fullmatch(p.name)) and (p / "manifest.json").is_file())
-    return f"step {steps[-1][0]} ({steps[-1][1].relative_to(run)})" if steps else None
-
-
 def _state(run: Path, h: History) -> str:
     done = rundir.completed(run)
     if done is not None:
@@ -202,7 +192,7 @@ def _state(run: Path, h: History) -> str:
 
 
 def summary(run_dir: str | Path) -> list[str]:
-    """A few lines about a run from its run dir alone: state, progress, restarts, checkpoint."""
+    """A few lines about a run from its run dir alone: state, progress, restarts, the ledger."""
     run = Path(run_dir)
     h = load_history(run)
     lines = [f"state       {_state(run, h)}"]
@@ -222,7 +212,6 @@ def summary(run_dir: str | Path) -> list[str]:
     else:
         lines.append("restarts    0")
     lines += [f"attempt     {a}" for a in ledger(h.events)]
-    lines.append(f"checkpoint  {_last_checkpoint(run) or 'none yet'}")
     return lines
 
 
@@ -232,6 +221,9 @@ def ledger(events: list[dict[str, Any]]) -> list[str]:
     out = []
     for i, e in enumerate(events):
         if e.get("event") != "stop" or "rank" in e or e.get("reason") == "finished":
+            continue
+        if e.get("reason") == "budget":  # a start refused (node/requeue.py: check_start)
+            out.append(f"start refused (job {e.get('job_id')}): {e.get('note')}")
             continue
         sig = [float(s["signal_time"]) for s in events if s.get("event") == "signal"
                and s.get("job_id") == e.get("job_id") and s.get("restart") == e.get("restart")

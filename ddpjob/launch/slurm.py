@@ -184,6 +184,28 @@ def sacct_states(base_ids: Sequence[str]) -> list[list[str]] | Failed:
     return [ln.split("|") for ln in res.stdout.splitlines()] if res.ok else res.failed()
 
 
+@dataclass(frozen=True)
+class Incarnation:
+    """One run of a job id as sacct keeps it (a requeued job has one per start)."""
+
+    state: str  # first word: "CANCELLED by 0" -> CANCELLED
+    start: float | None
+    end: float | None
+
+
+def incarnations(job_id: str) -> list[Incarnation] | Failed:
+    """Every start of `job_id`, oldest first (`sacct -X -D`): how each one ended."""
+    bad = _bad_id(job_id)
+    if bad is not None:
+        return bad
+    res = run(["sacct", "-X", "-D", "-n", "-P", "-o", "State,Start,End", "-j", str(job_id)], timeout=20)
+    if not res.ok:
+        return res.failed()
+    rows = [ln.split("|") for ln in res.stdout.splitlines() if ln.count("|") == 2]
+    out = [Incarnation((r[0].split() or ["UNKNOWN"])[0], parse_time(r[1]), parse_time(r[2])) for r in rows]
+    return sorted(out, key=lambda i: i.start if i.start is not None else float("inf"))
+
+
 def squeue_states(base_ids: Sequence[str]) -> list[list[str]] | Failed:
     """Rows JobID|State|Reason of the queued and running jobs."""
     res = run(["squeue", "-h", "-o", "%i|%T|%r", "-j", ",".join(base_ids)])

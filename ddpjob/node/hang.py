@@ -82,6 +82,8 @@ class Watch:
         self.inside: str | None = None
         self.since = time.monotonic()
         self._main = threading.main_thread().ident
+        # One client, used by the listener thread and the main thread: c10d's TCPStore client
+        # runs one request at a time (its activeOpLock_ mutex), so the two never interleave.
         self._store = dist.TCPStore(master_addr, master_port, is_master=False,
                                     timeout=timedelta(seconds=REPORT_S), wait_for_workers=False)
         # Keys of this process group only: torchrun's agent keeps its store across restarts. The

@@ -8,7 +8,8 @@ a crash while [slurm] max_failures lasts. "Bringing back" is `scontrol requeue`,
 is refused or missing, one successor job (sbatch --dependency=afterany) of the same run dir.
 Budgets: max_requeues for preemptions and time limits, max_failures for crashes and node
 failures, both counted from the run dir's events (SLURM_RESTART_COUNT restarts at 0 in a
-successor).
+successor). An attempt that ended where no ddpjob code ran (a failed node) is found at the
+next start and recorded then from sacct (record_unseen).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ddpjob.config import JobConfig
 from ddpjob.launch import slurm
 from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv
+from ddpjob.store import manifest
 
 FAILURES = ("crash", "node_failure")  # spend max_failures; every other stop spends max_requeues
 CHECK_TRIES, CHECK_PAUSE_S = 3, 2.0
@@ -141,20 +143,87 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int) -> 
         # always signal the batch shell on a preemption).
         return None
     fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}")
-    resume_at = _newest_checkpoint(run_dir)
-    trained = [int(r["step"]) for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
-               if isinstance(r.get("step"), int)]
-    lost = max(0, max(trained) - resume_at) if trained else None
+    resume_at, lost = _resume_point(run_dir)
     rundir.record_event(run_dir, "stop", reason="crash", step=resume_at, job_id=env.job_id,
                         restart=restart, status=status, steps_lost=lost, **fields)
     print(f"ddpjob: job {env.job_id} crashed (status {status}): {fields['note']}", flush=True)
     return fields["requeued"]
 
 
-def _newest_checkpoint(run_dir: Path) -> int:
-    steps = [int(p.name[5:]) for p in (run_dir / rundir.CHECKPOINTS).glob("step-*")
-             if p.name[5:].isdigit() and (p / "manifest.json").is_file()]
-    return max(steps, default=0)
+def _resume_point(run_dir: Path) -> tuple[int, int | None]:
+    """(the step the next start resumes from, steps trained past it that are lost; None: no
+    metrics to tell)."""
+    found = manifest.newest_valid(run_dir / rundir.CHECKPOINTS)
+    resume_at = found[0] if found else 0
+    trained = [int(r["step"]) for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
+               if isinstance(r.get("step"), int)]
+    return resume_at, (max(0, max(trained) - resume_at) if trained else None)
+
+
+# How sacct's state of an attempt that ended unseen maps to the ledger's reasons.
+UNSEEN = {"NODE_FAIL": "node_failure", "PREEMPTED": "preemption", "TIMEOUT": "time_limit",
+          "FAILED": "crash", "OUT_OF_MEMORY": "crash", "BOOT_FAIL": "node_failure",
+          "CANCELLED": "signal", "REQUEUED": "requeue", "DEADLINE": "time_limit"}
+
+
+def record_unseen(run_dir: Path, job_id: str | None) -> list[dict[str, Any]]:
+    """Rank 0 at a start: the stops nobody recorded. An attempt that started and has no stop
+    ended where no ddpjob code ran: its node failed (SLURM requeues a --requeue job by itself),
+    SIGKILL after GraceTime, the OOM killer. sacct says how each ended; the stop is recorded
+    now so the budgets count it (a node failure spends max_failures, not max_requeues) and
+    status/plot show it. Returns the records written."""
+    evs = rundir.events(run_dir)
+    seen = {(str(e.get("job_id")), e.get("restart")) for e in evs
+            if e.get("event") == "stop" and "rank" not in e}
+    unseen = [e for e in evs if e.get("event") == "start" and e.get("source") in ("slurm", "torchrun")
+              and (str(e.get("job_id")), e.get("restart")) not in seen
+              and slurm.JOB_ID.fullmatch(str(e.get("job_id")))]
+    written: list[dict[str, Any]] = []
+    for start in unseen:
+        old = str(start["job_id"])
+        fields: dict[str, Any] = {"reason": "killed", "unseen": True}
+        runs = slurm.incarnations(old)
+        if isinstance(runs, slurm.Failed):
+            fields["note"] = f"no stop was recorded and sacct did not answer ({runs.why})"
+        else:
+            # The attempt is the last sacct start before its start event (sacct keeps seconds).
+            t = float(start.get("time") or 0)
+            match = [r for r in runs if r.start is not None and r.start <= t + 1]
+            if match:
+                fields["reason"] = UNSEEN.get(match[-1].state, "killed")
+                fields["signal_time"] = match[-1].end  # when it ended: the ledger times from it
+                fields["note"] = f"no stop was recorded; sacct says {match[-1].state}"
+            else:
+                fields["note"] = "no stop was recorded and sacct does not list that start"
+        if old == str(job_id):  # the same job started again: SLURM requeued it by itself
+            fields.update(requeued=True, requeued_by="slurm")
+        else:
+            fields["requeued"] = False
+        fields["step"], fields["steps_lost"] = _resume_point(run_dir)
+        rundir.record_event(run_dir, "stop", job_id=old, restart=start.get("restart"), **fields)
+        written.append(fields)
+    return written
+
+
+def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, str | None]:
+    """Rank 0 at a start: (this start's restart number within the run, why it must not run or
+    None). The budgets are checked here too because SLURM brings a job back by itself (after
+    GraceTime, after a node failure) without asking ddpjob."""
+    restart = rundir.run_restart(run_dir, env.job_id, env.restart_count)
+    if env.source in ("slurm", "torchrun") and slurm.JOB_ID.fullmatch(str(env.job_id)):
+        for rec in record_unseen(run_dir, env.job_id):
+            console.print0(f"ddpjob: the previous attempt ended unseen: {rec['reason']} ({rec['note']})")
+    requeues, failures = used(run_dir, restart)
+    s = cfg.slurm
+    why = None
+    if requeues > s.max_requeues:
+        why = f"{requeues} requeues, more than slurm.max_requeues = {s.max_requeues}"
+    elif failures > s.max_failures:
+        why = f"{failures} failure(s) retried, more than slurm.max_failures = {s.max_failures}"
+    if why:
+        rundir.record_event(run_dir, "stop", reason="budget", step=None, job_id=env.job_id,
+                            restart=restart, requeued=None, note=why)
+    return restart, why
 
 
 def main(argv: list[str]) -> int:

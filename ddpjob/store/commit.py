@@ -28,15 +28,12 @@ import torch
 
 from ddpjob import __version__
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.store import manifest
 from ddpjob.store.snapshot import AsyncWrite, snapshot_tree
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 _WIDTH = 9  # step-000001234: lexical order = numeric order (names are still parsed as numbers)
-_STEP_DIR = re.compile(r"step-(\d+)", re.ASCII)
 _STAGING = ".tmp-step-"
 _TRASH = ".del-"
-_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*", re.ASCII)
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -105,16 +102,16 @@ class CheckpointStore:
         target = self.root / f"step-{step:0{_WIDTH}d}"
         try:
             files = {p.name: self._digest(p)
-                     for p in sorted(staging.iterdir()) if p.is_file() and p.name != MANIFEST}
+                     for p in sorted(staging.iterdir()) if p.is_file() and p.name != manifest.MANIFEST}
             assert files, f"commit of an empty staging folder {staging}"
             # serialised before anything is written: meta that is not JSON fails here, cleanly
             text = json.dumps(self._manifest(step, meta, files), indent=1, sort_keys=True)
-            _write_durably(staging / MANIFEST, text)
+            _write_durably(staging / manifest.MANIFEST, text)
             _fsync_dir(staging)
             if target.exists():
                 # Same step saved again (e.g. preempted right after a resume). A valid one stays:
                 # replacing it would need two renames, and a kill between them would lose it.
-                if self.verify(CheckpointInfo(target, step, _read_manifest(target))) is None:
+                if self.verify(CheckpointInfo(target, step, manifest.read(target))) is None:
                     self.abort(staging)
                     return target
                 self._delete(target)
@@ -152,38 +149,15 @@ class CheckpointStore:
     def list(self) -> list[CheckpointInfo]:
         """Committed checkpoints, newest first (not verified)."""
         try:
-            entries = list(self.root.iterdir()) if self.root.is_dir() else []
+            found = manifest.committed(self.root)
         except OSError as err:
             raise _io_error(err, self.root, "list the checkpoint folder") from None
-        infos = [CheckpointInfo(p, int(m.group(1)), _read_manifest(p))
-                 for p in entries if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
-        return sorted(infos, key=lambda info: info.step, reverse=True)
+        return [CheckpointInfo(p, step, manifest.read(p)) for step, p in found]
 
     def verify(self, info: CheckpointInfo, *, config_hash: str | None = None) -> str | None:
         """None when the checkpoint is complete and intact, else a one-line reason."""
-        expected_hash = self.config_hash if config_hash is None else config_hash
-        try:
-            manifest = json.loads((info.path / MANIFEST).read_text())
-        except FileNotFoundError:
-            return "missing manifest.json (the save never finished)"
-        except (OSError, ValueError) as err:
-            return f"unparsable manifest.json ({type(err).__name__})"
-        if not isinstance(manifest, dict):
-            return "unparsable manifest.json (not a JSON object)"
-        if manifest.get("format_version") != FORMAT_VERSION:
-            return f"format version {manifest.get('format_version')!r} unknown (this ddpjob reads {FORMAT_VERSION})"
-        if manifest.get("step") != info.step:
-            return f"manifest says step {manifest.get('step')!r} but the folder is step-{info.step}"
-        if expected_hash and manifest.get("config_hash") != expected_hash:
-            return (f"checkpoint was written by a different job config "
-                    f"(config hash {manifest.get('config_hash')!r}, this job has {expected_hash!r})")
-        files = manifest.get("files")
-        if not isinstance(files, dict) or not files:
-            return "manifest.json lists no files"
-        try:
-            return _check_files(info.path, files)
-        except OSError as err:  # e.g. pruned by another process while we read it
-            return f"unreadable ({err.strerror or err})"
+        return manifest.verify(info.path, info.step,
+                               self.config_hash if config_hash is None else config_hash)
 
     def latest(self, *, config_hash: str | None = None,
                log: Callable[[str], None] = print) -> CheckpointInfo | None:
@@ -223,16 +197,26 @@ class CheckpointStore:
 
     # ---- pruning -----------------------------------------------------------------------------
     def prune(self) -> None:
-        """Keep the newest keep_last committed checkpoints (and always the newest valid one);
-        remove staging folders nobody touched for stale_after_s (dead attempts)."""
+        """Keep the newest keep_last sound checkpoints (and always the newest valid one), remove
+        damaged ones and staging folders nobody touched for stale_after_s (dead attempts)."""
         self._prune(known_valid=None)
 
     def _prune(self, known_valid: Path | None) -> None:
         if not self.root.is_dir():
             return
         infos = self.list()
-        newest_valid = next((i.path for i in infos if i.path == known_valid or self.verify(i) is None), None)
-        for info in infos[self.keep_last:]:
+        # A damaged checkpoint (missing file, wrong size, no manifest) can never be resumed: it
+        # goes, and takes no keep_last slot. Cheap checks only; hashing every kept checkpoint at
+        # every save would cost keep_last full reads. The config hash is not checked: a resume
+        # at other resources may still want an older run's checkpoints.
+        sound = []
+        for info in infos:
+            if manifest.verify(info.path, info.step, hashes=False) is None:
+                sound.append(info)
+            elif info.manifest.get("format_version", manifest.FORMAT_VERSION) == manifest.FORMAT_VERSION:
+                self._delete(info.path)  # (another ddpjob's format is not ours to judge)
+        newest_valid = next((i.path for i in sound if i.path == known_valid or self.verify(i) is None), None)
+        for info in sound[self.keep_last:]:
             if info.path != newest_valid:
                 self._delete(info.path)
         now = time.time()
@@ -261,7 +245,7 @@ class CheckpointStore:
         known = self._digests.pop(path, None)
         if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
             return {"size": st.st_size, "sha256": known[2]}
-        return {"size": st.st_size, "sha256": _sha256(path)}
+        return {"size": st.st_size, "sha256": manifest.sha256(path)}
 
     def _write_file(self, staging: Path, name: str, obj: Any) -> None:
         tmp = staging / f"{name}.tmp"
@@ -287,7 +271,7 @@ class CheckpointStore:
     def _manifest(self, step: int, meta: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
         assert meta.get("step", step) == step, f"meta step {meta.get('step')} != commit step {step}"
         assert not (meta.get("config_hash") and self.config_hash and meta["config_hash"] != self.config_hash)
-        return {**meta, "format_version": FORMAT_VERSION, "step": step,
+        return {**meta, "format_version": manifest.FORMAT_VERSION, "step": step,
                 "config_hash": self.config_hash or meta.get("config_hash", ""),
                 "versions": {"ddpjob": __version__, "torch": torch.__version__,
                              "python": sys.version.split()[0]},
@@ -346,44 +330,8 @@ def _check_loadable(obj: Any, where: list[Any]) -> None:
                           "arrays, .state_dict() for objects)")
 
 
-def _check_files(folder: Path, files: dict[str, Any]) -> str | None:
-    """The file part of verify(): cheap checks on every file before any hashing."""
-    for name, entry in files.items():
-        if not (isinstance(name, str) and _FILE_NAME.fullmatch(name) and isinstance(entry, dict)):
-            return f"manifest.json has a malformed entry {name!r}"  # also stops "../x" paths
-        try:
-            size = (folder / name).stat().st_size
-        except FileNotFoundError:
-            return f"file {name} missing"
-        if size != entry.get("size"):
-            return f"{name} is {size} bytes, manifest says {entry.get('size')} (truncated or overwritten)"
-    extra = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and p.name not in files)
-    if extra:
-        return f"files not listed in manifest.json: {', '.join(extra)}"
-    for name, entry in files.items():
-        if _sha256(folder / name) != entry.get("sha256"):
-            return f"{name} sha256 mismatch (corrupted on disk)"
-    return None
-
-
 def _check_name(name: str) -> None:
-    assert _FILE_NAME.fullmatch(name) and name != MANIFEST and not name.endswith(".tmp"), f"bad file name {name!r}"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
+    assert manifest.FILE_NAME.fullmatch(name) and name != manifest.MANIFEST and not name.endswith(".tmp"), f"bad file name {name!r}"
 
 
 def _write_durably(path: Path, text: str) -> None:
