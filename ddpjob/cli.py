@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="state, restarts, last step and checkpoint of runs")
     p.add_argument("target", nargs="?", type=_path("status target"), help="run directory or SLURM job id (default: all runs)")
     p.add_argument("--runs-root", default="runs", type=_path("--runs-root"), help="where runs live (default: ./runs)")
+    p.add_argument("--json", action="store_true", help="one JSON object per run (JSON Lines; docs/status-json.md)")
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_status"))
 
     p = sub.add_parser("logs", help="print a run's logs")
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ls", help="list runs")
     p.add_argument("--runs-root", default="runs", type=_path("--runs-root"))
+    p.add_argument("--json", action="store_true", help="one JSON object per run (JSON Lines; docs/status-json.md)")
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_ls"))
 
     p = sub.add_parser("doctor", help="preflight checks on the login node")

@@ -3,6 +3,8 @@ of sacct/squeue output (fake binaries on PATH), and on real SLURM jobs (test clu
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -128,6 +130,11 @@ def test_status_ls_logs_cancel_on_a_local_run(tmp_path):
     out = ddpjob("ls", cwd=tmp_path)
     row = next(ln.split() for ln in out.stdout.splitlines() if job_id in ln)
     assert row[1:4] == ["local", job_id, "RUNNING"]
+    [line] = ddpjob("ls", "--json", cwd=tmp_path).stdout.splitlines()
+    rec = json.loads(line)
+    assert (rec["run_dir"], rec["backend"], rec["job_id"], rec["state"]) == ("runs/run", "local", job_id, "RUNNING")
+    by_path = json.loads(ddpjob("status", str(run), "--json", cwd=tmp_path).stdout)
+    assert by_path == {**rec, "run_dir": str(run)}  # the run dir as given
     out = ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path)
     assert out.returncode == 0 and "fake rank 1 restart 0 mode wait" in out.stdout
     assert "fake rank 0" not in out.stdout
@@ -223,6 +230,8 @@ def test_status_logs_cancel_ls_on_a_real_slurm_job(slurm_cluster, tmp_path):
     assert "state       RUNNING" in out.stdout and f"job         {job_id} (slurm)" in out.stdout
     out = ddpjob("ls", cwd=tmp_path)
     assert any(ln.split()[1:4] == ["slurm", job_id, "RUNNING"] for ln in out.stdout.splitlines()[1:])
+    rec = json.loads(ddpjob("status", str(run), "--json", cwd=tmp_path).stdout)
+    assert (rec["backend"], rec["job_ids"], rec["state"], rec["completed"]) == ("slurm", [job_id], "RUNNING", False)
     out = ddpjob("cancel", str(run), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert wait_done(job_id, timeout=120) == "CANCELLED"
@@ -277,3 +286,45 @@ def test_status_and_logs_of_a_run_started_with_ddpjob_sbatch(slurm_cluster, tmp_
     assert "completed   yes" in out.stdout
     out = ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path)
     assert out.returncode == 0 and out.stdout == (run / "logs" / "rank-1.log").read_text()
+
+
+def test_the_json_record_of_a_run(tmp_path):
+    # what `status --json` says of a run requeued once after a node failure, with a NaN loss
+    import fake_checkpoint
+    from ddpjob.launch import report
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    rundir.write_json_atomic(run / "config.json", {})
+    rundir.write_json_atomic(run / "job.json", {"backend": "slurm", "job_id": "78", "job_ids": ["77", "78"]})
+    for rec in ({"event": "start", "job_id": "77", "restart": 0},
+                {"event": "stop", "reason": "node_failure", "step": 10, "job_id": "77", "restart": 0,
+                 "steps_lost": 3, "requeued": True, "requeued_by": "slurm", "time": 5.0, "note": "n"},
+                {"event": "stop", "reason": "crash", "rank": 1, "job_id": "77"},  # a rank's: not the ledger
+                {"event": "start", "job_id": "78", "restart": 1, "resumed_step": 10}):
+        rundir.append_jsonl(run / "events.jsonl", rec)
+    for rec in ({"kind": "train", "step": 12, "loss": 0.5}, {"kind": "eval", "step": 12, "eval_acc": 0.75},
+                {"kind": "eval", "step": 14, "eval_acc": 0.5}, {"kind": "train", "step": 14, "loss": math.nan}):
+        rundir.append_jsonl(run / "metrics.jsonl", rec)
+    fake_checkpoint.committed(run, 10)
+    fake_checkpoint.committed(run, 14, damaged=True)
+    info = control.RunInfo(run_dir=run, backend="slurm", job_id="78", state="RUNNING", restarts=1,
+                           step=14, loss=math.nan, checkpoint=control.last_checkpoint(run))
+    rec = json.loads(report.dumps(report.record(info)))  # strict JSON: NaN would not parse back
+    assert rec == {
+        "schema": "ddpjob.run/1", "run_dir": str(run), "point": None, "backend": "slurm",
+        "job_id": "78", "job_ids": ["77", "78"], "state": "RUNNING", "reason": None, "completed": False,
+        "restarts": 1,
+        "stops": [{"reason": "node_failure", "step": 10, "job_id": "77", "restart": 0, "steps_lost": 3,
+                   "requeued": True, "requeued_by": "slurm", "next_job_id": None, "time": 5.0, "note": "n"}],
+        "step": 14, "loss": None,
+        "checkpoint": {"step": 10, "path": str(run / "checkpoints" / "step-000000010")},
+        "best_accuracy": {"value": 0.75, "step": 12}, "final_accuracy": None}
+    # a damaged run dir is still one line, and no runs are no lines
+    (tmp_path / "runs" / "bad").mkdir()
+    (tmp_path / "runs" / "bad" / "config.json").write_text("{}")
+    (tmp_path / "runs" / "bad" / "job.json").write_text("[1, 2]")
+    lines = ddpjob("ls", "--json", cwd=tmp_path).stdout.splitlines()
+    assert [json.loads(ln)["run_dir"] for ln in lines] == ["runs/bad", "runs/r"]
+    empty = ddpjob("status", "--json", "--runs-root", str(tmp_path / "none"), cwd=tmp_path)
+    assert empty.returncode == 0 and empty.stdout == ""

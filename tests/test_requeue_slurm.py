@@ -6,6 +6,7 @@ a chosen step (partition-priority preemption once a step is reached; a crash at 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,9 @@ def test_a_failed_node_is_recorded_at_the_next_start_and_spends_max_failures(
     assert "sacct says NODE_FAIL" in failure["note"], failure
     status = ddpjob("status", str(run), cwd=tmp_path).stdout
     assert f"node_failure at step 20 (job {jid}), steps lost 7, slurm" in status, status
+    rec = json.loads(ddpjob("status", str(run), "--json", cwd=tmp_path).stdout)
+    assert rec["stops"][0]["reason"] == "node_failure" and rec["state"] == final, rec
+    assert rec["restarts"] == 1 and rec["completed"] is bool(max_failures), rec
     if max_failures:
         assert [s["reason"] for s in stops] == ["node_failure", "finished"], stops
         starts = events(run, "start")

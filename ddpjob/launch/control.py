@@ -272,15 +272,21 @@ def format_status(i: RunInfo) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from ddpjob.launch import report
+
     if not args.target:
         runs = runs_under(Path(args.runs_root))
-        if not runs:
+        if args.json:
+            report.print_records(infos(runs))  # no runs: no lines
+        elif not runs:
             console.info(f"no runs under {args.runs_root}/ (submit one: ddpjob submit jobs/smoke.toml)")
-            return 0
-        print_table(infos(runs))
+        else:
+            print_table(infos(runs))
         return 0
     path, is_sweep = resolve(args.target, args.runs_root)
-    if is_sweep:
+    if args.json:
+        report.print_records(infos(sweep_points(path) if is_sweep else [(path, "")]))
+    elif is_sweep:
         print_table(infos(sweep_points(path)), title=f"sweep {path}")
     else:
         console.info(format_status(infos([(path, "")])[0]))
@@ -288,8 +294,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from ddpjob.launch import report
+
     root = Path(args.runs_root)
     runs = runs_under(root)
+    if args.json:
+        report.print_records(infos(runs))
+        return 0
     if not runs:
         console.info(f"no runs under {root}/ (submit one: ddpjob submit jobs/smoke.toml)")
         return 0

@@ -1,0 +1,69 @@
+"""`ddpjob status --json` and `ddpjob ls --json`: one stable JSON object per run, for scripts.
+
+The schema (docs/status-json.md) is versioned by its `schema` key; fields are
+only ever added. Values come from the same RunInfo the tables print (control.py) plus the run
+dir's ledger and metrics, so the two views never disagree. JSON has no NaN: a non-finite number
+is null. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ddpjob import rundir
+from ddpjob.launch import control, plot
+
+SCHEMA = "ddpjob.run/1"
+STOP_KEYS = ("reason", "step", "job_id", "restart", "steps_lost", "requeued", "requeued_by",
+             "next_job_id", "time", "note")
+
+
+def _num(v: Any) -> float | int | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def record(i: control.RunInfo) -> dict[str, Any]:
+    """The JSON object for one run."""
+    job = control.job_record(i.run_dir) if i.state != "DAMAGED" else {}
+    ids = [str(j) for j in (job.get("job_ids") or ([job["job_id"]] if job.get("job_id") else []))]
+    history = plot.load_history(i.run_dir) if i.state != "DAMAGED" else None
+    stops = [{k: e.get(k) for k in STOP_KEYS} for e in (history.events if history else [])
+             if e.get("event") == "stop" and "rank" not in e]
+    accs = [(a, r["step"]) for r in (history.evals if history else [])
+            if (a := _num(r.get("eval_acc"))) is not None]
+    best = max(accs, default=None)
+    done = rundir.completed(i.run_dir) if i.state != "DAMAGED" else None
+    ckpt = i.checkpoint
+    return {
+        "schema": SCHEMA,
+        "run_dir": str(i.run_dir),
+        "point": i.point or None,
+        "backend": i.backend,
+        "job_id": i.job_id or None,
+        "job_ids": ids,
+        "state": i.state,
+        "reason": i.reason or None,
+        "completed": i.completed,
+        "restarts": i.restarts,
+        "stops": stops,
+        "step": _num(i.step),
+        "loss": _num(i.loss),
+        "checkpoint": ({"step": int(ckpt.split("-")[1]),
+                        "path": str(i.run_dir / rundir.CHECKPOINTS / ckpt)} if ckpt else None),
+        "best_accuracy": None if best is None else {"value": best[0], "step": best[1]},
+        "final_accuracy": _num((done or {}).get("accuracy")),
+    }
+
+
+def dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, allow_nan=False, sort_keys=False)
+
+
+def print_records(infos: list[control.RunInfo]) -> None:
+    """JSON Lines: one object per run, in the order the table would list them."""
+    for i in infos:
+        print(dumps(record(i)), flush=True)
