@@ -107,22 +107,49 @@ def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> N
     write_atomic(path, lambda f: f.write(text.encode()), mode)
 
 
-def prepare(path: Path, cfg: JobConfig) -> Path:
-    """Make `path` the run dir of `cfg`: new, or one of the same training (then config.json takes
-    the new resources and length: elastic resume). Another training is refused with one line."""
-    from ddpjob import config, console
+NEW, SAME, RESIZED = "new", "same", "resized"
+
+
+def check_reuse(path: Path, cfg: JobConfig) -> str:
+    """The one run-dir policy (submit, sbatch, run), decided before anything is written: NEW (no
+    folder, or an empty one), SAME (a run dir of this very config), RESIZED (the same training
+    at other resources or length: config.json takes the new ones and the checkpoints resume
+    elastically). Anything else is refused with one line."""
+    from ddpjob import config
 
     if not path.exists():
-        make_dir(path, cfg.slurm.share_group)
-    if is_run_dir(path):
-        old = config.read_run_config(path)
-        if old.hash() != cfg.hash():
-            raise UsageError(f"run directory {path} holds another job (config hash {old.hash()}, this "
-                             f"job has {cfg.hash()}), expected the same model, data and optimizer",
-                             "use a new --run-dir, or the job file that made this one")
-        if old.to_json() == cfg.to_json():
-            return path
+        return NEW
+    if not path.is_dir():
+        raise UsageError(f"run directory '{path}' exists and is not a folder, expected a new or "
+                         "empty folder or a run dir of this job", "choose another --run-dir")
+    if not is_run_dir(path):
+        try:
+            empty = not any(path.iterdir())
+        except OSError as exc:
+            raise DDPJobError(f"cannot read run directory '{path}' ({exc.strerror})",
+                              "choose a readable --run-dir") from None
+        if empty:
+            return NEW
+        raise UsageError(f"run directory '{path}' is not empty and has no {CONFIG}, expected a new "
+                         "or empty folder or a run dir of this job", "choose a new --run-dir")
+    old = config.read_run_config(path)
+    if old.hash() != cfg.hash():
+        raise UsageError(f"run directory '{path}' holds another job (config hash {old.hash()}, this "
+                         f"job has {cfg.hash()}), expected the same model, data and optimizer",
+                         "use a new --run-dir, or the job file that made this one")
+    return SAME if old.to_json() == cfg.to_json() else RESIZED
+
+
+def prepare(path: Path, cfg: JobConfig) -> Path:
+    """Make `path` the run dir of `cfg` (check_reuse, then create it / write config.json)."""
+    from ddpjob import console
+
+    state = check_reuse(path, cfg)
+    if state == SAME:
+        return path
+    if state == RESIZED:
         console.print0(f"ddpjob: {path}/config.json updated (resources or length changed)")
+    make_dir(path, cfg.slurm.share_group)
     write_text_atomic(path / CONFIG, cfg.to_json())
     return path
 

@@ -134,10 +134,10 @@ CASES = [
      "cannot write"),
     ("unwritable run dir", 1, lambda t: ["jobs/smoke.toml", "--run-dir",
                                          str(_unwritable(t) / "ddpjob-run")], "cannot create run dir"),
-    ("run dir with another config", 1, lambda t: ["jobs/smoke.toml", "--run-dir",
+    ("run dir with another config", 2, lambda t: ["jobs/smoke.toml", "--run-dir",
                                                   _existing_run(t, "other-config")],
-     "already holds a different config.json"),
-    ("run dir not a run dir", 1, lambda t: ["jobs/smoke.toml", "--run-dir",
+     "holds another job"),
+    ("run dir not a run dir", 2, lambda t: ["jobs/smoke.toml", "--run-dir",
                                             _existing_run(t, "foreign")], "is not empty"),
     ("no -o", 2, lambda t: ["jobs/smoke.toml"], "-o/--output"),
     # ---- issue 11: a newline at either end, control characters, odd digits

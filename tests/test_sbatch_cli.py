@@ -71,7 +71,7 @@ def test_same_run_dir_same_config_is_reused_and_config_written_once(tmp_path: Pa
     # another config in the same run dir: refused, -o untouched (test_bad_input covers more)
     (tmp_path / "x.sbatch").write_text("old")
     r = sbatch(*args, "--set", "train.lr=0.5", cwd=tmp_path)
-    assert r.returncode == 1 and "different config.json" in r.stderr
+    assert r.returncode == 2 and "holds another job" in r.stderr
     assert (tmp_path / "x.sbatch").read_text() == "old"
 
 
@@ -197,5 +197,5 @@ def test_same_run_dir_with_other_resources_resumes_elastically_other_training_is
     before = (run / "config.json").read_text()
     r = sbatch(job, "--nodes", "1", "--set", "train.lr=0.5", "--run-dir", str(run), "-o",
                "c.sbatch", cwd=tmp_path)
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Hint:" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Hint:" in r.stderr
     assert (run / "config.json").read_text() == before and not (tmp_path / "c.sbatch").exists()

@@ -176,7 +176,12 @@ def test_existing_or_unwritable_run_dir_is_refused(tmp_path):
     busy.mkdir()
     (busy / "config.json").write_text("{}")
     out = run_cli("submit", SMOKE, "--backend", "local", "--run-dir", str(busy), cwd=tmp_path)
-    assert out.returncode == 1 and "already exists and is not empty" in out.stderr
+    assert out.returncode == 2 and "holds another job" in out.stderr, out.stderr
+    (busy / "config.json").unlink()
+    (busy / "notes.txt").write_text("mine")
+    out = run_cli("submit", SMOKE, "--backend", "local", "--run-dir", str(busy), cwd=tmp_path)
+    assert out.returncode == 2 and "is not empty and has no config.json" in out.stderr, out.stderr
+    (busy / "config.json").write_text("{}")
     blocker = tmp_path / "file"
     blocker.write_text("")
     out = run_cli("submit", SMOKE, "--backend", "local", "--run-dir", str(blocker / "run"), cwd=tmp_path)
@@ -296,3 +301,41 @@ def test_submit_runs_doctors_cheap_checks_first(tmp_path):
     assert out.stderr.startswith("ddpjob: error: preflight check 'dataset' failed")
     assert out.stderr.count("\n") == 1 and "Hint:" in out.stderr and "ddpjob data cifar10" in out.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_submit_resumes_a_stopped_run_dir_of_the_same_training_at_other_resources(tmp_path):
+    # The run dir policy of `ddpjob sbatch` and `ddpjob run`, through submit: refused while its
+    # job runs; once stopped, the same training comes back at other resources (2 ranks -> 1)
+    # from its checkpoint, and the run keeps its chain of job ids.
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
+    keys = ["--backend", "local", "--run-dir", str(run), "--set", "train.max_steps=12",
+            "--set", "train.eval_every=0", "--set", 'train.model="trainer_plugins:signalling_cnn"']
+    # rank 0 waits in its 6th forward call (the 6th step) until the stop signal has reached it
+    first = run_cli("submit", SMOKE, *keys, cwd=tmp_path, env={**env, "DDPJOB_TEST_SIGNAL": "0:6:0:pause"})
+    assert first.returncode == 0, first.stderr
+    job1 = rundir.read_json(run / "job.json")["job_id"]
+    deadline = time.monotonic() + 180
+    while "paused at call 6" not in (run / "logs" / "rank-0.log").read_text(errors="replace") \
+            if (run / "logs" / "rank-0.log").exists() else True:
+        assert time.monotonic() < deadline, "rank 0 never reached its 6th forward call"
+        time.sleep(0.2)
+    again = run_cli("submit", SMOKE, *keys, cwd=tmp_path, env=env)
+    assert again.returncode == 1 and f"has job {job1} still RUNNING" in again.stderr, again.stderr
+    assert run_cli("cancel", str(run), cwd=tmp_path).returncode == 0
+    while rundir.read_record(run / "local.json").get("state") != "CANCELLED":
+        assert time.monotonic() < deadline, rundir.read_record(run / "local.json")
+        time.sleep(0.2)
+    stop = [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e][-1]
+    assert stop["step"] == 6, stop  # the step in flight finishes, then the checkpoint
+    second = run_cli("submit", SMOKE, *keys, "--tasks-per-node", "1", "--wait", cwd=tmp_path, env=env,
+                     timeout=600)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "config.json updated" in second.stdout + second.stderr
+    job = rundir.read_json(run / "job.json")
+    assert job["job_ids"] == [job1, job["job_id"]] and job["job_id"] != job1
+    starts = [e for e in rundir.events(run) if e.get("event") == "start"]
+    assert [(s["world_size"], s.get("resumed_step")) for s in starts] == [(2, None), (1, 6)], starts
+    assert rundir.completed(run)["step"] == 12

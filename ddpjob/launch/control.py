@@ -22,7 +22,7 @@ from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import slurm
 from ddpjob.store import manifest
 
-LOCAL = "local.json"  # written by ddpjob/launch/local.py
+from ddpjob.launch.local import LOCAL  # the supervisor's state file
 SWEEP = "sweep.json"
 # SLURM states after which nothing more will happen (a requeued job goes back to PENDING).
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

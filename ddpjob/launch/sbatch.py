@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
-import json
 import os
 import shutil
 import sys
@@ -108,34 +107,13 @@ def _check_output(out: Path) -> Path:
 
 def _check_run_dir(run_dir: Path, cfg: config.JobConfig) -> bool:
     """True if `run_dir` is an existing run dir of this very config (it is reused as is)."""
-    if not run_dir.exists():
-        return False
-    if not run_dir.is_dir():
-        raise DDPJobError(f"run dir '{run_dir}' exists and is not a folder, expected a new or "
-                          "empty folder", "choose another --run-dir")
-    existing = run_dir / rundir.CONFIG
-    if existing.is_file():
-        old = rundir.read_json(existing)
-        if old == json.loads(cfg.to_json()):
-            return True
-        try:
-            same_training = config.from_dict(old, str(existing)).hash() == cfg.hash()
-        except DDPJobError:
-            same_training = False
-        if not same_training:
-            raise DDPJobError(f"run dir '{run_dir}' already holds a different {rundir.CONFIG} "
-                              "(another model, data or optimizer), expected a new folder or the "
-                              "same job", "omit --run-dir to get a new one (the config is "
-                              "written once)")
+    state = rundir.check_reuse(run_dir, cfg)
+    if state == rundir.RESIZED:
         # Same training, other resources or length (e.g. --nodes 1 after a preemption): the
         # checkpoints resume elastically, so the run dir takes the new resources.
         print(f"ddpjob: {run_dir}: same training, new resources/length: {rundir.CONFIG} updated; "
               "the job resumes from its newest checkpoint", file=sys.stderr)
-        return False
-    if any(run_dir.iterdir()):
-        raise DDPJobError(f"run dir '{run_dir}' is not empty and has no {rundir.CONFIG}, "
-                          "expected a new or empty folder", "choose a new --run-dir")
-    return False
+    return state == rundir.SAME
 
 
 def _stage(out: Path, text: str) -> Path:

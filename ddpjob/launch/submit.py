@@ -37,7 +37,7 @@ from ddpjob import config, console, rundir, scriptsafe
 from ddpjob.node import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import slurm
+from ddpjob.launch import local, slurm
 
 EXIT_REQUEUE = 3
 FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
@@ -392,6 +392,17 @@ def _make_root(path: Path, share_group: bool = False) -> Path | None:
     return top
 
 
+def _check_idle(run_dir: Path) -> None:
+    """Two jobs must never train in one run dir: refuse while its job is queued or running."""
+    from ddpjob.launch import control
+
+    [info] = control.infos([(run_dir, "")])
+    if info.job_id and info.state not in control.TERMINAL and info.state not in ("UNKNOWN", "DAMAGED"):
+        raise DDPJobError(f"run directory '{run_dir}' has job {info.job_id} still {info.state}, "
+                          "expected a stopped run to resume",
+                          f"wait for it, or `ddpjob cancel {run_dir}` first")
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from ddpjob.launch.sbatch import locate_job  # `smoke` and jobs/smoke.toml also name the bundled jobs
 
@@ -414,19 +425,34 @@ def cmd_submit(args: argparse.Namespace) -> int:
     root = Path(args.run_dir) if args.run_dir else rundir.new_run_dir("runs", name)
     if backend == "slurm":  # the same checks as `ddpjob sbatch`, before anything is written
         scriptsafe.run_dir(str(root.absolute() / rundir.LOGS), submitit=True)
+    # One run: a run dir of the same training is reused (elastic resume at other resources),
+    # as `ddpjob sbatch` and `ddpjob run` do. A sweep's folder must be new.
+    state = rundir.NEW if points else rundir.check_reuse(root, cfgs[0])
+    if state != rundir.NEW:
+        _check_idle(root)
+        console.info(f"ddpjob: {root}: " + ("the same job again" if state == rundir.SAME else
+                     f"same training, new resources/length: {rundir.CONFIG} updated")
+                     + "; it resumes from its newest checkpoint")
     _doctor_checks(cfgs, backend, root)
     share = cfgs[0].slurm.share_group
-    created = _make_root(root, share)
+    created = _make_root(root, share) if state == rundir.NEW else None
     command = _command(args, str(job), backend)
     try:
         run_dirs = [root / p.id for p in points] if points else [root]
+        earlier = rundir.read_record(root / rundir.JOB) if state != rundir.NEW else {}
+        if earlier:  # the earlier job's supervisor state would read as this job's (its events stay)
+            (root / local.LOCAL).unlink(missing_ok=True)
         for d, cfg in zip(run_dirs, cfgs):
             rundir.make_dir(d, share)
             rundir.make_dir(d / rundir.LOGS, share)
-            rundir.write_text_atomic(d / rundir.CONFIG, cfg.to_json())
+            if state != rundir.SAME:
+                rundir.write_text_atomic(d / rundir.CONFIG, cfg.to_json())
         log_dir = root / rundir.LOGS
         records = (submit_slurm(cfgs, run_dirs, log_dir.resolve(), command) if backend == "slurm"
                    else submit_local(run_dirs, log_dir, command))
+        if earlier:  # the run's earlier jobs stay in its chain (status --json: job_ids)
+            chain = [str(j) for j in (earlier.get("job_ids") or [earlier.get("job_id")]) if j]
+            records[0]["job_ids"] = [*chain, records[0]["job_id"]]
         for d, rec in zip(run_dirs, records):
             rundir.write_json_atomic(d / rundir.JOB, rec)
         if points:
