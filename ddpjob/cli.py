@@ -45,7 +45,7 @@ def _handler(spec: str):  # "module:function", imported only when the command ru
     return call
 
 
-def _add_job_overrides(p: argparse.ArgumentParser) -> None:
+def _add_job_overrides(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
     """Flags shared by submit/sbatch/run/doctor: they override the job file."""
     g = p.add_argument_group("job overrides (win over the job file)")
     g.add_argument("--nodes", type=int, help="[slurm] nodes")
@@ -58,7 +58,8 @@ def _add_job_overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--name", help="job name")
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="typed override of any job-file key, e.g. --set train.lr=0.05 (repeatable)")
-    g.add_argument("--run-dir", type=_path("--run-dir"), help="run directory (default: a new folder under ./runs/)")
+    if run_dir:
+        g.add_argument("--run-dir", type=_path("--run-dir"), help="run directory (default: a new folder under ./runs/)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help=argparse.SUPPRESS)
     p.set_defaults(func=_handler("ddpjob.node.selftest:cmd_selftest"))
+
+    p = sub.add_parser("resume", help="bring a stopped, cancelled or failed run back (other resources allowed)")
+    p.add_argument("run", type=_path("run directory"), help="run directory")
+    p.add_argument("--wait", action="store_true", help="block until the job ends, streaming rank 0's log")
+    _add_job_overrides(p, run_dir=False)
+    p.set_defaults(func=_handler("ddpjob.launch.resume:cmd_resume"))
 
     p = sub.add_parser("status", help="state, restarts, last step and checkpoint of runs")
     p.add_argument("target", nargs="?", type=_path("status target"), help="run directory or SLURM job id (default: all runs)")

@@ -15,7 +15,7 @@ import fake_checkpoint
 import pytest
 from test_local_backend import fake_command, local_state, make_run, wait_for
 
-from ddpjob import rundir
+from ddpjob import config, rundir
 from ddpjob.launch import control, submit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,6 +286,40 @@ def test_status_and_logs_of_a_run_started_with_ddpjob_sbatch(slurm_cluster, tmp_
     assert "completed   yes" in out.stdout
     out = ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path)
     assert out.returncode == 0 and out.stdout == (run / "logs" / "rank-1.log").read_text()
+
+
+@pytest.mark.cluster
+def test_resume_of_a_cancelled_sbatch_run_finishes_it(slurm_cluster, tmp_path):
+    """`ddpjob resume` of a run made by `ddpjob sbatch` + sbatch and cancelled: the template is
+    rendered again and submitted; the run resumes from the checkpoint written at the cancel."""
+    import slurmtools
+
+    run = tmp_path / "runs" / "sb"
+    keys = ["--set", "train.eval_every=0", "--set", 'train.model="trainer_plugins:signalling_cnn"']
+    out = ddpjob("sbatch", str(ROOT / "jobs" / "smoke.toml"), "-o", str(tmp_path / "job.sbatch"),
+                 "--run-dir", str(run), "--set", "train.max_steps=30", *keys, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    # rank 0 waits in its 6th forward call until the cancel's SIGTERM has reached it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+           "DDPJOB_TEST_SIGNAL": "0:6:0:pause"}
+    first = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=env)
+    slurmtools.read_when(run / "logs" / "rank-0.log", "paused at call 6", timeout=300)
+    assert ddpjob("cancel", str(run), cwd=tmp_path).returncode == 0
+    assert slurmtools.wait_done(first, timeout=120) == "CANCELLED"
+    [stop] = [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e]
+    assert (stop["reason"], stop["step"], stop["requeued"]) == ("signal", 6, None), stop
+    env.pop("DDPJOB_TEST_SIGNAL")  # sbatch passes resume's environment on to the job
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "resume", str(run), "--set", "train.max_steps=12"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = rundir.read_json(run / "job.json")
+    assert job["via"] == "sbatch" and job["job_ids"] == [first, job["job_id"]]
+    slurmtools.submitted.append(job["job_id"])
+    assert slurmtools.wait_done(job["job_id"], timeout=300) == "COMPLETED"
+    starts = [e for e in rundir.events(run) if e.get("event") == "start"]
+    assert [(s["job_id"], s.get("resumed_step")) for s in starts] == [(first, None), (job["job_id"], 6)]
+    assert rundir.completed(run)["step"] == 12
+    assert "#SBATCH" in (run / "job.sbatch").read_text() and config.read_run_config(run).train.max_steps == 12
 
 
 def test_the_json_record_of_a_run(tmp_path):

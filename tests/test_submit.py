@@ -304,10 +304,10 @@ def test_submit_runs_doctors_cheap_checks_first(tmp_path):
 
 
 @pytest.mark.slow
-def test_submit_resumes_a_stopped_run_dir_of_the_same_training_at_other_resources(tmp_path):
-    # The run dir policy of `ddpjob sbatch` and `ddpjob run`, through submit: refused while its
-    # job runs; once stopped, the same training comes back at other resources (2 ranks -> 1)
-    # from its checkpoint, and the run keeps its chain of job ids.
+def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp_path):
+    # The run dir policy of `ddpjob sbatch` and `ddpjob run`, through submit and resume: refused
+    # while its job runs; once stopped, the same training comes back at other resources (2 ranks
+    # -> 1) from its checkpoint, and the run keeps its chain of job ids.
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
@@ -330,10 +330,13 @@ def test_submit_resumes_a_stopped_run_dir_of_the_same_training_at_other_resource
         time.sleep(0.2)
     stop = [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e][-1]
     assert stop["step"] == 6, stop  # the step in flight finishes, then the checkpoint
-    second = run_cli("submit", SMOKE, *keys, "--tasks-per-node", "1", "--wait", cwd=tmp_path, env=env,
+    # `ddpjob resume` takes the run's own config (the job file may have changed since)
+    second = run_cli("resume", str(run), "--tasks-per-node", "1", "--wait", cwd=tmp_path, env=env,
                      timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "config.json updated" in second.stdout + second.stderr
+    done = run_cli("resume", str(run), cwd=tmp_path, env=env)
+    assert done.returncode == 1 and "has completed" in done.stderr and done.stderr.count("\n") == 1
     job = rundir.read_json(run / "job.json")
     assert job["job_ids"] == [job1, job["job_id"]] and job["job_id"] != job1
     starts = [e for e in rundir.events(run) if e.get("event") == "start"]

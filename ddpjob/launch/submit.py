@@ -419,11 +419,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
     backend = choose_backend(args.backend)
     if args.dry_run:
         return dry_run(cfgs, points, backend, str(job), args.run_dir)
-    if backend == "slurm":
-        preflight_slurm(cfgs[0])
     name = cfgs[0].name + ("-sweep" if points else "")
     root = Path(args.run_dir) if args.run_dir else rundir.new_run_dir("runs", name)
-    if backend == "slurm":  # the same checks as `ddpjob sbatch`, before anything is written
+    return launch(cfgs, points, backend, root, _command(args, str(job), backend), str(job),
+                  wait_for=args.wait)
+
+
+def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, root: Path,
+           command: list[str], job: str, *, wait_for: bool = False) -> int:
+    """Validate, prepare the run dir(s) and submit (`ddpjob submit`, `ddpjob resume`)."""
+    if backend == "slurm":
+        preflight_slurm(cfgs[0])
+        # the same checks as `ddpjob sbatch`, before anything is written
         scriptsafe.run_dir(str(root.absolute() / rundir.LOGS), submitit=True)
     # One run: a run dir of the same training is reused (elastic resume at other resources),
     # as `ddpjob sbatch` and `ddpjob run` do. A sweep's folder must be new.
@@ -436,7 +443,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
     _doctor_checks(cfgs, backend, root)
     share = cfgs[0].slurm.share_group
     created = _make_root(root, share) if state == rundir.NEW else None
-    command = _command(args, str(job), backend)
     try:
         run_dirs = [root / p.id for p in points] if points else [root]
         earlier = rundir.read_record(root / rundir.JOB) if state != rundir.NEW else {}
@@ -466,7 +472,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             shutil.rmtree(created, ignore_errors=True)
         raise
     _print_submitted(cfgs[0], backend, run_dirs, records)
-    if args.wait:
+    if wait_for:
         return wait(run_dirs)
     return 0
 
