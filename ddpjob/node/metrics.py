@@ -1,19 +1,17 @@
-"""Step timing and the training record: data time vs compute time, images/s, metrics.jsonl.
+"""Step timing and progress: data time vs compute time, images/s, the progress line.
 
 trainer.py wraps its batch iterator in `Meter.timed()` and, at each logging step, turns the
-window into one record for `RUN_DIR/metrics.jsonl` (rank 0) and one progress update: a rich bar
-on a terminal, fixed-width lines in batch logs (console.is_terminal).
+window into one `job.log()` record (RUN_DIR/metrics.jsonl, api.py) and one progress update: a
+rich bar on a terminal, fixed-width lines in batch logs (console.is_terminal).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
-from ddpjob import console, rundir
+from ddpjob import console
 
 T = TypeVar("T")
 
@@ -68,31 +66,6 @@ class Meter:
                "step_ms": round(1000 * wall / n, 3)}
         self._start, self._data, self._steps = now, 0.0, 0
         return out
-
-
-class MetricsLog:
-    """Appends records to RUN_DIR/metrics.jsonl; only rank 0 writes (one O_APPEND line each)."""
-
-    def __init__(self, run_dir: str | Path, enabled: bool, restart: int) -> None:
-        self.path = Path(run_dir) / rundir.METRICS
-        self.enabled = enabled
-        self.restart = restart
-
-    def step(self, *, step: int, epoch: int, loss: float, lr: float, **timing: float) -> None:
-        if self.enabled:
-            rundir.append_jsonl(self.path, {"kind": "train", "time": time.time(), "step": step,
-                                            "epoch": epoch, "loss": _num(loss), "lr": lr,
-                                            "restart": self.restart, **timing})
-
-    def eval(self, *, step: int, epoch: int, eval_acc: float, eval_loss: float) -> None:
-        if self.enabled:
-            rundir.append_jsonl(self.path, {"kind": "eval", "time": time.time(), "step": step,
-                                            "epoch": epoch, "eval_acc": eval_acc,
-                                            "eval_loss": _num(eval_loss), "restart": self.restart})
-
-
-def _num(x: float) -> float | str:
-    return x if math.isfinite(x) else str(x)  # JSON has no NaN/inf; keep the line parseable
 
 
 class Progress:
