@@ -173,6 +173,7 @@ class Job:
         self._step: int | None = None  # set by resume()
         self.resumed_world_size: int | None = None  # the checkpoint's, after resume()
         self._samples: Any = None
+        self._tb: Any = None  # metrics.TensorBoard on rank 0 with train.tensorboard, from resume()
         self._closed = False
         self.vote_s = 0.0
         console.print0(f"ddpjob run {run_dir}: {self.env.describe()}")
@@ -234,6 +235,10 @@ class Job:
             if isinstance(obj, StepSampler):
                 obj.set_step(step)
         self._step = step
+        if self.config.train.tensorboard and self.is_rank0 and self._tb is None:
+            from ddpjob.node.metrics import TensorBoard
+
+            self._tb = TensorBoard(self.run_dir / "tb", resumed_step=step)
         return step
 
     def steps(self, state: dict[str, Any], total: int, **info: Any) -> Iterator[int]:
@@ -278,6 +283,8 @@ class Job:
                     s.set_step(step)
                 t0 = time.monotonic()
                 self._store.save(step, state, blocking=bool(stop))
+                if self._tb is not None:
+                    self._tb.flush()  # what a resume from this checkpoint keeps is on disk
                 self._deadline.observe_checkpoint(time.monotonic() - t0)
                 self._schedule.mark_saved()
             if stop:
@@ -356,6 +363,8 @@ class Job:
             rundir.append_jsonl(self.run_dir / rundir.METRICS,
                                 {"kind": kind, "time": time.time(), "step": int(step),
                                  "restart": self.restart, **line})
+            if self._tb is not None:
+                self._tb.add(int(step), kind, record)
         return record
 
     def log_samples(self, step: int, epoch: int, ids: Any) -> None:
@@ -403,6 +412,8 @@ class Job:
         self._closed = True
         if self._samples is not None:
             self._samples.close()
+        if self._tb is not None:
+            self._tb.close()
         if self._standalone:
             self._stop.uninstall()  # ddpjob run installed its own and removes it itself
         # After a failure the peers are stuck in some collective, not in our exit barrier.

@@ -96,6 +96,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 0  # optimizer steps; 0 = end of each epoch (and always at the end)
     log_every: int = 10
+    tensorboard: bool = False  # rank 0 also writes job.log() records to RUN_DIR/tb/ (extra: tensorboard)
     backend: str = "auto"  # process group: auto | nccl | gloo
     threads: int = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
     dist_timeout_s: int = 300
@@ -152,7 +153,7 @@ class JobConfig:
         d.pop("checkpoint")
         for k in ("epochs", "max_steps", "eval_every", "log_every", "threads", "backend",
                   "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce",
-                  "log_sample_ids"):
+                  "log_sample_ids", "tensorboard"):
             d["train"].pop(k)
         for k in ("root", "num_workers"):
             d["data"].pop(k)

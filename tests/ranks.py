@@ -166,3 +166,13 @@ def signal_when_paused(ranks: Ranks, paused: int, signum: int = signal.SIGUSR2,
     wait_for(lambda: "paused at call" in ranks.output(paused)
              or any(p.poll() is not None for p in ranks.procs), timeout, f"rank {paused} to pause")
     ranks.signal(signum, to)
+
+
+def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one tag as TensorBoard itself reads RUN_DIR/tb (its EventAccumulator,
+    which applies the purge events a resumed attempt writes)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]

@@ -18,7 +18,7 @@ import pytest
 from ddpjob.node import preemption
 
 from ranks import (Ranks, assert_bit_equal, events, final_state, metrics, run, signal_when_paused,
-                   write_job)
+                   tensorboard_scalars, write_job)
 
 TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2, lr=0.05,
              warmup_steps=3, log_every=1, eval_every=0, amp="off", channels_last=False, threads=1,
@@ -95,6 +95,32 @@ def test_usr2_to_one_rank_stops_all_at_one_step_and_resume_is_bit_exact(tmp_path
     assert [s["resumed_step"] for s in starts] == [None, stop["step"]]
     assert [s["restart"] for s in starts] == [0, 1]
     _assert_same_run(reference(2), out)
+
+
+def test_tensorboard_reads_one_series_across_a_crash_and_a_stop(tmp_path: Path, reference) -> None:
+    """train.tensorboard: attempt 0 crashes in step 12 (logged up to 11, checkpoint at 7), attempt
+    1 is stopped by USR2 in step 19 (checkpoint written), attempt 2 finishes. TensorBoard's own
+    reader sees steps 1..30 once each, in order, with the losses of metrics.jsonl."""
+    import numpy as np
+
+    job = _job(tmp_path, batch_size=_batch(2), tensorboard=True)
+    out = tmp_path / "run"
+    codes, r = run([str(job), "--run-dir", str(out)], 2, tmp_path / "logs",
+                   extra_env={"DDPJOB_TEST_SIGNAL": "1:23:0:crash"})
+    assert codes[1] == 1 and 11 in metrics(out), r.output()
+    ranks = Ranks([str(out)], 2, tmp_path / "logs", restart=1,
+                  extra_env={"DDPJOB_TEST_SIGNAL": "1:24:1:pause"})  # resumed at 7: call 24 is step 19
+    signal_when_paused(ranks, 1, signal.SIGUSR2, to=[1])
+    assert ranks.wait(120) == [3, 3], ranks.output()
+    codes, r = run([str(out)], 2, tmp_path / "logs", restart=2)
+    assert codes == [0, 0], r.output()
+    resumed = [e.get("resumed_step") for e in events(out) if e["event"] == "start"]
+    assert resumed == [None, 7, 19], resumed
+    series = tensorboard_scalars(out, "train/loss")
+    assert [step for step, _ in series] == list(range(1, TRAIN["max_steps"] + 1))
+    losses = {s: rec["loss"] for s, rec in metrics(out).items()}  # the latest record of each step
+    assert [v for _, v in series] == [float(np.float32(losses[s])) for s, _ in series]
+    _assert_same_run(reference(2), out)  # logging to TensorBoard changes no number
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks on 2 cores: ~40-80 s

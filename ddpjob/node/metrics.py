@@ -1,4 +1,5 @@
-"""Step timing and progress: data time vs compute time, images/s, the progress line.
+"""Step timing, progress and TensorBoard: data time vs compute time, images/s, the progress
+line, rank 0's event files.
 
 trainer.py wraps its batch iterator in `Meter.timed()` and, at each logging step, turns the
 window into one `job.log()` record (RUN_DIR/metrics.jsonl, api.py) and one progress update: a
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ddpjob import console
+from ddpjob.errors import DDPJobError
 
 T = TypeVar("T")
 
@@ -108,3 +111,35 @@ class Progress:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+class TensorBoard:
+    """Rank 0's TensorBoard event files ([train] tensorboard), in RUN_DIR/tb/ for the whole run.
+
+    Every attempt adds its own event file to that one folder, and its first event purges what
+    the previous attempt logged past the checkpoint this one resumed from (SummaryWriter's
+    purge_step: a SessionLog START at that step), so TensorBoard shows one increasing series
+    with no step twice. Flushed at every checkpoint: what a resume keeps is on disk by then."""
+
+    def __init__(self, folder: Path, resumed_step: int) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise DDPJobError("train.tensorboard = true, but the tensorboard package is not "
+                              "installed on the nodes, expected it importable",
+                              "pip install 'ddpjob[tensorboard]' (or tensorboard) in the job's "
+                              "environment, or set train.tensorboard = false") from None
+        # Logged steps are 1-based (the step just done): after resuming at step S, S+1 onwards
+        # of the earlier attempt are the ones this attempt replays.
+        self._writer = SummaryWriter(log_dir=str(folder), purge_step=resumed_step + 1)
+
+    def add(self, step: int, kind: str, record: dict[str, Any]) -> None:
+        for name, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(f"{kind}/{name}", value, step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
