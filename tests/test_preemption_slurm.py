@@ -266,7 +266,7 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     run = tmp_path / "run"
     job = job_file(tmp_path)
     ddpjob("sbatch", str(job), "--time", "00:02:00", "-o", str(tmp_path / "job.sbatch"),
-           "--run-dir", str(run), cwd=tmp_path)
+           "--run-dir", str(run), "--set", "train.tensorboard=true", cwd=tmp_path)
     script = (tmp_path / "job.sbatch").read_text()
     assert "#SBATCH --signal=USR2@60" in script and "#SBATCH --time=00:02:00" in script
     # First incarnation: 0.25 s of sleep per micro-step, so that it is still training when the
@@ -331,6 +331,17 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     ref = reference.run_dir()
     counts = assert_same_as_reference(run, ref)
     assert counts["replayed"] >= last_logged - resumed
+    # TensorBoard (train.tensorboard) across the 3 requeues, as its own reader sees RUN_DIR/tb:
+    # one series, every step once although the killed incarnation logged steps it replayed
+    import numpy as np
+
+    from ranks import tensorboard_scalars
+
+    series = tensorboard_scalars(run, "train/loss")
+    assert [step for step, _ in series] == list(range(1, STEPS + 1))
+    losses = {r["step"]: r["loss"] for r in train_records(run)}  # the newest record of each step
+    assert [v for _, v in series] == [float(np.float32(losses[s])) for s, _ in series]
+    assert len(list((run / "tb").iterdir())) == 4  # one event file per incarnation
     # The sample-id log across 4 incarnations: steps trained twice count once (the newest), every
     # sample once per epoch, each step the samples of the uninterrupted run.
     samples = sample_log(run)
