@@ -167,7 +167,8 @@ class Job:
         self._store = StateStore(run_dir / rundir.CHECKPOINTS, keep_last=c.keep_last,
                                  config_hash=cfg.hash(), async_save=c.async_save, rank=self.rank,
                                  world_size=self.world_size, restart=self.restart,
-                                 job_id=self.job_id, control=self._control)
+                                 job_id=self.job_id, control=self._control,
+                                 init_from=c.init_from, init_keys=c.init_keys)
         self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
         self._deadline = preemption.DeadlineWatch(_end_time(self.env))
         self._step: int | None = None  # set by resume()

@@ -127,6 +127,10 @@ class CheckpointConfig:
     keep_last: int = 3
     async_save: bool = field(default=False, metadata={"key": "async"})
     resume: bool = True
+    # A fresh run (nothing to resume) starts from another run's checkpoint: "RUN_DIR" (its newest
+    # valid one), "RUN_DIR/checkpoints/step-N", or a weights file ("model.pt": a state_dict).
+    init_from: str = ""
+    init_keys: tuple[str, ...] = ("model",)  # what to take from a checkpoint: + "optimizer", ...
 
 
 @dataclass(frozen=True)

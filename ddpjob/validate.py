@@ -167,12 +167,20 @@ def _train_data(cfg: JobConfig) -> None:
         scriptsafe.path_text(t.entry, "train.entry", "e.g. entry = \"examples/charlm/train.py\"")
     for arg in t.args:
         scriptsafe.one_line(arg, "train.args entry", "split it into several list entries")
-    for key, v in (("train.pretrained", t.pretrained), ("data.root", d.root)):
+    for key, v in (("train.pretrained", t.pretrained), ("data.root", d.root),
+                   ("checkpoint.init_from", cfg.checkpoint.init_from)):
         scriptsafe.path_text(v, key, f"set {key} to a plain path")
+    keys = cfg.checkpoint.init_keys
+    _check(0 < len(keys) <= 100 and all(bool(_STATE_KEY.fullmatch(k)) for k in keys),
+           f"checkpoint.init_keys is {list(keys)!r}, expected 1..100 state keys (letters, digits, _)",
+           "e.g. init_keys = [\"model\"] (weights only) or [\"model\", \"optimizer\"]")
     _check(d.dataset in ("cifar10", "synthetic") or ":" in d.dataset,
            f"data.dataset is {d.dataset!r}, expected cifar10, synthetic or \"package.module:function\"",
            "e.g. dataset = \"cifar10\"")
     scriptsafe.one_line(d.dataset, "data.dataset", "e.g. dataset = \"cifar10\"", limit=200)
+
+
+_STATE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # as store/state.py's keys
 
 
 def validate(cfg: JobConfig) -> None:

@@ -451,3 +451,35 @@ def test_save_schedule_by_steps_and_minutes() -> None:
     assert both.due(102)
     with pytest.raises(UsageError, match="expected numbers >= 0"):
         SaveSchedule(every_steps=-1, every_minutes=0)
+
+
+def test_init_from_loads_the_named_keys_exactly(tmp_path: Path) -> None:
+    from ddpjob.errors import DDPJobError
+    from ddpjob.store import initfrom
+
+    def target(obj):
+        return obj
+
+    src_model = torch.nn.Linear(4, 3)
+    src_opt = torch.optim.SGD(src_model.parameters(), lr=0.1, momentum=0.9)
+    src_model(torch.randn(2, 4)).sum().backward()
+    src_opt.step()
+    store = CheckpointStore(tmp_path / "run" / "checkpoints", keep_last=2)
+    store.save(5, {"model.pt": src_model.state_dict(), "optimizer.pt": src_opt.state_dict()}, {})
+    torch.save(src_model.state_dict(), tmp_path / "weights.pt")
+    for source, keys in ((tmp_path / "run", ("model", "optimizer")),
+                         (tmp_path / "run" / "checkpoints" / "step-000000005", ("model",)),
+                         (tmp_path / "weights.pt", ("model",))):
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        initfrom.load({"model": model, "optimizer": opt}, str(source), keys, 0, target)
+        assert_same(model.state_dict(), src_model.state_dict())
+        if "optimizer" in keys:
+            assert_same(opt.state_dict()["state"], src_opt.state_dict()["state"])
+        else:
+            assert opt.state_dict()["state"] == {}
+    torch.save({"w": torch.nn.Linear(4, 3)}, tmp_path / "evil.pt")  # a pickled module: refused
+    for source, expected in ((tmp_path / "evil.pt", "refusing to load"), (tmp_path / "nowhere", "neither a run dir"),
+                             (tmp_path / "weights.pt", "does not fit")):
+        with pytest.raises(DDPJobError, match=expected):
+            initfrom.load({"model": torch.nn.Linear(5, 3)}, str(source), ("model",), 0, target)

@@ -7,6 +7,7 @@ run that was never interrupted: final model, optimizer state, every per-step los
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -291,3 +292,33 @@ def test_end_time_from_squeue_and_deadline_arithmetic(fake_slurm) -> None:
     now[0] = 1081.0  # 19 s left
     assert watch.expired()
     assert not preemption.DeadlineWatch(end_time=None).expired()
+
+
+def test_init_from_starts_a_new_run_from_another_runs_checkpoint(tmp_path: Path, reference) -> None:
+    """[checkpoint] init_from, from a run dir (its newest valid checkpoint) and from a weights
+    file: the new run starts at step 0 with the source's weights, so its first loss is the
+    trained model's, not a fresh one's; a key the checkpoint lacks is one line on every rank."""
+    source = reference(2)
+    train = {**TRAIN, "batch_size": _batch(2), "max_steps": 3}
+
+    def job(name: str, **ckpt: object) -> Path:
+        return write_job(tmp_path / f"{name}.toml", train=train, data=DATA, checkpoint=ckpt)
+
+    fresh = metrics(source)[1]["loss"]
+    trained = metrics(source)[TRAIN["max_steps"]]["loss"]
+    assert trained < 0.8 * fresh  # the source did learn something
+    for name, init in (("from-run", str(source)),
+                       ("from-file", str(source / "checkpoints" / "step-000000030" / "model.pt"))):
+        out = tmp_path / name
+        codes, r = run([str(job(name, init_from=init)), "--run-dir", str(out)], 2, tmp_path / f"logs-{name}")
+        assert codes == [0, 0], r.output()
+        assert "initialised model from" in r.output(0) and "training starts at step 0" in r.output(0)
+        assert [e.get("resumed_step") for e in events(out) if e["event"] == "start"] == [None]
+        first = metrics(out)[1]["loss"]
+        assert abs(first - trained) < abs(first - fresh), (first, trained, fresh)
+    bad = job("bad", init_from=str(source), init_keys=["model", "ema"])
+    codes, r = run([str(bad), "--run-dir", str(tmp_path / "bad")], 2, tmp_path / "logs-bad")
+    assert codes == [1, 1], r.output()
+    for rank in (0, 1):
+        lines = [ln for ln in r.output(rank).splitlines() if ln.startswith("ddpjob: error:")]
+        assert len(lines) == 1 and "has no ema" in lines[0], r.output(rank)

@@ -79,8 +79,9 @@ class StateStore:
 
     def __init__(self, root: Path, *, keep_last: int, config_hash: str, async_save: bool,
                  rank: int, world_size: int, restart: int, job_id: str | None,
-                 control: dist.Control) -> None:
+                 control: dist.Control, init_from: str = "", init_keys: tuple[str, ...] = ("model",)) -> None:
         self.store = CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
+        self.init_from, self.init_keys = init_from, init_keys
         self.async_save = async_save
         self.rank, self.world_size, self.restart, self.job_id = rank, world_size, restart, job_id
         self.control = control
@@ -108,6 +109,10 @@ class StateStore:
             info = dist.broadcast_object(info, what="the choice of the checkpoint to resume from")
         self._rng_seed = (seed, 0 if info is None else info.step)
         if info is None:
+            if self.init_from:
+                from ddpjob.store import initfrom
+
+                initfrom.load(state, self.init_from, self.init_keys, self.rank, _target)
             return 0
         self._load_into(state, info)
         rng_file = f"rank-{self.rank}.pt"
