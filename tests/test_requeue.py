@@ -293,3 +293,22 @@ def test_an_unseen_end_without_sacct_or_in_another_job(fake_slurm, tmp_path) -> 
     assert (mine["reason"], mine["requeued_by"]) == ("killed", "slurm")
     assert "sacct did not answer (sacct -X -D failed: Slurm accounting storage is disabled)" in mine["note"]
     assert (restart, why) == (1, None) and requeue.used(d, 1) == (1, 0)
+
+
+def test_a_node_failure_seen_by_the_living_ranks_is_recorded_at_their_stop(fake_slurm, tmp_path) -> None:
+    # `scontrol update nodename=n2 state=down` with the ranks alive: SLURM ends the attempt
+    # NODE_FAIL, requeues the job itself (Restarts 0 -> 1) and the ranks get SIGTERM.
+    cfg, d = run_dir(tmp_path, max_failures=1)
+    t = 1_790_000_000.0
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=PENDING Reason=BeginTime Restarts=1 PreemptTime=None")
+    fake_slurm.answer("sacct", f"NODE_FAIL|{sacct_time(t - 30)}|{sacct_time(t)}\nPENDING|Unknown|Unknown\n")
+    assert requeue.after_stop(cfg, ENV, d, preemption.PREEMPTED, 28, signal_step=27, signal_time=t) is True
+    stop = last_stop(d)
+    assert (stop["reason"], stop["requeued_by"], stop["steps_lost"]) == ("node_failure", "slurm", 0), stop
+    assert requeue.used(d, 1) == (0, 1)
+    assert not fake_slurm.called("scontrol requeue")  # SLURM brought it back already
+    # a scancel leaves Restarts alone: sacct is not even asked
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=CANCELLED Restarts=0 PreemptTime=None")
+    calls = len(fake_slurm.calls)
+    requeue.after_stop(cfg, ENV, d, preemption.PREEMPTED, 30)
+    assert last_stop(d)["reason"] == "signal" and not any(c.args[0] == "sacct" for c in fake_slurm.calls[calls:])

@@ -7,7 +7,10 @@ a chosen step (partition-priority preemption once a step is reached; a crash at 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +18,8 @@ import pytest
 
 from ranks import write_job
 from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob,
-                                   events, job_env, job_file, poll, preempt, reference, release, task_pids,
-                                   wait_step, wait_stop)
+                                   events, job_env, job_file, poll, preempt, reference, release, wait_step,
+                                   wait_stop)
 
 __all__ = ["reference"]  # the module-scoped fixture, shared with test_preemption_slurm
 
@@ -97,74 +100,108 @@ def test_a_crash_is_retried_only_within_max_failures(slurm_cluster: Any, tmp_pat
     assert (stops[-1]["reason"] == "finished") is bool(max_failures), stops
 
 
-def freeze_node(job_id: str, tasks: tuple[int, ...]) -> list[int]:
-    """Node n2 dies as far as the job can tell: its ranks stop dead (SIGSTOP: no handler, no
-    last words) and the controller marks the node DOWN, so SLURM ends the attempt as NODE_FAIL
-    and, the job being --requeue, requeues it by itself. No ddpjob code runs on the way down."""
-    import os
-    import signal
+def node_pids(job_id: str, node: str) -> list[int]:
+    """Every process of the job on `node` (`scontrol listpids`: ranks and their children)."""
+    out = subprocess.run(["scontrol", "listpids", job_id, node], capture_output=True, text=True,
+                         timeout=30).stdout
+    return [int(line.split()[0]) for line in out.splitlines()[1:] if line.split()[:1] != [] and line.split()[0].isdigit()]
 
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def node_down(job_id: str, *, freeze: bool) -> list[int]:
+    """Node n2 fails. freeze: as a dead node does, everything on it stops dead (SIGSTOP of its
+    slurmd, the job's slurmstepd there and the ranks: no handler runs, and SLURM's SIGCONT
+    cannot wake them), so no ddpjob code runs on the way down. Otherwise the controller marks
+    n2 DOWN while its ranks live (an admin, a health check) and they get SIGTERM. Either way
+    SLURM ends the attempt NODE_FAIL and requeues the --requeue job by itself. Returns the
+    processes to kill when the node comes back."""
     import slurmtools
 
-    pids = [pid for task, pid in task_pids(job_id).items() if task in tasks]
-    assert len(pids) == len(tasks), task_pids(job_id)
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+    ranks = node_pids(job_id, "n2")
+    assert ranks, "no process of the job on n2"
+    frozen: list[int] = []
+    if freeze:
+        cluster = Path(os.environ.get("DDPJOB_CLUSTER_DIR", "/var/lib/ddpjob-test-cluster"))
+        slurmd = int((cluster / "run" / "slurmd-n2.pid").read_text().strip())
+        stepds = {_parent(p) for p in ranks} - set(ranks)
+        stepds = {p for p in stepds if Path(f"/proc/{p}/comm").read_text().strip() == "slurmstepd"}
+        frozen = [slurmd, *sorted(stepds), *ranks]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
     slurmtools._run(["scontrol", "update", "nodename=n2", "state=down", "reason=ddpjob-test-node-failure"])
-    return pids
+    return frozen
 
 
-def revive_node(pids: list[int]) -> None:
-    """The node comes back empty: the frozen processes are gone and n2 takes jobs again."""
-    import os
-    import signal
-
+def node_up(frozen: list[int]) -> None:
+    """n2 comes back empty: the frozen job processes are killed, its slurmd goes on (SIGCONT)
+    and the node is resumed; tests/cluster/start.sh waits until both nodes take jobs again."""
     import slurmtools
 
-    for pid in pids:
+    slurmd, rest = (frozen[0], frozen[1:]) if frozen else (None, [])
+    for pid in rest:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    if slurmd is not None:
+        os.kill(slurmd, signal.SIGCONT)
     slurmtools._run(["scontrol", "update", "nodename=n2", "state=resume"], check=False)
+    if frozen:
+        out = subprocess.run(["bash", str(Path(__file__).parent / "cluster" / "start.sh")],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.cluster
 @pytest.mark.slow
-@pytest.mark.parametrize("max_failures, final", [(1, "COMPLETED"), (0, "FAILED")])
-def test_a_failed_node_is_recorded_at_the_next_start_and_spends_max_failures(
-        slurm_cluster: Any, tmp_path: Path, reference: Reference, max_failures: int, final: str) -> None:
+@pytest.mark.parametrize("max_failures, freeze, final", [(1, True, "COMPLETED"), (0, False, "FAILED")],
+                         ids=["dead-node-retried", "node-down-budget-spent"])
+def test_a_failed_node_is_a_node_failure_that_spends_max_failures(
+        slurm_cluster: Any, tmp_path: Path, reference: Reference, max_failures: int, freeze: bool,
+        final: str) -> None:
+    """A dead node: nothing is recorded on the way down; the next start asks sacct (NODE_FAIL)
+    and records it, resumes from the checkpoint at step 20 and ends bit-identical. A node set
+    DOWN under living ranks: they checkpoint at their stop, which records the node failure;
+    with max_failures = 0 the next start is refused with one line and the job ends FAILED."""
     import slurmtools
 
     slurmtools.cluster_free(timeout=300)
     if max_failures:
         reference.start()
-    # rank 2 (on n2) waits in its 55th training forward call: step 27, checkpoint at step 20
+    # rank 2 (on n2) waits in its 55th training forward call (step 27; checkpoint at step 20)
+    # until the stop signal reaches it: the node fails exactly there
     run, jid = sbatch(tmp_path, job_file(tmp_path, max_failures=max_failures),
                       DDPJOB_TEST_SIGNAL="2:55:0:pause")
     slurmtools.read_when(run / "logs" / "rank-2.log", "paused at call 55", timeout=300)
-    pids = freeze_node(jid, (2, 3))
+    pids = node_down(jid, freeze=freeze)
     try:
         slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
         assert slurmtools.job_info(jid).get("Restarts") == "1"
     finally:
-        revive_node(pids)
+        node_up(pids)
     release(jid)
     assert slurmtools.wait_done(jid, 900) == final
     stops = [e for e in events(run, "stop") if "rank" not in e]
     failure = stops[0]
     assert (failure["reason"], failure["job_id"], failure["restart"]) == ("node_failure", jid, 0), stops
-    assert (failure["step"], failure["steps_lost"], failure["requeued_by"]) == (20, 7, "slurm"), failure
-    assert "sacct says NODE_FAIL" in failure["note"], failure
+    assert failure["requeued_by"] == "slurm" and failure["requeued"] is True, failure
+    if freeze:  # recorded at the next start: lost what was trained past the checkpoint
+        assert (failure["step"], failure["steps_lost"]) == (20, 7), failure
+        assert "sacct says NODE_FAIL" in failure["note"], failure
+    else:  # recorded by rank 0 at the stop, with the checkpoint of that step
+        assert (failure["step"], failure["steps_lost"]) == (28, 0), failure
     status = ddpjob("status", str(run), cwd=tmp_path).stdout
-    assert f"node_failure at step 20 (job {jid}), steps lost 7, slurm" in status, status
+    assert f"node_failure at step {failure['step']} (job {jid})" in status, status
     rec = json.loads(ddpjob("status", str(run), "--json", cwd=tmp_path).stdout)
     assert rec["stops"][0]["reason"] == "node_failure" and rec["state"] == final, rec
     assert rec["restarts"] == 1 and rec["completed"] is bool(max_failures), rec
     if max_failures:
         assert [s["reason"] for s in stops] == ["node_failure", "finished"], stops
         starts = events(run, "start")
-        assert [s["resumed_step"] for s in starts] == [None, 20], starts
+        assert [s["resumed_step"] for s in starts] == [None, failure["step"]], starts
         assert_same_as_reference(run, reference.run_dir())
     else:
         assert [s["reason"] for s in stops] == ["node_failure", "budget"], stops

@@ -81,6 +81,27 @@ def _preempting(job_id: str) -> bool | slurm.Failed:
     return answer
 
 
+def _node_failed(env: ClusterEnv, signal_time: float | None) -> bool:
+    """Whether SLURM ended this attempt for a failed node. Only when the controller already
+    requeued the job by itself (its Restarts went up: a node failure or someone's `scontrol
+    requeue`; a scancel never does) is sacct asked how the attempt ended; slurmdbd may lag a
+    moment behind the controller, so it is asked a few times."""
+    info = slurm.show_job(str(env.job_id))
+    restarts = "" if isinstance(info, slurm.Failed) else info.get("Restarts", "")
+    if not restarts.isdigit() or int(restarts) <= env.restart_count:
+        return False
+    t = time.time() if signal_time is None else signal_time
+    for attempt in range(CHECK_TRIES):
+        runs = slurm.incarnations(str(env.job_id))
+        if not isinstance(runs, slurm.Failed):
+            mine = [r for r in runs if r.start is not None and r.start <= t + 1]
+            if mine and mine[-1].state not in ("RUNNING", "COMPLETING", "PENDING"):
+                return mine[-1].state in ("NODE_FAIL", "BOOT_FAIL")
+        if attempt + 1 < CHECK_TRIES:
+            sleep(CHECK_PAUSE_S)
+    return False
+
+
 def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int, *,
                restart: int = 0, signal_step: int | None = None,
                signal_time: float | None = None) -> bool | None:
@@ -103,6 +124,12 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
         elif not preempting:
             reason, decide = "signal", False
             fields["note"] = "not being preempted (scancel, or already requeued): not requeueing"
+            if _node_failed(env, signal_time):
+                # A node of the job went down: SLURM ended this attempt NODE_FAIL and requeued
+                # the job by itself; the ranks that lived got SIGTERM and checkpointed.
+                reason = "node_failure"
+                fields.update(requeued=True, requeued_by="slurm",
+                              note="a node failed: SLURM ended this attempt (NODE_FAIL) and requeued the job")
     if decide:
         fields.update(_decide(cfg, env, run_dir, reason, restart, fields.get("note")))
     lost = None if signal_step is None else max(0, step - signal_step - 1)

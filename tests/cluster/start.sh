@@ -67,13 +67,16 @@ wait_for() {
 }
 
 # alive PIDFILE NAME: the pid file names a live process called NAME (a stale file after a reboot
-# may name a pid that some other program now has).
+# may name a pid that some other program now has; a killed daemon nobody reaped is a zombie).
 alive() {
-    local pid
+    local pid stat
     [ -f "$1" ] || return 1
     pid=$(cat "$1" 2>/dev/null) || return 1
     [[ $pid =~ ^[0-9]+$ ]] || return 1
-    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ] || return 1
+    stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 1
+    stat=${stat##*) }
+    [ "${stat%% *}" != Z ]
 }
 
 # stop_pidfile PIDFILE NAME: SIGTERM, wait up to 15 s, then SIGKILL; removes the pid file.
