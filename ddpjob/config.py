@@ -35,6 +35,9 @@ def _key(f: dataclasses.Field) -> str:  # TOML key of a field ("async" is a Pyth
     return str(f.metadata.get("key", f.name))
 
 
+CONTAINER_RUNTIMES = ("pyxis", "apptainer", "singularity")  # launch/container.py
+
+
 @dataclass(frozen=True)
 class SlurmConfig:
     """Resources and SLURM behaviour (`[slurm]`)."""
@@ -57,6 +60,10 @@ class SlurmConfig:
     sbatch_extra: tuple[str, ...] = ()  # extra "--option=value" sbatch arguments
     requeue: bool = True
     share_group: bool = False  # run dirs 0750 / files 0640 (group can read) instead of 0700 / 0600
+    container: str = ""  # image the ranks run in ("" = none): pyxis image name or apptainer .sif/URI
+    container_runtime: str = "pyxis"  # pyxis (srun --container-image) | apptainer | singularity
+    container_mounts: tuple[str, ...] = ()  # extra "SRC" or "SRC:DST" (run dir, data, code: automatic)
+    container_python: str = ""  # "" = the submitting interpreter (mounted); else e.g. "python3"
 
     @property
     def world_size(self) -> int:

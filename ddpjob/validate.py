@@ -139,6 +139,28 @@ def _slurm_strings(cfg: JobConfig) -> None:
     scriptsafe.setup_lines(s.setup)
     for arg in s.sbatch_extra:
         scriptsafe.sbatch_extra(arg)
+    _container(cfg)
+
+
+def _container(cfg: JobConfig) -> None:
+    s = cfg.slurm
+    from ddpjob.config import CONTAINER_RUNTIMES as RUNTIMES
+
+    _check(s.container_runtime in RUNTIMES, f"slurm.container_runtime is {s.container_runtime!r}, "
+           f"expected one of {', '.join(RUNTIMES)}", "e.g. container_runtime = \"apptainer\"")
+    for key in ("container", "container_python"):
+        v = getattr(s, key)
+        scriptsafe.one_line(v, f"slurm.{key}", f"remove the line break from slurm.{key}", limit=500)
+        _check(not any(c.isspace() or c == "," for c in v), f"slurm.{key} {v!r} has a space or a comma, "
+               "expected one image name or path", "rename or link the image to a plain path")
+    _check(len(s.container_mounts) <= 100, f"slurm.container_mounts has {len(s.container_mounts)} "
+           "entries, expected at most 100", "mount a common parent folder")
+    for m in s.container_mounts:
+        scriptsafe.path_text(m, "slurm.container_mounts entry", "give \"SRC\" or \"SRC:DST\"")
+        parts = m.split(":")
+        _check(len(parts) <= 2 and all(p.startswith("/") for p in parts) and "," not in m,
+               f"slurm.container_mounts entry {m!r} is not \"SRC\" or \"SRC:DST\" with absolute "
+               "paths, expected no comma and at most one colon", "e.g. \"/scratch/data:/data\"")
 
 
 def _train_data(cfg: JobConfig) -> None:

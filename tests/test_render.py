@@ -302,3 +302,42 @@ def test_job_signal_term_is_not_forwarded(tmp_path: Path) -> None:
     proc.wait(timeout=30)
     assert proc.returncode == 7
     assert not (t / "srun-signals").exists()
+
+
+CONTAINERS = {
+    "pyxis": dict(container="nvcr.io#nvidia/pytorch:24.01-py3", container_runtime="pyxis",
+                  container_python="python3", container_mounts=("/scratch/data:/data",)),
+    "apptainer": dict(container="/images/torch.sif", container_runtime="apptainer",
+                      container_mounts=("/scratch/cache",)),
+}
+
+
+@pytest.mark.parametrize("runtime", sorted(CONTAINERS))
+def test_golden_container_script(runtime: str) -> None:
+    """[slurm] container: pyxis puts the image on srun's line, apptainer wraps the interpreter;
+    the run dir, ddpjob's source and the data are mounted at their own paths."""
+    cfg = _with_slurm(_job("smoke"), **CONTAINERS[runtime])
+    text = _stable(render.render_sbatch(cfg, run_dir=RUN_DIR, python=PYTHON))
+    text = text.replace(str(REPO), "<ddpjob source>").replace(sys.prefix, "<prefix>")
+    golden = GOLDEN / f"smoke-{runtime}.sbatch"
+    if os.environ.get("DDPJOB_REGEN_GOLDEN"):
+        golden.write_text(text, encoding="utf-8")
+    assert text == golden.read_text(encoding="utf-8"), f"regenerate {golden} if intended"
+    assert subprocess.run([BASH, "-n"], input=text, text=True).returncode == 0
+    plain = _stable(render.render_sbatch(_job("smoke"), run_dir=RUN_DIR, python=PYTHON))
+    changed = [ln for ln in text.splitlines() if ln not in plain.splitlines()]
+    assert changed and all(ln.startswith("srun ") or "-m ddpjob run" in ln for ln in changed), \
+        changed  # only the srun command differs
+
+
+@pytest.mark.parametrize("changes, found", [
+    (dict(container="img", container_runtime="docker"), "slurm.container_runtime is 'docker'"),
+    (dict(container="my image.sif"), "has a space or a comma"),
+    (dict(container="img", container_mounts=("relative/x",)), "container_mounts entry"),
+    (dict(container="img", container_mounts=("/a:/b:/c",)), "container_mounts entry"),
+])
+def test_container_settings_are_validated(changes: dict, found: str) -> None:
+    from ddpjob import validate
+
+    with pytest.raises(UsageError, match=re.escape(found)):
+        validate.validate(_with_slurm(_job("smoke"), **changes))

@@ -342,3 +342,18 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
     starts = [e for e in rundir.events(run) if e.get("event") == "start"]
     assert [(s["world_size"], s.get("resumed_step")) for s in starts] == [(2, None), (1, 6)], starts
     assert rundir.completed(run)["step"] == 12
+
+
+@pytest.mark.parametrize("runtime, expected", [
+    ("pyxis", "--container-image=/images/t.sqsh"),
+    ("apptainer", "apptainer exec --bind "),
+])
+def test_the_submitit_script_runs_the_ranks_in_the_container(tmp_path, runtime, expected):
+    cfg = config.resolve(SMOKE, [f'slurm.container="/images/t.sqsh"', f'slurm.container_runtime="{runtime}"'])
+    folder = tmp_path / "run" / "logs"
+    folder.mkdir(parents=True)
+    script = submit.sbatch_text(cfg, folder)
+    [srun] = [ln for ln in script.splitlines() if ln.startswith("srun ")]
+    assert expected in srun and "--kill-on-bad-exit=1" in srun, srun
+    assert f"{tmp_path / 'run'}" in srun  # the run dir is mounted
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0

@@ -331,7 +331,25 @@ def cheap_checks(cfg: JobConfig, *, backend: str = "slurm", runs_root: str | Pat
     else:
         out.append(Check("tasks per gpu", PASS, "one rank per GPU" if s.gpus_per_node
                          else f"CPU job, {s.tasks_per_node} rank(s) per node"))
+    out += [container_check(cfg)] if cfg.slurm.container else []
     return out + _partition_checks(cfg) + _signal_checks(cfg, measured_s) + [port_check()]
+
+
+def container_check(cfg: JobConfig) -> Check:
+    """[slurm] container: the runtime is there (on this node: sites install it cluster-wide)."""
+    s = cfg.slurm
+    if s.container_runtime == "pyxis":
+        res = slurm.run(["srun", "--help"], timeout=20)
+        if "--container-image" in res.stdout + res.stderr:
+            return Check("container", PASS, f"pyxis: srun takes --container-image ({s.container})")
+        return Check("container", FAIL, "slurm.container_runtime = pyxis, but `srun --help` lists no "
+                     "--container-image (the pyxis plugin is not installed)",
+                     "ask your admins for pyxis/enroot, or use container_runtime = \"apptainer\"")
+    found = shutil.which(s.container_runtime)
+    if found:
+        return Check("container", PASS, f"{s.container_runtime} at {found} ({s.container})")
+    return Check("container", FAIL, f"slurm.container_runtime = {s.container_runtime}, but it is not on PATH",
+                 f"module load {s.container_runtime} in slurm.setup, or install it")
 
 
 # ------------------------------------------------------------------ srun and the command

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ddpjob import __version__, scriptsafe
 from ddpjob.config import JobConfig
+from ddpjob.launch import container
 from ddpjob.errors import UsageError
 from ddpjob.rundir import LOGS
 
@@ -117,7 +118,11 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         "run_dir": shlex.quote(run),
         "exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in _check_env(extra_env)),
         "rank_log": shlex.quote(f"{slurm_pattern_escape(run)}/{LOGS}/rank-%t.log"),
-        "python": shlex.quote(python),
+        "python": shlex.quote(python),  # the batch shell's (host) interpreter
+        "rank_python": shlex.quote(container.interpreter(cfg, python)),  # the ranks' (container's)
+        # [slurm] container: "" without one, so a template without a container renders as before
+        "container_srun": "".join(" " + shlex.quote(o) for o in container.srun_options(cfg, run, python)),
+        "container_exec": "".join(shlex.quote(w) + " " for w in container.exec_prefix(cfg, run, python)),
         "signal": shlex.quote(signal),
         "forward_signal": shlex.quote("" if signal in _NOT_FORWARDED else signal),
     }

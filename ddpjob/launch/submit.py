@@ -37,7 +37,7 @@ from ddpjob import config, console, rundir, scriptsafe
 from ddpjob.node import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import local, slurm
+from ddpjob.launch import container, local, slurm
 
 EXIT_REQUEUE = 3
 FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
@@ -168,6 +168,8 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None) -> dict[str, An
         # hanging in a collective until the time limit.
         "srun_args": ["--kill-on-bad-exit=1"],
     }
+    if folder is not None:  # [slurm] container, pyxis: srun's options (apptainer: see _python)
+        params["srun_args"] += container.srun_options(cfg, str(folder.parent), sys.executable)
     # submitit writes setup lines right after the #SBATCH block, where sbatch still reads
     # directives: the guard's first line is a command, which ends that scan (and the
     # scriptsafe checks refuse setup lines starting with '#' anyway).
@@ -216,9 +218,17 @@ def _guard_lines(cfg: JobConfig, folder: Path | None) -> list[str]:
     return lines
 
 
-def submitit_command(folder: Path) -> str:
+def _python(cfg: JobConfig, folder: Path) -> str:
+    """The interpreter command submitit runs under srun: inside `apptainer exec ...` with
+    [slurm] container (submitit's `python` parameter exists for exactly this)."""
+    words = [*container.exec_prefix(cfg, str(folder.parent), sys.executable),
+             container.interpreter(cfg, sys.executable)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def submitit_command(cfg: JobConfig, folder: Path) -> str:
     """What submitit runs under srun (SlurmExecutor._submitit_command_str)."""
-    return f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+    return f"{_python(cfg, folder)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
 
 
 def sbatch_text(cfg: JobConfig, folder: Path, array: int | None = None) -> str:
@@ -226,7 +236,7 @@ def sbatch_text(cfg: JobConfig, folder: Path, array: int | None = None) -> str:
     from submitit.slurm.slurm import _make_sbatch_string
 
     scriptsafe.run_dir(str(folder), submitit=True)
-    return _make_sbatch_string(command=submitit_command(folder), folder=folder, map_count=array,
+    return _make_sbatch_string(command=submitit_command(cfg, folder), folder=folder, map_count=array,
                                **slurm_parameters(cfg, folder))
 
 
@@ -269,7 +279,8 @@ def submit_slurm(cfgs: list[JobConfig], run_dirs: list[Path], log_folder: Path,
     from submitit.core.utils import FailedJobError
 
     cfg = cfgs[0]  # resources are the same for every point; a sweep varies the training
-    ex = submitit.SlurmExecutor(folder=log_folder, max_num_timeout=cfg.slurm.max_requeues)
+    ex = submitit.SlurmExecutor(folder=log_folder, max_num_timeout=cfg.slurm.max_requeues,
+                                python=_python(cfg, log_folder))
     scriptsafe.run_dir(str(log_folder), submitit=True)
     ex.update_parameters(**slurm_parameters(cfg, log_folder))
     try:
