@@ -312,3 +312,15 @@ def test_a_node_failure_seen_by_the_living_ranks_is_recorded_at_their_stop(fake_
     calls = len(fake_slurm.calls)
     requeue.after_stop(cfg, ENV, d, preemption.PREEMPTED, 30)
     assert last_stop(d)["reason"] == "signal" and not any(c.args[0] == "sacct" for c in fake_slurm.calls[calls:])
+
+
+def test_budgets_count_the_job_chain_so_a_new_submission_starts_fresh(fake_slurm, tmp_path) -> None:
+    cfg, d = run_dir(tmp_path, max_failures=0)
+    for rec in ({"event": "stop", "reason": "node_failure", "requeued": True, "job_id": "70", "restart": 0},
+                {"event": "stop", "reason": "preemption", "requeued": True, "requeued_by": "successor",
+                 "next_job_id": "71", "job_id": "70", "restart": 1},
+                {"event": "stop", "reason": "crash", "requeued": True, "job_id": "71", "restart": 2}):
+        rundir.append_jsonl(d / "events.jsonl", rec)
+    assert requeue.used(d, 3, "71") == (1, 2)  # 71 succeeds 70: one chain
+    assert requeue.used(d, 0, "90") == (0, 0)  # `ddpjob resume` submitted 90: fresh budgets
+    assert requeue.check_start(cfg, ClusterEnv(source="local", job_id="90", restart_count=0), d) == (0, None)

@@ -31,11 +31,22 @@ CHECK_TRIES, CHECK_PAUSE_S = 3, 2.0
 sleep: Callable[[float], None] = time.sleep  # tests skip the pauses
 
 
-def used(run_dir: Path, restart: int) -> tuple[int, int]:
-    """(requeues, failures) spent so far: failures are the crash retries recorded in events;
-    every other restart of the run (SLURM's and successors') was a requeue."""
-    failures = sum(1 for e in rundir.events(run_dir) if e.get("event") == "stop"
-                   and e.get("reason") in FAILURES and e.get("requeued") and "rank" not in e)
+def used(run_dir: Path, restart: int, job_id: str | None = None) -> tuple[int, int]:
+    """(requeues, failures) spent so far: failures are the crash and node-failure retries
+    recorded in events; every other restart of the run (SLURM's and successors') was a requeue.
+    With `job_id`, only its chain counts (the job and the jobs it succeeds): a new submission
+    of the run (`ddpjob resume`, submit to the same run dir) starts with fresh budgets."""
+    evs = rundir.events(run_dir)
+    chain = None
+    if job_id is not None:
+        chain, cur = {str(job_id)}, str(job_id)
+        while prev := next((str(e.get("job_id")) for e in evs if e.get("requeued_by") == "successor"
+                            and str(e.get("next_job_id")) == cur and str(e.get("job_id")) not in chain), None):
+            chain.add(prev)
+            cur = prev
+    failures = sum(1 for e in evs if e.get("event") == "stop" and e.get("reason") in FAILURES
+                   and e.get("requeued") and "rank" not in e
+                   and (chain is None or str(e.get("job_id")) in chain))
     return max(0, restart - failures), failures
 
 
@@ -143,7 +154,7 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
 
 def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, reason: str, restart: int,
             prefix: str | None) -> dict[str, Any]:
-    requeues, failures = used(run_dir, restart)
+    requeues, failures = used(run_dir, restart, env.job_id)
     if not cfg.slurm.requeue:
         why = "slurm.requeue = false: not requeueing"
     elif reason in FAILURES and failures >= cfg.slurm.max_failures:
@@ -240,7 +251,7 @@ def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, st
     if env.source in ("slurm", "torchrun") and slurm.JOB_ID.fullmatch(str(env.job_id)):
         for rec in record_unseen(run_dir, env.job_id):
             console.print0(f"ddpjob: the previous attempt ended unseen: {rec['reason']} ({rec['note']})")
-    requeues, failures = used(run_dir, restart)
+    requeues, failures = used(run_dir, restart, env.job_id)
     s = cfg.slurm
     why = None
     if requeues > s.max_requeues:
