@@ -64,6 +64,7 @@ class Launch:
     wanted_dir: Path | None = None
     argv: Sequence[str] | None = None
     stop: Any = None
+    allow_code_change: bool = False  # `ddpjob run --allow-code-change`
 
 
 _launch: Launch | None = None
@@ -168,7 +169,9 @@ class Job:
                                  config_hash=cfg.hash(), async_save=c.async_save, rank=self.rank,
                                  world_size=self.world_size, restart=self.restart,
                                  job_id=self.job_id, control=self._control,
-                                 init_from=c.init_from, init_keys=c.init_keys)
+                                 init_from=c.init_from, init_keys=c.init_keys,
+                                 code=lambda: _code_hash(cfg, run_dir),
+                                 allow_code_change=bool(_launch and _launch.allow_code_change))
         self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
         self._deadline = preemption.DeadlineWatch(_end_time(self.env))
         self._step: int | None = None  # set by resume()
@@ -447,6 +450,12 @@ def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Pat
     if isinstance(path, DDPJobError):
         raise path
     return Path(path)
+
+
+def _code_hash(cfg: JobConfig, run_dir: Path) -> tuple[str, tuple[str, ...]]:
+    from ddpjob.launch import freeze
+
+    return freeze.running_hash(cfg, run_dir)
 
 
 def _end_time(env: ClusterEnv) -> float | None:

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="train on this node (under srun, torchrun, or alone)")
     p.add_argument("target", type=_path("run target"), help="job file (TOML) or an existing run directory")
+    p.add_argument("--allow-code-change", action="store_true",
+                   help="resume a checkpoint written by other code (the code on disk was edited)")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help=argparse.SUPPRESS)  # torch.distributed.launch (legacy) passes this
     _add_job_overrides(p)
@@ -107,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("resume", help="bring a stopped, cancelled or failed run back (other resources allowed)")
     p.add_argument("run", type=_path("run directory"), help="run directory")
     p.add_argument("--wait", action="store_true", help="block until the job ends, streaming rank 0's log")
+    p.add_argument("--allow-code-change", action="store_true",
+                   help="freeze the code on disk now and resume the checkpoints of the old code with it")
     _add_job_overrides(p, run_dir=False)
     p.set_defaults(func=_handler("ddpjob.launch.resume:cmd_resume"))
 

@@ -76,7 +76,7 @@ CASES = [
     ("bad toml", 2, lambda t: [_job(t, "[slurm\nnodes = 1\n")], "not valid TOML"),
     ("unknown section", 2, lambda t: [_job(t, SMOKE + "[slurmm]\nnodes = 2\n")], "'slurmm'"),
     ("unknown key", 2, lambda t: [_job(t, _edit("slurm", "nodez = 2"))],
-     "expected one of: account, constraint, cpus_per_task"),
+     "expected one of: account, constraint, container, container_mounts"),
     ("wrong type", 2, lambda t: [_job(t, _edit("slurm", 'nodes = "two"'))], "expected an integer"),
     ("nodes zero", 2, lambda t: ["jobs/smoke.toml", "--nodes", "0"], "slurm.nodes is 0"),
     ("nodes negative", 2, lambda t: ["jobs/smoke.toml", "--nodes=-2"], "slurm.nodes is -2"),

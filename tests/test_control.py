@@ -353,7 +353,7 @@ def test_the_json_record_of_a_run(tmp_path):
                    "requeued": True, "requeued_by": "slurm", "next_job_id": None, "time": 5.0, "note": "n"}],
         "step": 14, "loss": None,
         "checkpoint": {"step": 10, "path": str(run / "checkpoints" / "step-000000010")},
-        "best_accuracy": {"value": 0.75, "step": 12}, "final_accuracy": None}
+        "best_accuracy": {"value": 0.75, "step": 12}, "final_accuracy": None, "code": None}
     # a damaged run dir is still one line, and no runs are no lines
     (tmp_path / "runs" / "bad").mkdir()
     (tmp_path / "runs" / "bad" / "config.json").write_text("{}")

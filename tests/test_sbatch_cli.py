@@ -80,7 +80,7 @@ def test_empty_run_dir_given_by_the_user_is_used(tmp_path: Path) -> None:
     run.mkdir()
     assert sbatch(str(REPO / "jobs/smoke.toml"), "--run-dir", str(run), "-o", "x",
                   cwd=tmp_path).returncode == 0
-    assert sorted(p.name for p in run.iterdir()) == ["config.json", "job.sbatch", "logs"]
+    assert sorted(p.name for p in run.iterdir()) == ["code", "code.json", "config.json", "job.sbatch", "logs"]
 
 
 @pytest.mark.parametrize("name", ["smoke", "smoke.toml", "jobs/smoke.toml", "cifar10_resnet18"])

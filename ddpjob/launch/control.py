@@ -264,11 +264,32 @@ def format_status(i: RunInfo) -> str:
 
     lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts", "attempt")
               and not ln.startswith("restarts    0")]
+    code = code_state(i.run_dir)
+    if code:
+        lines.append(f"code        {code['text']}")
     if i.extra.get("last_event"):
         lines.append(f"last event  {i.extra['last_event'][:200]}")
     if i.point:
         lines.insert(1, f"point       {i.point}")
     return "\n".join(lines)
+
+
+def code_state(run_dir: Path) -> dict[str, Any]:
+    """The frozen code's hash and whether the code on disk has moved on ({} if unknown)."""
+    from ddpjob import config
+    from ddpjob.launch import freeze
+
+    rec = freeze.record(run_dir)
+    if not rec.get("hash"):
+        return {}
+    try:
+        now = freeze.digest(freeze.collect(config.read_run_config(run_dir))["files"])
+    except (DDPJobError, OSError):
+        now = None
+    changed = None if now is None else now != rec["hash"]
+    text = f"{rec['hash']} (frozen at submission" + {None: ")", False: "; the code on disk is the same)",
+                                                     True: "; the code on disk has changed since)"}[changed]
+    return {"hash": rec["hash"], "changed_on_disk": changed, "text": text}
 
 
 def cmd_status(args: argparse.Namespace) -> int:

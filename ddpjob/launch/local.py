@@ -123,6 +123,9 @@ class Supervisor:
         for rank in range(s.world_size):
             env = rank_env(dict(os.environ), rank, s.nodes, s.tasks_per_node, port, self.job_id,
                            self.restarts)
+            # the code frozen at submission comes first (launch/freeze.py)
+            frozen = str((self.run_dir / "code" / "python").resolve())
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (frozen, env.get("PYTHONPATH")) if x)
             with open(logs / f"rank-{rank}.log", "ab") as out:
                 # Own session per rank: a kill reaches the rank's children, and a Ctrl-C in the
                 # submitting terminal never reaches the ranks behind the supervisor's back.

@@ -116,6 +116,7 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         "sbatch_directives": "\n".join(f"#SBATCH {d}" for d in sbatch_directives(cfg, run)),
         "setup": "\n".join(_check_setup(s.setup)) or "# (none)",
         "run_dir": shlex.quote(run),
+        "code_path": shlex.quote(f"{run}/code/python"),  # launch/freeze.py
         "exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in _check_env(extra_env)),
         "rank_log": shlex.quote(f"{slurm_pattern_escape(run)}/{LOGS}/rank-%t.log"),
         "python": shlex.quote(python),  # the batch shell's (host) interpreter

@@ -38,6 +38,7 @@ def record(i: control.RunInfo) -> dict[str, Any]:
     best = max(accs, default=None)
     done = rundir.completed(i.run_dir) if i.state != "DAMAGED" else None
     ckpt = i.checkpoint
+    code = control.code_state(i.run_dir) if i.state != "DAMAGED" else {}
     return {
         "schema": SCHEMA,
         "run_dir": str(i.run_dir),
@@ -56,6 +57,7 @@ def record(i: control.RunInfo) -> dict[str, Any]:
                         "path": str(i.run_dir / rundir.CHECKPOINTS / ckpt)} if ckpt else None),
         "best_accuracy": None if best is None else {"value": best[0], "step": best[1]},
         "final_accuracy": _num((done or {}).get("accuracy")),
+        "code": ({k: v for k, v in code.items() if k != "text"} or None) if i.state != "DAMAGED" else None,
     }
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ddpjob import config, console, rundir
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import control, render, slurm, submit
+from ddpjob.launch import control, freeze, render, slurm, submit
 
 
 def resumed_config(run: Path, overrides: list[str], flags: dict[str, object]) -> config.JobConfig:
@@ -37,6 +37,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise DDPJobError(f"run '{run}' has completed, expected a stopped, cancelled or failed run",
                           "start a new run with `ddpjob submit`")
     cfg = resumed_config(run, list(args.overrides), {k: getattr(args, k, None) for k in submit.FLAGS})
+    if args.allow_code_change:  # the code on disk now, accepting the old code's checkpoints
+        submit._check_idle(run)  # never under a running job
+        old = freeze.record(run)
+        accepts = tuple(str(h) for h in [*(old.get("accepts") or []), old.get("hash")] if h)
+        rec = freeze.freeze(cfg, run, accepts=accepts)
+        console.info(f"{run}: code frozen again ({rec['hash']}), resuming checkpoints of {', '.join(accepts) or '-'}")
     job = control.job_record(run)
     backend = str(job.get("backend") or "")
     if backend not in ("slurm", "local"):

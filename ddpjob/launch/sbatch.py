@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ddpjob import config, console, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import render
+from ddpjob.launch import freeze, render
 
 SCRIPT = "job.sbatch"
 _FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
@@ -143,6 +143,10 @@ def _write_run_dir(run_dir: Path, cfg: config.JobConfig, script: str, reuse: boo
                 rundir.make_dir(path, cfg.slurm.share_group)
                 made.append(path)
         rundir.write_text_atomic(run_dir / SCRIPT, script)
+        if not (run_dir / freeze.RECORD).is_file():  # a reused run dir keeps its frozen code
+            freeze.freeze(cfg, run_dir)
+            made.append(run_dir / freeze.CODE)
+            made.append(run_dir / freeze.RECORD)
         if not reuse:  # last: an existing config.json is replaced only once all else worked
             existed = (run_dir / rundir.CONFIG).exists()
             rundir.write_text_atomic(run_dir / rundir.CONFIG, cfg.to_json())

@@ -37,7 +37,7 @@ from ddpjob import config, console, rundir, scriptsafe
 from ddpjob.node import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import container, local, slurm
+from ddpjob.launch import container, freeze, local, slurm
 
 EXIT_REQUEUE = 3
 FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
@@ -208,6 +208,9 @@ def _guard_lines(cfg: JobConfig, folder: Path | None) -> list[str]:
              "TERM INT HUP",
              f"DDPJOB_NTASKS=$(( ${{SLURM_JOB_NUM_NODES:-{int(s.nodes)}}} * {int(s.tasks_per_node)} ))",
              "export SLURM_NTASKS=$DDPJOB_NTASKS SLURM_NPROCS=$DDPJOB_NTASKS"]
+    if folder is not None:  # the code frozen at submission comes first (launch/freeze.py)
+        code = shlex.quote(str(freeze.python_path(folder.parent)))
+        lines.append(f"export PYTHONPATH={code}${{PYTHONPATH:+:$PYTHONPATH}}")
     if folder is not None:
         dirs = " ".join(shlex.quote(str(d)) for d in (folder.parent, folder))
         lines.append(f"for DDPJOB_D in {dirs}; do if [ -n \"$(find \"$DDPJOB_D\" -maxdepth 0 "
@@ -464,6 +467,8 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, root: 
             rundir.make_dir(d / rundir.LOGS, share)
             if state != rundir.SAME:
                 rundir.write_text_atomic(d / rundir.CONFIG, cfg.to_json())
+            if not (d / freeze.RECORD).is_file():  # a resubmission keeps the code it was frozen with
+                freeze.freeze(cfg, d)
         log_dir = root / rundir.LOGS
         records = (submit_slurm(cfgs, run_dirs, log_dir.resolve(), command) if backend == "slurm"
                    else submit_local(run_dirs, log_dir, command))

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddpjob import api, config, console, rundir
+from ddpjob.launch import freeze
 from ddpjob.node import entry
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.config import JobConfig
@@ -38,12 +39,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--run-dir {args.run_dir} differs from the run directory {target} given "
                              "as the target, expected one run directory", "drop --run-dir")
         rundir.require_run_dir(target)
-        return _node(target, argv=None)
+        return _node(target, argv=None, allow_code_change=args.allow_code_change)
     if target.suffix != ".toml" and not target.is_file():
         raise UsageError(f"'{target}' is neither a job file nor a run directory, expected "
                          "JOB.toml or RUN_DIR", "e.g. `ddpjob run jobs/smoke.toml`")
     cfg = config.resolve(target, args.overrides, flags)
-    return _train(cfg, None, Path(args.run_dir) if args.run_dir else None, argv=None)
+    return _train(cfg, None, Path(args.run_dir) if args.run_dir else None, argv=None,
+                  allow_code_change=args.allow_code_change)
 
 
 def run_node(run_dir: str | Path, argv: Sequence[str] | None = None) -> int:
@@ -56,7 +58,7 @@ def run_node(run_dir: str | Path, argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
 
 
-def _node(run_dir: Path, argv: Sequence[str] | None) -> int:
+def _node(run_dir: Path, argv: Sequence[str] | None, allow_code_change: bool = False) -> int:
     # Before anything is read from it: a run dir others can write is code others can run as
     # us (config.json names the entry script; submitit's pickle lives in logs/).
     rundir.check_private(run_dir)
@@ -70,11 +72,12 @@ def _node(run_dir: Path, argv: Sequence[str] | None) -> int:
             rundir.record_event(run_dir, "noop", reason="completed", job_id=env.job_id,
                                 restart=env.restart_count)
         return EXIT_OK
-    return _train(config.read_run_config(run_dir), run_dir, None, argv=argv)
+    return _train(config.read_run_config(run_dir), run_dir, None, argv=argv,
+                  allow_code_change=allow_code_change)
 
 
 def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
-           argv: Sequence[str] | None) -> int:
+           argv: Sequence[str] | None, allow_code_change: bool = False) -> int:
     # The entry replaces sys.argv: read the legacy --local_rank from ours first.
     argv = list(sys.argv[1:]) if argv is None else list(argv)
     env = ClusterEnv.from_environ(argv=argv)  # rank only: the Job builds the full one
@@ -83,11 +86,14 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
 
     # Flag-only handlers first: a signal during the (slow) start must not kill the process.
     stop = preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
-    api._launch = api.Launch(cfg, run_dir=run_dir, wanted_dir=wanted_dir, argv=argv, stop=stop)
+    api._launch = api.Launch(cfg, run_dir=run_dir, wanted_dir=wanted_dir, argv=argv, stop=stop,
+                             allow_code_change=allow_code_change)
     failed = False
     try:
         try:
-            entry.run(cfg.train.entry, cfg.train.args)
+            # a run dir's frozen copy of a script entry, not the file as it is on disk now
+            script = freeze.frozen_entry(run_dir, cfg) if run_dir is not None else cfg.train.entry
+            entry.run(script, cfg.train.args)
         except api.StopForRequeue:
             return EXIT_REQUEUE
         except api.AlreadyCompleted:

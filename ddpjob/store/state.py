@@ -79,9 +79,16 @@ class StateStore:
 
     def __init__(self, root: Path, *, keep_last: int, config_hash: str, async_save: bool,
                  rank: int, world_size: int, restart: int, job_id: str | None,
-                 control: dist.Control, init_from: str = "", init_keys: tuple[str, ...] = ("model",)) -> None:
+                 control: dist.Control, init_from: str = "", init_keys: tuple[str, ...] = ("model",),
+                 code: Callable[[], tuple[str, tuple[str, ...]]] | None = None,
+                 allow_code_change: bool = False) -> None:
         self.store = CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
         self.init_from, self.init_keys = init_from, init_keys
+        # (hash of the code this process runs, hashes it accepts): launch/freeze.py. Asked on
+        # rank 0 only, once (it may hash a repository); None: not checked (tests, benchmarks).
+        self._code = code
+        self._code_hash: tuple[str, tuple[str, ...]] | None = None
+        self.allow_code_change = allow_code_change
         self.async_save = async_save
         self.rank, self.world_size, self.restart, self.job_id = rank, world_size, restart, job_id
         self.control = control
@@ -105,8 +112,15 @@ class StateStore:
         if enabled:
             # latest() hashes whole checkpoints: rank 0 does it, the others get the answer. A
             # checkpoint that verifies but does not load is skipped like a damaged one.
-            info = self._pick(state) if self.rank == 0 else None
-            info = dist.broadcast_object(info, what="the choice of the checkpoint to resume from")
+            picked: CheckpointInfo | DDPJobError | None = None
+            try:
+                picked = self._pick(state) if self.rank == 0 else None
+            except DDPJobError as exc:
+                picked = exc  # the other ranks stop with the same line instead of waiting
+            picked = dist.broadcast_object(picked, what="the choice of the checkpoint to resume from")
+            if isinstance(picked, DDPJobError):
+                raise picked
+            info = picked
         self._rng_seed = (seed, 0 if info is None else info.step)
         if info is None:
             if self.init_from:
@@ -132,6 +146,7 @@ class StateStore:
                 if missing:
                     reason = f"it has no {', '.join(missing)} (saved by another state layout)"
             if reason is None:
+                self._check_code(info)
                 print0(f"resuming from step-{info.step}")
                 return info
             print0(f"skipping step-{info.step}: {reason}")
@@ -184,9 +199,31 @@ class StateStore:
                 files["values.pt"] = values
         return files
 
+    def code_hash(self) -> tuple[str, tuple[str, ...]] | None:
+        if self._code_hash is None and self._code is not None:
+            self._code_hash = self._code()
+        return self._code_hash
+
+    def _check_code(self, info: CheckpointInfo) -> None:
+        """A checkpoint written by other code is not resumed: a requeue runs the frozen copy,
+        so this is someone running edited code on a run (or a run dir's code replaced)."""
+        written = info.manifest.get("code_hash")
+        mine = self.code_hash()
+        if not written or mine is None or written == mine[0] or written in mine[1]:
+            return
+        if self.allow_code_change:
+            print0(f"step-{info.step} was written by other code ({written}, this is {mine[0]}): "
+                   "resuming anyway (--allow-code-change)")
+            return
+        raise DDPJobError(f"checkpoint step-{info.step} was written by other code (code hash {written}, "
+                          f"the code here hashes to {mine[0]}), expected the code the run was submitted with",
+                          "`ddpjob resume RUN_DIR` runs the frozen code; to resume with the code on disk, "
+                          "ddpjob run RUN_DIR --allow-code-change")
+
     def _meta(self, step: int, extra: dict[str, Any]) -> dict[str, Any]:
+        code = self.code_hash() if self.rank == 0 else None  # rank 0 writes the manifest
         return {"step": step, "world_size": self.world_size, "restart": self.restart,
-                "job_id": self.job_id, **extra}
+                "job_id": self.job_id, **({"code_hash": code[0]} if code else {}), **extra}
 
     def save(self, step: int, state: State, *, blocking: bool, meta: dict[str, Any] | None = None,
              before: Callable[[], None] | None = None) -> None:

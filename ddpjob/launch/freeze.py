@@ -1,0 +1,175 @@
+"""Frozen code per run: what a job imports is copied into RUN_DIR/code at submission, so a
+queued or requeued job never picks up code edited since (the config hash does not cover code).
+
+What is frozen (collect):
+- ddpjob itself (its package folder), so the nodes run the ddpjob that submitted the job;
+- a script entry (train.entry = "x.py"): in a git checkout, every tracked file of that
+  repository as it is in the working tree (uncommitted edits included, untracked files not);
+  elsewhere the .py files of the script's folder;
+- "package.module:function" plugins (train.entry, train.model, data.dataset): the top-level
+  package (or module) as found on this machine's sys.path; one that is not found is recorded
+  as not frozen and the nodes import it as before.
+
+RUN_DIR/code/python/ goes first on the ranks' PYTHONPATH (template, submitit, local backend) and
+RUN_DIR/code.json names the frozen entry and the code hash (sha256 over every path and file
+hash). The hash goes into every checkpoint manifest; a checkpoint written by other code is not
+resumed (store/state.py) unless allowed (`ddpjob run --allow-code-change`, or `ddpjob resume
+--allow-code-change`, which freezes the current code and records the old hash as accepted).
+Login side and node side (the live hash of `ddpjob run` by hand); never imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from ddpjob import __version__, rundir
+from ddpjob.config import JobConfig
+from ddpjob.errors import DDPJobError
+
+CODE, RECORD = "code", "code.json"
+MAX_BYTES = 200 * 2**20  # a repository with data files in git: refuse rather than copy it per run
+_SKIP = ("__pycache__", ".git")
+
+
+def _files_under(root: Path, prefix: str) -> list[tuple[str, Path]]:
+    if root.is_file():
+        return [(f"{prefix}/{root.name}", root)]
+    return [(f"{prefix}/{root.name}/{p.relative_to(root).as_posix()}", p) for p in sorted(root.rglob("*"))
+            if p.is_file() and not any(part in _SKIP for part in p.relative_to(root).parts)]
+
+
+def _git_files(folder: Path) -> tuple[Path, list[Path], dict[str, Any]] | None:
+    """(repository root, tracked files present in the work tree, git facts), or None outside
+    a checkout (or without git)."""
+    def git(where: Path, *args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(where), *args], capture_output=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.decode("utf-8", "surrogateescape") if out.returncode == 0 else None
+
+    top = git(folder, "rev-parse", "--show-toplevel")
+    if not top:
+        return None
+    root = Path(top.strip())
+    listed = git(root, "ls-files", "-z", "--cached")  # the whole repository, not just `folder`
+    if listed is None:
+        return None
+    files = [root / name for name in listed.split("\0") if name and (root / name).is_file()]
+    commit = (git(root, "rev-parse", "HEAD") or "").strip()
+    dirty = bool((git(root, "status", "--porcelain", "--untracked-files=no") or "").strip())
+    return root, files, {"root": str(root), "commit": commit, "dirty": dirty}
+
+
+def _plugins(cfg: JobConfig) -> list[str]:
+    specs = [cfg.train.entry, cfg.train.model, cfg.data.dataset]
+    return sorted({s.partition(":")[0].split(".")[0] for s in specs if ":" in s and not s.endswith(".py")})
+
+
+def collect(cfg: JobConfig) -> dict[str, Any]:
+    """{"files": [(path in the snapshot, source file)], "entry": snapshot path of a script entry
+    or None, "git": facts or None, "not_frozen": [plugin names not found here]}."""
+    import ddpjob
+
+    files = _files_under(Path(ddpjob.__file__).resolve().parent, "python")
+    entry_rel, git_facts, missing = None, None, []
+    if cfg.train.entry.endswith(".py"):
+        script = Path(cfg.train.entry).resolve()
+        tracked = _git_files(script.parent)
+        if tracked is not None and script in tracked[1]:
+            root, paths, git_facts = tracked
+            files += [(f"repo/{p.relative_to(root).as_posix()}", p) for p in paths]
+            entry_rel = f"repo/{script.relative_to(root).as_posix()}"
+        else:
+            files += [(f"entry/{p.name}", p) for p in sorted(script.parent.glob("*.py")) if p.is_file()]
+            entry_rel = f"entry/{script.name}"
+    for name in _plugins(cfg):
+        if name == "ddpjob":
+            continue
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = Path(spec.origin) if spec is not None and spec.origin else None
+        if origin is None or not origin.is_file() or "site-packages" in origin.parts:
+            missing.append(name)  # installed libraries are the environment's, not the run's
+            continue
+        files += _files_under(origin.parent if origin.name == "__init__.py" else origin, "python")
+    return {"files": sorted(set(files)), "entry": entry_rel, "git": git_facts, "not_frozen": missing}
+
+
+def digest(files: list[tuple[str, Path]]) -> str:
+    h = hashlib.sha256()
+    for rel, path in files:
+        h.update(rel.encode("utf-8", "surrogateescape") + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def freeze(cfg: JobConfig, run_dir: Path, *, accepts: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Copy the code into RUN_DIR/code (replacing an older copy as a whole) and write code.json."""
+    found = collect(cfg)
+    total = sum(p.stat().st_size for _, p in found["files"])
+    if total > MAX_BYTES:
+        raise DDPJobError(f"the code to freeze for this run is {total / 2**20:.0f} MB (git-tracked files of "
+                          f"{(found['git'] or {}).get('root', 'the entry folder')}), expected at most "
+                          f"{MAX_BYTES // 2**20} MB", "keep data and checkpoints out of git, or move "
+                          "the entry script into a smaller repository")
+    staging = run_dir / f".{CODE}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    # the run dir's modes, whatever the umask or the sources' modes: code nobody else can edit
+    dmode, fmode = rundir.dir_mode(cfg.slurm.share_group), rundir.file_mode(run_dir)
+    for rel, path in found["files"]:
+        target = staging / rel
+        for parent in reversed([p for p in target.parents if p == staging or staging in p.parents]):
+            if not parent.is_dir():
+                parent.mkdir()
+                parent.chmod(dmode)
+        shutil.copyfile(path, target)
+        target.chmod(fmode)
+    record = {"hash": digest(found["files"]), "files": len(found["files"]), "bytes": total,
+              "ddpjob_version": __version__, "entry": found["entry"],
+              "original_entry": cfg.train.entry or None, "git": found["git"],
+              "not_frozen": found["not_frozen"], "accepts": list(accepts)}
+    old = run_dir / CODE
+    if old.exists():
+        shutil.rmtree(old)
+    staging.rename(old)
+    rundir.write_json_atomic(run_dir / RECORD, record)
+    return record
+
+
+def record(run_dir: Path) -> dict[str, Any]:
+    return rundir.read_record(run_dir / RECORD)
+
+
+def python_path(run_dir: Path) -> Path:
+    """What goes first on the ranks' PYTHONPATH."""
+    return run_dir / CODE / "python"
+
+
+def frozen_entry(run_dir: Path, cfg: JobConfig) -> str:
+    """The script the ranks run: the frozen copy when there is one, else train.entry."""
+    rel = record(run_dir).get("entry")
+    if isinstance(rel, str) and cfg.train.entry.endswith(".py") and (run_dir / CODE / rel).is_file():
+        return str(run_dir / CODE / rel)
+    return cfg.train.entry
+
+
+def running_hash(cfg: JobConfig, run_dir: Path) -> tuple[str, tuple[str, ...]]:
+    """(hash of the code this process runs, hashes it accepts besides): the frozen copy's when
+    ddpjob was imported from it, else the live code's, hashed by the same rule."""
+    import ddpjob
+
+    rec = record(run_dir)
+    here = Path(ddpjob.__file__).resolve()
+    frozen = python_path(run_dir).resolve()
+    if rec.get("hash") and here.is_relative_to(frozen):
+        return str(rec["hash"]), tuple(str(h) for h in rec.get("accepts") or ())
+    return digest(collect(cfg)["files"]), ()
