@@ -1,0 +1,151 @@
+"""launch/freeze.py: the code a run imports is frozen at submission. What is collected (git-tracked
+files as in the work tree, a plain folder, plugin packages), modes and the size limit; then a local
+run whose plugin is edited after submission: `ddpjob run` by hand refuses its checkpoint with one
+line (`--allow-code-change` resumes), and `ddpjob resume` runs the frozen code to the same result
+as an uninterrupted run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpjob import config, rundir
+from ddpjob.errors import DDPJobError
+from ddpjob.launch import freeze
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "jobs" / "smoke.toml"
+
+
+def _cfg(**train: object) -> config.JobConfig:
+    cfg = config.resolve(SMOKE)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
+
+
+def _git(folder: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                   check=True, capture_output=True)
+
+
+def test_a_git_checkout_is_frozen_as_its_work_tree_tracked_files_only(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    (repo / "src" / "train.py").write_text("import helper\n")
+    (repo / "src" / "helper.py").write_text("X = 1\n")
+    (repo / "README").write_text("hi\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "one")
+    (repo / "src" / "helper.py").write_text("X = 2\n")  # uncommitted: frozen as it is
+    (repo / "scratch.py").write_text("untracked\n")    # untracked: not frozen
+    cfg = _cfg(entry=str(repo / "src" / "train.py"))
+    found = freeze.collect(cfg)
+    names = {rel for rel, _ in found["files"]}
+    assert {"repo/src/train.py", "repo/src/helper.py", "repo/README"} <= names
+    assert "repo/scratch.py" not in names and "python/ddpjob/api.py" in names
+    assert found["entry"] == "repo/src/train.py" and found["git"]["dirty"] is True
+    run = tmp_path / "run"
+    rundir.make_dir(run)
+    rec = freeze.freeze(cfg, run)
+    assert (run / "code" / "repo" / "src" / "helper.py").read_text() == "X = 2\n"
+    assert freeze.frozen_entry(run, cfg) == str(run / "code" / "repo" / "src" / "train.py")
+    assert rec["hash"] == freeze.digest(freeze.collect(cfg)["files"])
+    modes = {p.stat().st_mode & 0o777 for p in (run / "code").rglob("*")}
+    assert modes == {0o700, 0o600}  # the run dir's modes, not the sources'
+    (repo / "scratch.py").write_text("changed\n")
+    assert freeze.digest(freeze.collect(cfg)["files"]) == rec["hash"]  # untracked: not the code
+    (repo / "src" / "helper.py").write_text("X = 3\n")
+    assert freeze.digest(freeze.collect(cfg)["files"]) != rec["hash"]
+
+
+def test_a_plain_folder_and_a_plugin_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "train.py").write_text("pass\n")
+    (tmp_path / "job" / "util.py").write_text("pass\n")
+    (tmp_path / "plug").mkdir()
+    (tmp_path / "plug" / "my_models.py").write_text("def net(num_classes): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "plug"))
+    cfg = _cfg(entry=str(tmp_path / "job" / "train.py"), model="my_models:net")
+    found = freeze.collect(cfg)
+    names = {rel for rel, _ in found["files"]}
+    assert {"entry/train.py", "entry/util.py", "python/my_models.py"} <= names
+    assert found["not_frozen"] == [] and found["git"] is None
+    missing = freeze.collect(_cfg(model="nowhere_to_be_found:net"))
+    assert missing["not_frozen"] == ["nowhere_to_be_found"]
+
+
+def test_too_much_code_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(freeze, "MAX_BYTES", 1000)
+    with pytest.raises(DDPJobError, match=r"the code to freeze for this run is .* expected at most 0 MB"):
+        freeze.freeze(_cfg(), tmp_path)
+    assert not (tmp_path / "code").exists()
+
+
+def _cli(*argv: str, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_plugin_edited_after_submission(tmp_path: Path) -> None:
+    plug = tmp_path / "plug"
+    plug.mkdir()
+    shutil.copy(REPO / "tests" / "trainer_plugins.py", plug / "my_plugins.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(plug), str(REPO)])
+    keys = ["--backend", "local", "--set", "train.max_steps=12", "--set", "train.eval_every=0",
+            "--set", 'train.model="my_plugins:signalling_cnn"']
+    ref = _cli("submit", str(SMOKE), *keys, "--run-dir", str(tmp_path / "ref"), "--wait", cwd=tmp_path, env=env)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    run = tmp_path / "run"
+    # rank 0 waits in its 6th forward call until the cancel's signal has reached it: stop at 6
+    first = _cli("submit", str(SMOKE), *keys, "--run-dir", str(run), cwd=tmp_path,
+                 env={**env, "DDPJOB_TEST_SIGNAL": "0:6:0:pause"})
+    assert first.returncode == 0, first.stderr
+    assert (run / "code" / "python" / "my_plugins.py").read_bytes() == (plug / "my_plugins.py").read_bytes()
+    deadline = time.monotonic() + 180
+    log = run / "logs" / "rank-0.log"
+    while not (log.exists() and "paused at call 6" in log.read_text(errors="replace")):
+        assert time.monotonic() < deadline, "rank 0 never reached its 6th forward call"
+        time.sleep(0.2)
+    assert _cli("cancel", str(run), cwd=tmp_path, env=env).returncode == 0
+    while rundir.read_record(run / "local.json").get("state") != "CANCELLED":
+        assert time.monotonic() < deadline, rundir.read_record(run / "local.json")
+        time.sleep(0.2)
+    shutil.copytree(run, tmp_path / "copy", symlinks=True)
+
+    # 1. the plugin is edited harmlessly: `ddpjob run` by hand runs the code on disk, whose hash
+    #    is not the checkpoint's: one line, exit 1; --allow-code-change resumes (on a copy)
+    with open(plug / "my_plugins.py", "a") as f:
+        f.write("# edited after submission\n")
+    refused = _cli("run", str(run), cwd=tmp_path, env=env)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("ddpjob: error:")]
+    assert len(errors) == 1 and "checkpoint step-000000006" not in errors[0], errors
+    assert "step-6 was written by other code" in errors[0] and "--allow-code-change" in errors[0], errors
+    allowed = _cli("run", str(tmp_path / "copy"), "--allow-code-change", cwd=tmp_path, env=env)
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert "resuming anyway (--allow-code-change)" in allowed.stdout
+    assert rundir.completed(tmp_path / "copy") is not None
+
+    # 2. now the plugin is broken: `ddpjob resume` runs the frozen copy and finishes, and the
+    #    result is the uninterrupted run's
+    text = (plug / "my_plugins.py").read_text()
+    (plug / "my_plugins.py").write_text('raise RuntimeError("edited after submission")\n' + text)
+    status = _cli("status", str(run), cwd=tmp_path, env=env).stdout
+    assert "the code on disk has changed since" in status, status
+    done = _cli("resume", str(run), "--wait", cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    starts = [e for e in rundir.events(run) if e.get("event") == "start"]
+    assert [s.get("resumed_step") for s in starts] == [None, 6], starts
+    import torch
+
+    final, ref_final = (torch.load(d / "final" / "model.pt", weights_only=True) for d in (run, tmp_path / "ref"))
+    assert final.keys() == ref_final.keys() and all(torch.equal(final[k], ref_final[k]) for k in final)
