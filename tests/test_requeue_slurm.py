@@ -211,3 +211,39 @@ def test_a_failed_node_is_a_node_failure_that_spends_max_failures(
         assert len(events(run, "start")) == 1  # the refused attempt trained nothing
         assert (f"start refused (job {jid}): 1 failure(s) retried, more than slurm.max_failures = 0"
                 in status), status
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_code_edited_after_submission_never_reaches_the_job(
+        slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
+    """The model plugin is broken on disk right after `sbatch` (a raise at its top): every
+    incarnation imports the copy frozen at submission, so the job is preempted, requeued and
+    ends bit-identical to an uninterrupted run; status says the code on disk has moved on."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    reference.start()
+    plug = tmp_path / "plug"
+    plug.mkdir()
+    shutil.copy(Path(__file__).parent / "trainer_plugins.py", plug / "my_plugins.py")
+    env = job_env(DDPJOB_TEST_SLOW="0.05:0")
+    env["PYTHONPATH"] = os.pathsep.join([str(plug), env["PYTHONPATH"]])
+    job = write_job(tmp_path / "job.toml", slurm=SLURM, data=DATA, checkpoint=CHECKPOINT,
+                    train={**TRAIN, "model": "my_plugins:signalling_cnn"})
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path, env=env)
+    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=env)
+    source = (plug / "my_plugins.py").read_text()
+    (plug / "my_plugins.py").write_text('raise RuntimeError("edited after submission")\n' + source)
+    wait_step(run, 30, 0, jid)
+    high = preempt(jid, tmp_path, "high-frozen")
+    stop = wait_stop(run, 1, jid)
+    assert stop["reason"] == "preemption" and stop["requeued"] is True, stop
+    slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
+    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
+    release(jid)
+    assert slurmtools.wait_done(jid, 600) == "COMPLETED"
+    assert_same_as_reference(run, reference.run_dir())
+    status = ddpjob("status", str(run), cwd=tmp_path, env=env).stdout
+    assert "(frozen at submission; the code on disk has changed since)" in status, status
