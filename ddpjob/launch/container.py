@@ -33,8 +33,10 @@ def mounts(cfg: JobConfig, run_dir: str, python: str) -> list[tuple[str, str]]:
     import ddpjob
 
     wanted = [run_dir, str(Path(ddpjob.__file__).resolve().parent.parent)]
-    if cfg.data.root:
-        wanted.append(str(Path(cfg.data.root).absolute()))
+    root = Path(cfg.data.root).absolute() if cfg.data.root else None
+    # synthetic data needs no folder; a real dataset's missing root is the data check's to report
+    if root is not None and cfg.data.dataset != "synthetic" and (root.exists() or cfg.data.dataset == "cifar10"):
+        wanted.append(str(root))
     if t.entry.endswith(".py"):
         wanted.append(str(Path(t.entry).absolute().parent))
     if not s.container_python:
