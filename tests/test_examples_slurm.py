@@ -257,7 +257,8 @@ def test_raising_script_under_slurm_fails_keeps_traceback_and_is_not_requeued(
     assert poll("sacct FAILED", 60, lambda: slurmtools.sacct_state(jid) == "FAILED")
     assert slurmtools.job_info(jid)["Restarts"] == "0"
     log = "".join(p.read_text() for p in sorted((run_dir / "logs").glob(f"{jid}_0_log.*")))
-    assert "Traceback" in log and f'File "{script}", line 6, in build' in log, log[-3000:]
+    frozen = run_dir / "code" / "entry" / "boom.py"  # the copy frozen at submission ran
+    assert "Traceback" in log and f'File "{frozen}", line 6, in build' in log, log[-3000:]
     assert "ValueError: bad hidden size 0" in log
     stops = [e for e in events(run_dir, "stop")]
     assert stops and {s["reason"] for s in stops} == {"crash"}, stops

@@ -217,25 +217,28 @@ def test_a_failed_node_is_a_node_failure_that_spends_max_failures(
 @pytest.mark.slow
 def test_code_edited_after_submission_never_reaches_the_job(
         slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
-    """The model plugin is broken on disk right after `sbatch` (a raise at its top): every
-    incarnation imports the copy frozen at submission, so the job is preempted, requeued and
-    ends bit-identical to an uninterrupted run; status says the code on disk has moved on."""
+    """The entry script (the built-in trainer called from a user's script) and its model plugin
+    are broken on disk right after `sbatch` (a raise at their top): every incarnation imports the
+    copies frozen at submission, so the job is preempted, requeued and ends bit-identical to an
+    uninterrupted run; status says the code on disk has moved on."""
     import slurmtools
 
     slurmtools.cluster_free(timeout=300)
     reference.start()
-    plug = tmp_path / "plug"
-    plug.mkdir()
-    shutil.copy(Path(__file__).parent / "trainer_plugins.py", plug / "my_plugins.py")
+    code = tmp_path / "code"
+    code.mkdir()
+    shutil.copy(Path(__file__).parent / "trainer_plugins.py", code / "my_plugins.py")
+    (code / "train.py").write_text("from ddpjob.train.trainer import main\n\nmain()\n")
     env = job_env(DDPJOB_TEST_SLOW="0.05:0")
-    env["PYTHONPATH"] = os.pathsep.join([str(plug), env["PYTHONPATH"]])
+    env["PYTHONPATH"] = os.pathsep.join([str(code), env["PYTHONPATH"]])
     job = write_job(tmp_path / "job.toml", slurm=SLURM, data=DATA, checkpoint=CHECKPOINT,
-                    train={**TRAIN, "model": "my_plugins:signalling_cnn"})
+                    train={**TRAIN, "model": "my_plugins:signalling_cnn", "entry": str(code / "train.py")})
     run = tmp_path / "run"
     ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path, env=env)
     jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=env)
-    source = (plug / "my_plugins.py").read_text()
-    (plug / "my_plugins.py").write_text('raise RuntimeError("edited after submission")\n' + source)
+    for name in ("train.py", "my_plugins.py"):
+        source = (code / name).read_text()
+        (code / name).write_text(f'raise RuntimeError("{name} edited after submission")\n' + source)
     wait_step(run, 30, 0, jid)
     high = preempt(jid, tmp_path, "high-frozen")
     stop = wait_stop(run, 1, jid)

@@ -21,10 +21,11 @@ Login side and node side (the live hash of `ddpjob run` by hand); never imports 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
+import importlib.machinery
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +93,8 @@ def collect(cfg: JobConfig) -> dict[str, Any]:
     for name in _plugins(cfg):
         if name == "ddpjob":
             continue
-        try:
-            spec = importlib.util.find_spec(name)
+        try:  # where the ranks would find it: sys.path, then the working directory (runner.py)
+            spec = importlib.machinery.PathFinder.find_spec(name, [*sys.path, os.getcwd()])
         except (ImportError, ValueError):
             spec = None
         origin = Path(spec.origin) if spec is not None and spec.origin else None

@@ -126,6 +126,7 @@ class Supervisor:
             # the code frozen at submission comes first (launch/freeze.py)
             frozen = str((self.run_dir / "code" / "python").resolve())
             env["PYTHONPATH"] = os.pathsep.join(x for x in (frozen, env.get("PYTHONPATH")) if x)
+            env["PYTHONSAFEPATH"] = "1"  # `python -m` must not put the (live) working dir first
             with open(logs / f"rank-{rank}.log", "ab") as out:
                 # Own session per rank: a kill reaches the rank's children, and a Ctrl-C in the
                 # submitting terminal never reaches the ranks behind the supervisor's back.

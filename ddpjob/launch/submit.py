@@ -210,7 +210,7 @@ def _guard_lines(cfg: JobConfig, folder: Path | None) -> list[str]:
              "export SLURM_NTASKS=$DDPJOB_NTASKS SLURM_NPROCS=$DDPJOB_NTASKS"]
     if folder is not None:  # the code frozen at submission comes first (launch/freeze.py)
         code = shlex.quote(str(freeze.python_path(folder.parent)))
-        lines.append(f"export PYTHONPATH={code}${{PYTHONPATH:+:$PYTHONPATH}}")
+        lines.append(f"export PYTHONPATH={code}${{PYTHONPATH:+:$PYTHONPATH}} PYTHONSAFEPATH=1")
     if folder is not None:
         dirs = " ".join(shlex.quote(str(d)) for d in (folder.parent, folder))
         lines.append(f"for DDPJOB_D in {dirs}; do if [ -n \"$(find \"$DDPJOB_D\" -maxdepth 0 "

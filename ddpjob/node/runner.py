@@ -10,6 +10,7 @@ stopped for a requeue with a checkpoint written (the Job decided and did the req
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -93,6 +94,10 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
         try:
             # a run dir's frozen copy of a script entry, not the file as it is on disk now
             script = freeze.frozen_entry(run_dir, cfg) if run_dir is not None else cfg.train.entry
+            # Plugins in the working directory stay importable, after the frozen code (the
+            # scripts set PYTHONSAFEPATH so that `python -m` does not put it first).
+            if os.getcwd() not in sys.path:
+                sys.path.append(os.getcwd())
             entry.run(script, cfg.train.args)
         except api.StopForRequeue:
             return EXIT_REQUEUE
