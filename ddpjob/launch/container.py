@@ -42,7 +42,8 @@ def mounts(cfg: JobConfig, run_dir: str, python: str) -> list[tuple[str, str]]:
     if not s.container_python:
         wanted.append(str(Path(sys.prefix).resolve()))
         wanted.append(str(Path(python).absolute().parent))
-    same = sorted(set(wanted))
+    # first-seen order, not sorted: the script must not depend on where ddpjob is installed
+    same = list(dict.fromkeys(wanted))
     # a folder inside another mounted one is visible already
     same = [p for p in same if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in same)]
     for path in same:  # the runtimes split their mount lists on "," and ":"
