@@ -180,12 +180,14 @@ def test_a_crash_is_retried_only_within_max_failures(fake_slurm, tmp_path, max_f
     fake_checkpoint.committed(d, 12, damaged=True)  # a resume skips it: so does the ledger
     rundir.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 13})
     fake_slurm.answer("scontrol requeue")
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
     assert requeue.after_crash(cfg, ENV, d, 1) is requeued
     stop = last_stop(d)
     assert (stop["reason"], stop["step"], stop["steps_lost"]) == ("crash", 10, 3)
     if requeued:  # the second crash finds the budget spent; preemptions keep theirs
         assert requeue.used(d, 1) == (0, 1)
         again = ClusterEnv(source="slurm", job_id="77", restart_count=1)
+        fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=1 PreemptTime=None")
         assert requeue.after_crash(cfg, again, d, 1) is None
         assert "max_failures = 1 reached" in last_stop(d)["note"]
         assert requeue.after_stop(cfg, again, d, preemption.REQUEUE, 12, restart=1) is True
@@ -228,6 +230,20 @@ def test_no_crash_decision_after_rank0_already_stopped(fake_slurm, tmp_path) -> 
     calls = len(fake_slurm.calls)
     assert requeue.after_crash(cfg, ENV, d, 143) is None
     assert len(fake_slurm.calls) == calls and last_stop(d)["reason"] == "preemption"
+
+
+def test_no_crash_decision_when_slurm_requeued_the_job_itself(fake_slurm, tmp_path) -> None:
+    # A node went down: srun returns 137 while rank 0 on a living node still writes its
+    # node_failure stop. SLURM's Restarts went up already: the batch shell records nothing.
+    cfg, d = run_dir(tmp_path, max_failures=0)
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=PENDING Restarts=1 PreemptTime=None")
+    assert requeue.after_crash(cfg, ENV, d, 137) is None
+    assert [e for e in rundir.events(d) if e["event"] == "stop"] == []
+    # not requeued by SLURM (Restarts still this attempt's): a crash, the budget spent
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
+    assert requeue.after_crash(cfg, ENV, d, 137) is None
+    assert (last_stop(d)["reason"], last_stop(d)["status"]) == ("crash", 137)
+    assert "max_failures = 0 reached" in last_stop(d)["note"]
 
 
 def sacct_time(t: float) -> str:

@@ -92,14 +92,21 @@ def _preempting(job_id: str) -> bool | slurm.Failed:
     return answer
 
 
+def _requeued_by_slurm(env: ClusterEnv) -> bool:
+    """Whether the controller already requeued this job by itself (its Restarts went up past
+    this attempt's: a node failure or someone's `scontrol requeue`; a scancel never does). A
+    failed query reads as "no": the caller then records what it saw, as before."""
+    info = slurm.show_job(str(env.job_id))
+    restarts = "" if isinstance(info, slurm.Failed) else info.get("Restarts", "")
+    return restarts.isdigit() and int(restarts) > env.restart_count
+
+
 def _node_failed(env: ClusterEnv, signal_time: float | None) -> bool:
     """Whether SLURM ended this attempt for a failed node. Only when the controller already
     requeued the job by itself (its Restarts went up: a node failure or someone's `scontrol
     requeue`; a scancel never does) is sacct asked how the attempt ended; slurmdbd may lag a
     moment behind the controller, so it is asked a few times."""
-    info = slurm.show_job(str(env.job_id))
-    restarts = "" if isinstance(info, slurm.Failed) else info.get("Restarts", "")
-    if not restarts.isdigit() or int(restarts) <= env.restart_count:
+    if not _requeued_by_slurm(env):
         return False
     t = time.time() if signal_time is None else signal_time
     for attempt in range(CHECK_TRIES):
@@ -179,6 +186,13 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int) -> 
         # Rank 0 stopped with a checkpoint and decided already: srun's status is not 3 only
         # because --kill-on-bad-exit ended rank 0 after the others exited 3 (and SLURM does not
         # always signal the batch shell on a preemption).
+        return None
+    if _requeued_by_slurm(env):
+        # SLURM ended this attempt itself (a node failed) and requeued the job: srun returned
+        # while rank 0 may still be writing its stop (node_failure) - recording a crash now
+        # would race it. If rank 0 died too, the next start records the stop from sacct.
+        print(f"ddpjob: job {env.job_id} was requeued by SLURM (status {status}); "
+              "the stop is rank 0's or the next start's to record", flush=True)
         return None
     fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}")
     resume_at, lost = _resume_point(run_dir)
