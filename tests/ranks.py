@@ -74,8 +74,23 @@ class Ranks:
         try:
             return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             self.kill()
             raise AssertionError(f"ranks still running after {timeout} s:\n{self.output()}") from None
+
+    def dump_stacks(self, wait_s: float = 5.0) -> None:
+        """A hung rank tells where it waits: SIGABRT to each living rank and its children
+        (DataLoader workers), whose faulthandler (enabled by ddpjob's hang watch, inherited
+        across fork) writes every thread's stack into the rank log."""
+        alive = [p.pid for p in self.procs if p.poll() is None]
+        for pid in [c for pid in alive for c in _descendants(pid)] + alive:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.1)
 
     def kill(self) -> None:
         for p in self.procs:
@@ -86,8 +101,21 @@ class Ranks:
 
     def output(self, rank: int | None = None) -> str:
         ranks = [rank] if rank is not None else range(len(self.logs))
-        return "\n".join(f"--- rank {r} ---\n" + self.logs[r].read_text(errors="replace")[-4000:]
+        return "\n".join(f"--- rank {r} ---\n" + self.logs[r].read_text(errors="replace")[-8000:]
                          for r in ranks)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Children first-level and below, from /proc (Linux)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        kids = [int(c) for t in tasks for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    except OSError:
+        return out
+    for kid in kids:
+        out += [kid, *_descendants(kid)]
+    return out
 
 
 def run(args: list[str], world: int, log_dir: Path, timeout: float = 120, **kw: Any) -> tuple[list[int], Ranks]:
