@@ -250,6 +250,8 @@ class Job:
         rank votes (one small all-reduce) on stopping and on a due checkpoint; when they agree to
         stop, the checkpoint is written, the requeue decided and the process ends with
         EXIT_REQUEUE (StopForRequeue). After the last step a final checkpoint is written.
+        With train.stop_vote = "overlap" (default) the vote started after step s is read after
+        step s+1, so no step waits for it: a stop request lands one step later.
         `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
         from ddpjob.node import preemption
         from ddpjob.node.sampler import StepSampler
@@ -263,6 +265,9 @@ class Job:
                                 host=self.env.hostname, resumed_step=step or None, **info)
         self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
+        lag = int(self.config.train.stop_vote == "overlap")
+        self._deadline.lag_steps = lag
+        vote: Any = None  # overlap: the vote started after the previous step
         self._stop.current_step = step
         t_step = time.monotonic()
         while step < total:
@@ -274,11 +279,12 @@ class Job:
             self._deadline.observe_step(now - t_step)
             if step >= total:
                 break  # finishing costs no more than stopping would: the final save below
-            if self._deadline.expired():
-                self._stop.request(preemption.DEADLINE)
             t0 = time.perf_counter()
-            stop, save_due, busy = self._control.agree(
-                [self._stop.code, int(self._schedule.due(step)), int(self._store.busy())])
+            if lag:  # what every rank saw after the previous step; nothing in flight at the start
+                stop, save_due, busy = vote.result() if vote is not None else (0, 0, 1)
+            else:
+                stop, save_due, busy = self._control.agree(self._my_vote(step))
+            vote = None
             self.vote_s += time.perf_counter() - t0
             if not busy:
                 self._store.commit_pending()  # every rank's background write is done: the vote said so
@@ -293,10 +299,24 @@ class Job:
                 self._schedule.mark_saved()
             if stop:
                 self._stop_for_requeue(step, stop)
+            if lag:  # after the save: "busy" must cover a background write started just now
+                t0 = time.perf_counter()
+                vote = self._control.start_agree(self._my_vote(step + 1))
+                self.vote_s += time.perf_counter() - t0
             t_step = time.monotonic()
+        if vote is not None:
+            vote.result()  # every rank reads the last one: the groups stay in step
         for s in samplers:
             s.set_step(step)
         self._store.save(step, state, blocking=True)
+
+    def _my_vote(self, due_at: int) -> list[int]:
+        """This rank's [stop code, checkpoint due at step `due_at`, background write busy]."""
+        from ddpjob.node import preemption
+
+        if self._deadline.expired():
+            self._stop.request(preemption.DEADLINE)
+        return [self._stop.code, int(self._schedule.due(due_at)), int(self._store.busy())]
 
     def _stop_for_requeue(self, step: int, code: int) -> None:
         from ddpjob.node import preemption, requeue
@@ -307,7 +327,8 @@ class Job:
         console.print0(f"stopping at step {step} ({preemption.REASONS[code]}{mine}): checkpoint written")
         if self.is_rank0:
             requeue.after_stop(self.config, self.env, self.run_dir, code, step, restart=self.restart,
-                               signal_step=self._stop.signal_step, signal_time=self._stop.time)
+                               signal_step=self._stop.signal_step, signal_time=self._stop.time,
+                               lag=self._deadline.lag_steps)
         # nobody exits (srun --kill-on-bad-exit) before rank 0 requeued
         self._control.barrier("the barrier after the requeue decision")
         raise StopForRequeue(step)

@@ -108,6 +108,10 @@ class TrainConfig:
     threads: int = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
     dist_timeout_s: int = 300
     deterministic_reduce: bool = True  # >2 ranks: sum gradients in rank order (bit-exact resume)
+    # overlap: the stop vote after step s travels while step s+1 runs and is read after it (a
+    # stop lands one step later, nothing on the critical path); sync: read at once (one blocking
+    # all-reduce per step, the stop one step sooner: for steps of minutes under a short GraceTime)
+    stop_vote: str = "overlap"
     log_sample_ids: bool = False  # each rank logs its samples per step to RUN_DIR/samples/ (tests)
     entry: str = ""  # "" = the built-in trainer; "path/to/script.py" or "package.module:function"
     args: tuple[str, ...] = ()  # sys.argv[1:] of the entry
@@ -164,7 +168,7 @@ class JobConfig:
         d.pop("checkpoint")
         for k in ("epochs", "max_steps", "eval_every", "log_every", "threads", "backend",
                   "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce",
-                  "log_sample_ids", "tensorboard"):
+                  "log_sample_ids", "tensorboard", "stop_vote"):
             d["train"].pop(k)
         for k in ("root", "num_workers"):
             d["data"].pop(k)

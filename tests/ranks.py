@@ -21,6 +21,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 PYTHON = sys.executable
+# train.stop_vote = "overlap" (the default): the vote started after the step a stop request
+# lands in is read one step later, so every rank stops LAG steps after the sync vote would
+LAG = 1
 
 
 def free_port() -> int:

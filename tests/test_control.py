@@ -13,6 +13,7 @@ from pathlib import Path
 
 import fake_checkpoint
 import pytest
+from ranks import LAG
 from test_local_backend import fake_command, local_state, make_run, wait_for
 
 from ddpjob import config, rundir
@@ -307,7 +308,7 @@ def test_resume_of_a_cancelled_sbatch_run_finishes_it(slurm_cluster, tmp_path):
     assert ddpjob("cancel", str(run), cwd=tmp_path).returncode == 0
     assert slurmtools.wait_done(first, timeout=120) == "CANCELLED"
     [stop] = [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e]
-    assert (stop["reason"], stop["step"], stop["requeued"]) == ("signal", 6, None), stop
+    assert (stop["reason"], stop["step"], stop["requeued"]) == ("signal", 6 + LAG, None), stop
     env.pop("DDPJOB_TEST_SIGNAL")  # sbatch passes resume's environment on to the job
     out = subprocess.run([sys.executable, "-m", "ddpjob", "resume", str(run), "--set", "train.max_steps=12"],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
@@ -317,7 +318,7 @@ def test_resume_of_a_cancelled_sbatch_run_finishes_it(slurm_cluster, tmp_path):
     slurmtools.submitted.append(job["job_id"])
     assert slurmtools.wait_done(job["job_id"], timeout=300) == "COMPLETED"
     starts = [e for e in rundir.events(run) if e.get("event") == "start"]
-    assert [(s["job_id"], s.get("resumed_step")) for s in starts] == [(first, None), (job["job_id"], 6)]
+    assert [(s["job_id"], s.get("resumed_step")) for s in starts] == [(first, None), (job["job_id"], 6 + LAG)]
     assert rundir.completed(run)["step"] == 12
     assert "#SBATCH" in (run / "job.sbatch").read_text() and config.read_run_config(run).train.max_steps == 12
 

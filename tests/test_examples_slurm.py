@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from ranks import REPO, assert_bit_equal, run
+from ranks import LAG, REPO, assert_bit_equal, run
 from test_examples import CHARLM, CHARLM_SMALL, CIFAR, CIFAR_SMALL, _hook_job, _samples_by_step
 from test_preemption_slurm import events, job_env, poll, release, train_records, wait_stop
 
@@ -99,7 +99,7 @@ def _wait_high(folder: Path, timeout: float = 300) -> str:
 
 def _preempted_then_time_limit_then_done(tmp_path: Path, job: Path, total: int, at: int,
                                          slow_s: float) -> tuple[Path, str, list[dict[str, Any]]]:
-    """Submit 2 nodes x 1 task; preemption caused at step `at` (0-based: the stop is at at + 1)
+    """Submit 2 nodes x 1 task; preemption caused at step `at` (0-based: the stop is at at + 1 + LAG)
     of restart 0; the real time-limit warning during restart 1 (slowed by `slow_s` per step);
     restart 2 finishes. Returns the run dir, the job id and the two stop events."""
     import slurmtools
@@ -113,7 +113,7 @@ def _preempted_then_time_limit_then_done(tmp_path: Path, job: Path, total: int, 
     # (i) preempted by partition priority at step `at`
     stop1 = wait_stop(run_dir, 1, jid, timeout=400)
     assert stop1["reason"] == "preemption" and stop1["requeued"] is True, stop1
-    assert stop1["step"] == at + 1, stop1  # the step in flight finishes, then the stop
+    assert stop1["step"] == at + 1 + LAG, stop1  # the step in flight finishes, the vote's, then the stop
     slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
     _scontrol_update(jid, "TimeLimit=2")  # the second incarnation gets 2 minutes: USR2@90 mid-run
     _wait_high(tmp_path)
@@ -211,7 +211,7 @@ def test_charlm_slurm_2x2_preempted_resumed_1x2_sees_every_sample_once_per_epoch
     jid = _submit(job, run_dir, "slurm.tasks_per_node=2", "slurm.time=\"00:10:00\"",
                   env={"DDPJOB_TEST_PREEMPT_AT": f"0:{at}:{tmp_path / 'high.id'}"})
     stop = wait_stop(run_dir, 1, jid, timeout=400)
-    assert stop["reason"] == "preemption" and stop["requeued"] is True and stop["step"] == at + 1, stop
+    assert stop["reason"] == "preemption" and stop["requeued"] is True and stop["step"] == at + 1 + LAG, stop
     slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
     # SLURM 22.05 needs nodes, tasks and CPUs together (else BadConstraints)
     _scontrol_update(jid, "NumNodes=1", "NumTasks=2", "NumCPUs=2")
@@ -223,12 +223,12 @@ def test_charlm_slurm_2x2_preempted_resumed_1x2_sees_every_sample_once_per_epoch
     info = slurmtools.job_info(jid)
     assert (info["NumNodes"], info["NumTasks"], info["Restarts"]) == ("1", "2", "1"), info
     starts = events(run_dir, "start")
-    assert [(s["world_size"], s["resumed_step"]) for s in starts] == [(4, None), (2, at + 1)], starts
+    assert [(s["world_size"], s["resumed_step"]) for s in starts] == [(4, None), (2, at + 1 + LAG)], starts
     samples = _samples_by_step(run_dir)
     assert sorted(samples) == list(range(1, total + 1))
     for step, recs in samples.items():
         assert sum(len(r["ids"]) for r in recs) == CHARLM_SMALL["batch_size"], step  # GLOBAL batch
-        assert {r["world_size"] for r in recs} == ({4} if step <= at + 1 else {2}), step
+        assert {r["world_size"] for r in recs} == ({4} if step <= at + 1 + LAG else {2}), step
         assert sorted(r["rank"] for r in recs) == list(range(recs[0]["world_size"])), step
     epoch0 = [i for s in range(1, steps_per_epoch + 1) for r in samples[s] for i in r["ids"]]
     assert len(epoch0) == len(set(epoch0)) == steps_per_epoch * 32

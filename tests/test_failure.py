@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ranks import assert_bit_equal, final_state, run, write_job
+from ranks import LAG, assert_bit_equal, final_state, run, write_job
 from test_elastic import assert_each_sample_once_per_epoch, sample_log
 from test_preemption_slurm import events, job_env, train_records
 
@@ -131,9 +131,9 @@ def test_local_run_interrupted_three_ways_is_bit_exact(tmp_path: Path, reference
     first = wait("the first stop", lambda: stops(run_dir)[:1], sup)[0]
     assert first["reason"] == "time_limit" and first["requeued"] is None, first  # the supervisor restarts
 
-    # 2. mid-accumulation, rank 1 only: both ranks stop at the step it was in
+    # 2. mid-accumulation, rank 1 only: both ranks stop at the step it was in (+ the vote's lag)
     second = wait("the second stop", lambda: stops(run_dir)[1:2], sup)[0]
-    assert second["step"] == first["step"] + 11, (first, second)
+    assert second["step"] == first["step"] + 11 + LAG, (first, second)
 
     # 3. SIGTERM to rank 0 only
     wait("10 steps of restart 2", lambda: step_of(run_dir, 2) >= second["step"] + 10, sup)
@@ -150,10 +150,10 @@ def test_local_run_interrupted_three_ways_is_bit_exact(tmp_path: Path, reference
     s1, s2, s3 = first["step"], second["step"], third["step"]
     assert [x[:3] for x in sig] == [(0, 0, "SIGUSR2"), (0, 1, "SIGUSR2"), (1, 1, "SIGUSR2"),
                                     (2, 0, "SIGTERM")], sig
-    assert sig[2][3:] == (s2 - 1, s2)  # arrived during step s2 (its first micro-step), stopped after it
-    # Lost work: the ranks stop at most one optimizer step after the signal, at the checkpoint
-    # the next start resumes from.
-    assert all(0 <= stop - at <= 1 for *_, at, stop in sig) and [x[4] for x in sig] == [s1, s1, s2, s3]
+    assert sig[2][3:] == (s2 - 1 - LAG, s2)  # arrived in step s2 - LAG (its first micro-step)
+    # Lost work: none; the ranks stop at most one optimizer step (+ the vote's lag) after the
+    # signal, at the checkpoint the next start resumes from.
+    assert all(0 <= stop - at <= 1 + LAG for *_, at, stop in sig) and [x[4] for x in sig] == [s1, s1, s2, s3]
     assert [e["resumed_step"] for e in events(run_dir, "start")] == [None, s1, s2, s3]
     assert sum(s % STEPS_PER_EPOCH != 0 for s in (s1, s2, s3)) >= 2
     assert assert_same_as_reference(run_dir, reference) == 0

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ranks import LAG
 
 from ddpjob import config, rundir
 from ddpjob.errors import DDPJobError
@@ -105,7 +106,7 @@ def test_a_plugin_edited_after_submission(tmp_path: Path) -> None:
     ref = _cli("submit", str(SMOKE), *keys, "--run-dir", str(tmp_path / "ref"), "--wait", cwd=tmp_path, env=env)
     assert ref.returncode == 0, ref.stdout + ref.stderr
     run = tmp_path / "run"
-    # rank 0 waits in its 6th forward call until the cancel's signal has reached it: stop at 6
+    # rank 0 waits in its 6th forward call until the cancel's signal has reached it: stop at 6 + LAG
     first = _cli("submit", str(SMOKE), *keys, "--run-dir", str(run), cwd=tmp_path,
                  env={**env, "DDPJOB_TEST_SIGNAL": "0:6:0:pause"})
     assert first.returncode == 0, first.stderr
@@ -128,8 +129,8 @@ def test_a_plugin_edited_after_submission(tmp_path: Path) -> None:
     refused = _cli("run", str(run), cwd=tmp_path, env=env)
     assert refused.returncode == 1, refused.stdout + refused.stderr
     errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("ddpjob: error:")]
-    assert len(errors) == 1 and "checkpoint step-000000006" not in errors[0], errors
-    assert "step-6 was written by other code" in errors[0] and "--allow-code-change" in errors[0], errors
+    assert len(errors) == 1 and f"checkpoint step-{6 + LAG:09d}" not in errors[0], errors
+    assert f"step-{6 + LAG} was written by other code" in errors[0] and "--allow-code-change" in errors[0], errors
     allowed = _cli("run", str(tmp_path / "copy"), "--allow-code-change", cwd=tmp_path, env=env)
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
     assert "resuming anyway (--allow-code-change)" in allowed.stdout
@@ -144,7 +145,7 @@ def test_a_plugin_edited_after_submission(tmp_path: Path) -> None:
     done = _cli("resume", str(run), "--wait", cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     starts = [e for e in rundir.events(run) if e.get("event") == "start"]
-    assert [s.get("resumed_step") for s in starts] == [None, 6], starts
+    assert [s.get("resumed_step") for s in starts] == [None, 6 + LAG], starts
     import torch
 
     final, ref_final = (torch.load(d / "final" / "model.pt", weights_only=True) for d in (run, tmp_path / "ref"))

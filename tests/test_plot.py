@@ -13,7 +13,7 @@ import pytest
 
 from ddpjob.cli import main
 from ddpjob.launch import plot
-from ranks import Ranks, events, run, signal_when_paused, write_job
+from ranks import LAG, Ranks, events, run, signal_when_paused, write_job
 
 pytest.importorskip("matplotlib")  # the `plot` extra; in the `test` extra too
 
@@ -54,7 +54,7 @@ def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: P
     stops, starts = _stops_and_starts(requeued_run)
     assert [s["reason"] for s in stops] == ["time_limit", "preemption", "finished"]
     resumed = [s["resumed_step"] for s in starts[1:]]
-    assert resumed == [stops[0]["step"], stops[1]["step"]] == [8, 16]
+    assert resumed == [stops[0]["step"], stops[1]["step"]] == [8 + LAG, 16 + 2 * LAG]
 
     png = tmp_path / "curves.png"
     record = plot.plot_runs([requeued_run], png)

@@ -18,7 +18,7 @@ import pytest
 
 from ddpjob.node import preemption
 
-from ranks import (Ranks, assert_bit_equal, events, final_state, metrics, run, signal_when_paused,
+from ranks import (LAG, Ranks, assert_bit_equal, events, final_state, metrics, run, signal_when_paused,
                    tensorboard_scalars, write_job)
 
 TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2, lr=0.05,
@@ -82,10 +82,11 @@ def test_usr2_to_one_rank_stops_all_at_one_step_and_resume_is_bit_exact(tmp_path
     signal_when_paused(ranks, 1, signal.SIGUSR2, to=[1])
     assert ranks.wait(120) == [3, 3], ranks.output()
     stop = _stop_record(out)
-    assert stop["reason"] == "time_limit" and stop["step"] == 12, stop
+    assert stop["reason"] == "time_limit" and stop["step"] == 12 + LAG, stop
     sig = [e for e in events(out) if e["event"] == "signal"]
-    # Lost work: the step in flight when the signal came is finished, nothing after it.
-    assert [(e["rank"], e["signal"], e["at_step"], e["stop_step"]) for e in sig] == [(1, "SIGUSR2", 11, 12)]
+    # Lost work: none. The step in flight when the signal came is finished, and the one the
+    # overlapped vote needs to reach every rank, nothing after them.
+    assert [(e["rank"], e["signal"], e["at_step"], e["stop_step"]) for e in sig] == [(1, "SIGUSR2", 11, 12 + LAG)]
     ckpt = out / "checkpoints" / f"step-{stop['step']:09d}"
     assert {"rank-0.pt", "rank-1.pt", "model.pt", "optimizer.pt"} <= {p.name for p in ckpt.iterdir()}
     assert "stopped at step" in ranks.output(0)
@@ -100,7 +101,7 @@ def test_usr2_to_one_rank_stops_all_at_one_step_and_resume_is_bit_exact(tmp_path
 
 def test_tensorboard_reads_one_series_across_a_crash_and_a_stop(tmp_path: Path, reference) -> None:
     """train.tensorboard: attempt 0 crashes in step 12 (logged up to 11, checkpoint at 7), attempt
-    1 is stopped by USR2 in step 19 (checkpoint written), attempt 2 finishes. TensorBoard's own
+    1 is stopped by USR2 in step 19 (checkpoint written one step later), attempt 2 finishes. TensorBoard's own
     reader sees steps 1..30 once each, in order, with the losses of metrics.jsonl."""
     import numpy as np
 
@@ -116,7 +117,7 @@ def test_tensorboard_reads_one_series_across_a_crash_and_a_stop(tmp_path: Path, 
     codes, r = run([str(out)], 2, tmp_path / "logs", restart=2)
     assert codes == [0, 0], r.output()
     resumed = [e.get("resumed_step") for e in events(out) if e["event"] == "start"]
-    assert resumed == [None, 7, 19], resumed
+    assert resumed == [None, 7, 19 + LAG], resumed
     series = tensorboard_scalars(out, "train/loss")
     assert [step for step, _ in series] == list(range(1, TRAIN["max_steps"] + 1))
     losses = {s: rec["loss"] for s, rec in metrics(out).items()}  # the latest record of each step
@@ -136,9 +137,9 @@ def test_stop_mid_accumulation_resumes_bit_exactly(tmp_path: Path, reference, wo
                    extra_env={"DDPJOB_TEST_SIGNAL": f"{target_rank}:19"})  # call 19 = step 10, micro 1
     assert codes == [3] * world, r.output()
     stop = _stop_record(out)
-    assert stop["step"] == 10 and 10 % STEPS_PER_EPOCH != 0, stop
+    assert stop["step"] == 10 + LAG and (10 + LAG) % STEPS_PER_EPOCH != 0, stop
     sig = [e for e in events(out) if e["event"] == "signal"]
-    assert [(e["rank"], e["at_step"], e["stop_step"]) for e in sig] == [(target_rank, 9, 10)]
+    assert [(e["rank"], e["at_step"], e["stop_step"]) for e in sig] == [(target_rank, 9, 10 + LAG)]
 
     codes, r = run([str(out)], world, tmp_path / "logs", restart=1)
     assert codes == [0] * world, r.output()
@@ -155,7 +156,7 @@ def test_sigterm_is_a_preemption_no_self_requeue(tmp_path: Path) -> None:
     signal_when_paused(ranks, 0, signal.SIGTERM)
     assert ranks.wait(120) == [3, 3], ranks.output()
     stop = _stop_record(out)
-    assert stop["reason"] == "preemption" and stop["requeued"] is None and stop["step"] == 6, stop
+    assert stop["reason"] == "preemption" and stop["requeued"] is None and stop["step"] == 6 + LAG, stop
     assert (out / "checkpoints" / f"step-{stop['step']:09d}" / "manifest.json").is_file()
 
 
@@ -243,7 +244,8 @@ def test_elastic_resume_refuses_a_world_size_that_cannot_keep_the_global_batch(t
 def test_deadline_watch_stops_before_the_time_limit_without_any_signal(tmp_path: Path) -> None:
     """SLURM_JOB_END_TIME 20 s away: less than the 30 s margin alone of (step + checkpoint
     estimate) x 1.5 + 30 s, so the watch has expired at the first vote however long the start
-    took: the ranks checkpoint and stop after their first step, reason 'time_limit'."""
+    took: the ranks checkpoint and stop after their first step (and the one the overlapped vote
+    adds), reason 'time_limit'."""
     job = _job(tmp_path, batch_size=_batch(2), max_steps=500)
     out = tmp_path / "run"
     end = time.time() + 20
@@ -252,7 +254,7 @@ def test_deadline_watch_stops_before_the_time_limit_without_any_signal(tmp_path:
     assert codes == [3, 3], r.output()
     stop = _stop_record(out)
     # Not `stop["time"] < end`: on a loaded machine starting two ranks alone can take 20 s.
-    assert stop["reason"] == "time_limit" and stop["step"] == 1, stop
+    assert stop["reason"] == "time_limit" and stop["step"] == 1 + LAG, stop
     assert (out / "checkpoints" / f"step-{stop['step']:09d}" / "manifest.json").is_file()
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 
-from ranks import REPO, TESTS, Ranks, assert_bit_equal, final_state, write_job
+from ranks import LAG, REPO, TESTS, Ranks, assert_bit_equal, final_state, write_job
 from test_elastic import assert_each_sample_once_per_epoch, sample_log
 
 TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2,
@@ -378,12 +378,12 @@ def test_submitit_job_through_scancel_usr2_scontrol_requeue_and_preemption_is_bi
     jid = json.loads((run / "job.json").read_text())["job_id"]
     slurmtools.submitted.append(jid)  # conftest cancels what a failed test leaves
 
-    # 1. scancel --signal=USR2 during the first micro-step of step 25: all ranks stop at 25
+    # 1. scancel --signal=USR2 during the first micro-step of step 25: all ranks stop at 25 + LAG
     stop1 = wait_stop(run, 1, jid, timeout=300)
     times["scancel USR2"] = time.monotonic() - t0
     # USR2 is the job's time-limit warning signal, whoever sends it
-    assert stop1["reason"] == "time_limit" and stop1["requeued"] is True and stop1["step"] == 25, stop1
-    assert signal_events(run, 0) == [(r, "SIGUSR2", 24, 25) for r in range(4)]
+    assert stop1["reason"] == "time_limit" and stop1["requeued"] is True and stop1["step"] == 25 + LAG, stop1
+    assert signal_events(run, 0) == [(r, "SIGUSR2", 24, 25 + LAG) for r in range(4)]
     requeued_and_released(jid)
 
     # 2. scontrol requeue: SIGTERM now, SIGKILL after KillWait; SLURM has requeued the job
@@ -409,7 +409,7 @@ def test_submitit_job_through_scancel_usr2_scontrol_requeue_and_preemption_is_bi
     times["completed"] = time.monotonic() - t0
 
     starts = events(run, "start")
-    assert [s["resumed_step"] for s in starts] == [None, 25, stop2["step"], stop3["step"]]
+    assert [s["resumed_step"] for s in starts] == [None, 25 + LAG, stop2["step"], stop3["step"]]
     lost = {"scancel USR2": assert_signalled_stop(run, stop1, 0, "SIGUSR2"),
             "scontrol requeue": assert_signalled_stop(run, stop2, 1, "SIGTERM"),
             "preemption": assert_signalled_stop(run, stop3, 2, "SIGTERM")}

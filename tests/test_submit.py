@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ranks import LAG
 
 from ddpjob import cli, config, rundir
 from ddpjob.launch import submit
@@ -329,7 +330,7 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
         assert time.monotonic() < deadline, rundir.read_record(run / "local.json")
         time.sleep(0.2)
     stop = [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e][-1]
-    assert stop["step"] == 6, stop  # the step in flight finishes, then the checkpoint
+    assert stop["step"] == 6 + LAG, stop  # the step in flight finishes, the vote's, then the checkpoint
     # `ddpjob resume` takes the run's own config (the job file may have changed since)
     second = run_cli("resume", str(run), "--tasks-per-node", "1", "--wait", cwd=tmp_path, env=env,
                      timeout=600)
@@ -340,7 +341,7 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
     job = rundir.read_json(run / "job.json")
     assert job["job_ids"] == [job1, job["job_id"]] and job["job_id"] != job1
     starts = [e for e in rundir.events(run) if e.get("event") == "start"]
-    assert [(s["world_size"], s.get("resumed_step")) for s in starts] == [(2, None), (1, 6)], starts
+    assert [(s["world_size"], s.get("resumed_step")) for s in starts] == [(2, None), (1, 6 + LAG)], starts
     assert rundir.completed(run)["step"] == 12
 
 

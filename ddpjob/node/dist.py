@@ -248,15 +248,30 @@ def all_gather_object(obj: Any, what: str = "an all-gather") -> list[Any]:
     return out
 
 
+class Vote:
+    """An agree() in flight: started after one step, read after the next (result())."""
+
+    def __init__(self, values: list[int], work: Any, what: str) -> None:
+        self._t, self._work, self.what = values, work, what
+
+    def result(self) -> list[int]:
+        if self._work is not None:
+            with guard(self.what):
+                self._work.wait()
+            self._work = None
+        return [int(v) for v in self._t.tolist()] if isinstance(self._t, torch.Tensor) else list(self._t)
+
+
 class Control:
     """The channel for small control messages: the per-step stop vote and the checkpoint
-    barriers. On NCCL a vote every step would sync the host with the GPU, so control goes
-    through a CPU (gloo) group there; on gloo it is the default group."""
+    barriers. Its own CPU (gloo) group: on NCCL a vote every step would sync the host with the
+    GPU, and on gloo a vote in flight must not queue behind (or ahead of) DDP's gradient
+    all-reduce on the default group."""
 
     def __init__(self, ctx: DistContext) -> None:
         self.active = ctx.initialized
         self.group: Any = None
-        if ctx.initialized and ctx.backend == "nccl":
+        if ctx.initialized:
             self.group = dist.new_group(backend="gloo")
 
     def agree(self, values: list[int], what: str = "the stop vote") -> list[int]:
@@ -268,6 +283,16 @@ class Control:
         with guard(what):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
+
+    def start_agree(self, values: list[int], what: str = "the stop vote") -> Vote:
+        """agree(), started in the background: the all-reduce travels while the next step
+        computes, and Vote.result() waits for it (every rank reads it at the same step)."""
+        if not self.active:
+            return Vote(list(values), None, what)
+        t = torch.tensor(list(values), dtype=torch.int64)
+        with guard(what):
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return Vote(t, work, what)
 
     def barrier(self, what: str = "a barrier") -> None:
         if self.active:

@@ -131,7 +131,8 @@ class DeadlineWatch:
 
     Stop when the remaining time falls below (step + checkpoint time) x safety + margin (an
     evaluation inside a step raises the step estimate):
-    the step in flight must finish, then the checkpoint must be written, before SLURM's SIGKILL.
+    the step in flight (and, with an overlapped stop vote, one more) must finish, then the
+    checkpoint must be written, before SLURM's SIGKILL.
     Times are measured as the job runs; the checkpoint time starts from a guess until a save
     has been timed.
     """
@@ -141,6 +142,7 @@ class DeadlineWatch:
     margin_s: float = 30.0
     step_s: float = 0.0
     checkpoint_s: float = 10.0
+    lag_steps: int = 0  # steps run after the decision to stop (train.stop_vote = "overlap": 1)
     clock: Callable[[], float] = time.time
 
     def observe_step(self, seconds: float) -> None:
@@ -151,7 +153,7 @@ class DeadlineWatch:
         self.checkpoint_s = seconds
 
     def needed_s(self) -> float:
-        return (self.step_s + self.checkpoint_s) * self.safety + self.margin_s
+        return ((1 + self.lag_steps) * self.step_s + self.checkpoint_s) * self.safety + self.margin_s
 
     def remaining_s(self) -> float | None:
         return None if self.end_time is None else self.end_time - self.clock()

@@ -122,7 +122,7 @@ def _node_failed(env: ClusterEnv, signal_time: float | None) -> bool:
 
 def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int, *,
                restart: int = 0, signal_step: int | None = None,
-               signal_time: float | None = None) -> bool | None:
+               signal_time: float | None = None, lag: int = 0) -> bool | None:
     """Rank 0: record the stop (the ledger: reason, steps_lost) and, where nobody else will,
     bring the job back. Returns whether it did (None: it was not asked to)."""
     under_slurm = env.source in ("slurm", "torchrun") and bool(env.job_id)
@@ -150,7 +150,8 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
                               note="a node failed: SLURM ended this attempt (NODE_FAIL) and requeued the job")
     if decide:
         fields.update(_decide(cfg, env, run_dir, reason, restart, fields.get("note")))
-    lost = None if signal_step is None else max(0, step - signal_step - 1)
+    # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
+    lost = None if signal_step is None else max(0, step - signal_step - 1 - lag)
     rundir.record_event(run_dir, "stop", reason=reason, step=step, job_id=env.job_id, restart=restart,
                         steps_lost=lost, signal_time=signal_time, **fields)
     note = fields.get("note")
