@@ -113,14 +113,15 @@ def job_config(root: Path, sizes: Sizes, world: int, *overrides: str) -> str:
 CHARLM = Path(__file__).resolve().parents[1] / "examples" / "charlm" / "job.toml"
 
 
-def charlm_config(steps: int) -> str:
-    """examples/charlm/job.toml for P9: `steps` steps, no DataLoader workers (the pool pins a
-    rank to one core), no periodic checkpoints (both arms would pay them alike), JSON."""
+def charlm_config(steps: int, stop_vote: str = "overlap") -> str:
+    """examples/charlm/job.toml for P9/P10: `steps` steps, no DataLoader workers (the pool pins
+    a rank to one core), no periodic checkpoints (both arms would pay them alike), JSON."""
     from ddpjob import config
 
     return config.resolve(CHARLM, [f"user.max_steps={steps}", "user.num_workers=0",
                                    "user.print_every=1000000", "user.sample_chars=1",
                                    "checkpoint.every_steps=0", "train.threads=1",
+                                   f"train.stop_vote=\"{stop_vote}\"",
                                    "train.backend=\"gloo\"", "slurm.tasks_per_node=2"]).to_json()
 
 

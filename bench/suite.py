@@ -1,4 +1,4 @@
-"""The benchmarks P1-P8: each builds its two arms, runs them side by side and returns rows.
+"""The benchmarks P1-P10: each builds its two arms, runs them side by side and returns rows.
 
 Most figures come from `pool.lockstep`: arm A (ddpjob) and arm B (the reference) run at the
 same time and take turns step by step, and a trial's ratio is B's median step time over A's
@@ -138,6 +138,26 @@ def p9(b: Bench) -> list[Row]:
                 ">= 0.99x; equal losses", 0.99, digits=3, api_steps_s=round(c.a_rate, 3),
                 hand_steps_s=round(c.b_rate, 3), api_loss=a[0][0]["loss"], hand_loss=hand[0][0]["loss"])
     row.measured += f"; losses {'equal' if equal else 'DIFFER'}"
+    row.passed = bool(row.passed) and equal
+    return [row]
+
+
+# ------------------------------------------------------------------------------------ P10
+def p10(b: Bench) -> list[Row]:
+    """The stop vote off the critical path: the charlm API loop (P9's A arm) with
+    train.stop_vote = "overlap" against the same loop with the blocking "sync" vote."""
+    s = b.sizes
+    steps = s.warm + s.steps
+    over, sync = b.lockstep(
+        Arm("P10-overlap", "charlm", 2, {"config": harness.charlm_config(steps, "overlap"), "mode": "api"}),
+        Arm("P10-sync", "charlm", 2, {"config": harness.charlm_config(steps, "sync"), "mode": "api"}))
+    c = Compared.of(over, sync, s.warm, steps)
+    equal = all(x[0]["loss"] == y[0]["loss"] for x, y in zip(over, sync)) and bool(over[0][0]["loss"])
+    step_ms = 1000.0 / c.b_rate if c.b_rate else 0.0
+    row = c.row("P10", "charlm API loop, overlapped stop vote / blocking vote, steps/s (2 ranks x 1 thread)",
+                ">= 1.0x; equal losses", 1.0, digits=3, overlap_steps_s=round(c.a_rate, 3),
+                sync_steps_s=round(c.b_rate, 3), sync_step_ms=round(step_ms, 2))
+    row.measured += f"; sync step {step_ms:.1f} ms; losses {'equal' if equal else 'DIFFER'}"
     row.passed = bool(row.passed) and equal
     return [row]
 
@@ -399,4 +419,4 @@ def p8(b: Bench) -> list[Row]:
 
 
 BENCHMARKS: dict[str, Callable[[Bench], list[Row]]] = {
-    "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9}
+    "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9, "P10": p10}

@@ -17,8 +17,8 @@ from ranks import LAG, REPO, TESTS, Ranks, assert_bit_equal, base_env, events, m
 SCRIPT = TESTS / "api_script.py"
 
 
-def _job(path: Path, **user: object) -> Path:
-    return write_job(path, train={"entry": str(SCRIPT), "threads": 1},
+def _job(path: Path, stop_vote: str = "overlap", **user: object) -> Path:
+    return write_job(path, train={"entry": str(SCRIPT), "threads": 1, "stop_vote": stop_vote},
                      checkpoint={"every_steps": 5, "keep_last": 2}, user={"steps": 20, **user})
 
 
@@ -43,28 +43,29 @@ def test_script_started_alone_makes_its_own_run_dir(tmp_path: Path) -> None:
                                                 "sampler.pt", "counter.pt", "values.pt", "rank-0.pt"}
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stop_at_a_step_then_resume_is_bit_identical(tmp_path: Path, workers: int) -> None:
-    """Rank 1 alone gets SIGUSR2 during step 7; both ranks stop after step 8 + LAG (the vote
-    started at that boundary is read one step later), write the checkpoint and exit 3; the second start resumes there and ends exactly
+@pytest.mark.parametrize("workers, vote", [(0, "overlap"), (2, "overlap"), (0, "sync")])
+def test_stop_at_a_step_then_resume_is_bit_identical(tmp_path: Path, workers: int, vote: str) -> None:
+    """Rank 1 alone gets SIGUSR2 during step 7; both ranks stop after step 8 + lag (the vote
+    started at that boundary is read one step later; train.stop_vote = "sync": at once), write the checkpoint and exit 3; the second start resumes there and ends exactly
     like an uninterrupted run: weights, every logged loss, the user's counter."""
+    lag = LAG if vote == "overlap" else 0
     ref_job = _job(tmp_path / "ref.toml", workers=workers)
     codes, ranks = _two_ranks(ref_job, tmp_path / "ref", 0)
     assert codes == [0, 0], ranks.output()
 
-    job = _job(tmp_path / "job.toml", workers=workers, signal_at="1:7")
+    job = _job(tmp_path / "job.toml", vote, workers=workers, signal_at="1:7")
     codes, ranks = _two_ranks(job, tmp_path / "run", 0)
     assert codes == [3, 3], ranks.output()
     stop = [e for e in events(tmp_path / "run") if e["event"] == "stop"][-1]
-    assert stop["reason"] == "time_limit" and stop["step"] == 8 + LAG
+    assert stop["reason"] == "time_limit" and stop["step"] == 8 + lag
     (signal,) = [e for e in events(tmp_path / "run") if e["event"] == "signal"]
     assert signal["rank"] == 1 and signal["signal"] == "SIGUSR2" and signal["at_step"] == 7
-    assert (tmp_path / "run" / "checkpoints" / f"step-{8 + LAG:09d}" / "manifest.json").is_file()
+    assert (tmp_path / "run" / "checkpoints" / f"step-{8 + lag:09d}" / "manifest.json").is_file()
     assert not (tmp_path / "run" / "COMPLETED").exists()
 
     codes, ranks = _two_ranks(job, tmp_path / "run", 1)
     assert codes == [0, 0], ranks.output()
-    assert f"resumed from step-{8 + LAG:09d}" in ranks.output(0)
+    assert f"resumed from step-{8 + lag:09d}" in ranks.output(0)
     a = torch.load(tmp_path / "ref" / "final" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "run" / "final" / "model.pt", weights_only=True)
     assert_bit_equal(a, b, "final model")
