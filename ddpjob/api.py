@@ -280,8 +280,11 @@ class Job:
             if step >= total:
                 break  # finishing costs no more than stopping would: the final save below
             t0 = time.perf_counter()
-            if lag:  # what every rank saw after the previous step; nothing in flight at the start
-                stop, save_due, busy = vote.result() if vote is not None else (0, 0, 1)
+            if lag:  # what every rank saw after the previous step
+                # nothing in flight after the first step: only the schedule's step answer, which
+                # every rank gives alike (a minute answer would need the vote)
+                first = (0, int(self._schedule.due_by_steps(step)), 1)
+                stop, save_due, busy = vote.result() if vote is not None else first
             else:
                 stop, save_due, busy = self._control.agree(self._my_vote(step))
             vote = None

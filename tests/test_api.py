@@ -43,11 +43,24 @@ def test_script_started_alone_makes_its_own_run_dir(tmp_path: Path) -> None:
                                                 "sampler.pt", "counter.pt", "values.pt", "rank-0.pt"}
 
 
+@pytest.mark.parametrize("vote", ["overlap", "sync"])
+def test_a_checkpoint_on_every_due_step_with_either_vote(tmp_path: Path, vote: str) -> None:
+    """checkpoint.every_steps = 1: steps 1..6 each get a checkpoint, the first one too (no
+    overlapped vote is in flight yet after the first step: the step schedule decides alone)."""
+    job = write_job(tmp_path / "job.toml", train={"entry": str(SCRIPT), "threads": 1, "stop_vote": vote},
+                    checkpoint={"every_steps": 1, "keep_last": 10}, user={"steps": 6})
+    codes, ranks = _two_ranks(job, tmp_path / "run", 0)
+    assert codes == [0, 0], ranks.output()
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert saved == [f"step-{s:09d}" for s in range(1, 7)], saved
+
+
 @pytest.mark.parametrize("workers, vote", [(0, "overlap"), (2, "overlap"), (0, "sync")])
 def test_stop_at_a_step_then_resume_is_bit_identical(tmp_path: Path, workers: int, vote: str) -> None:
     """Rank 1 alone gets SIGUSR2 during step 7; both ranks stop after step 8 + lag (the vote
-    started at that boundary is read one step later; train.stop_vote = "sync": at once), write the checkpoint and exit 3; the second start resumes there and ends exactly
-    like an uninterrupted run: weights, every logged loss, the user's counter."""
+    started at that boundary is read one step later; train.stop_vote = "sync": at once), write
+    the checkpoint and exit 3; the second start resumes there and ends exactly like an
+    uninterrupted run: weights, every logged loss, the user's counter."""
     lag = LAG if vote == "overlap" else 0
     ref_job = _job(tmp_path / "ref.toml", workers=workers)
     codes, ranks = _two_ranks(ref_job, tmp_path / "ref", 0)

@@ -25,8 +25,12 @@ class SaveSchedule:
         self.every_steps, self.every_minutes, self._clock = every_steps, every_minutes, clock
         self._last = clock()
 
+    def due_by_steps(self, step: int) -> bool:
+        """The step answer alone: the same on every rank without a vote."""
+        return self.every_steps > 0 and step > 0 and step % self.every_steps == 0
+
     def due(self, step: int) -> bool:
-        by_steps = self.every_steps > 0 and step > 0 and step % self.every_steps == 0
+        by_steps = self.due_by_steps(step)
         by_time = self.every_minutes > 0 and self._clock() - self._last >= self.every_minutes * 60
         if by_steps or by_time:
             self.mark_saved()
