@@ -180,6 +180,8 @@ class Job:
         self._tb: Any = None  # metrics.TensorBoard on rank 0 with train.tensorboard, from resume()
         self._closed = False
         self.vote_s = 0.0
+        # the recovery's phases (launch/phases.py): ready = process group up, run dir known
+        self._ready_time, self._load_s = time.time(), None
         console.print0(f"ddpjob run {run_dir}: {self.env.describe()}")
         if standalone:
             atexit.register(self.close)
@@ -229,7 +231,9 @@ class Job:
         from ddpjob.node.sampler import StepSampler
 
         seed = self.config.train.seed if seed is None else int(seed)
+        t0 = time.monotonic()
         step = self._store.resume(state, enabled=self.config.checkpoint.resume, seed=seed)
+        self._load_s = round(time.monotonic() - t0, 3)
         old_world = self._store.resumed_meta.get("world_size")
         self.resumed_world_size = old_world if step else None
         if step and old_world not in (None, self.world_size):
@@ -260,9 +264,14 @@ class Job:
             self.resume(state)
         step = int(self._step or 0)
         if self.is_rank0:
+            from ddpjob.node.cluster import process_started
+
             rundir.record_event(self.run_dir, "start", restart=self.restart, job_id=self.job_id,
                                 world_size=self.world_size, source=self.env.source,
-                                host=self.env.hostname, resumed_step=step or None, **info)
+                                host=self.env.hostname, resumed_step=step or None,
+                                launched_time=process_started(), ready_time=self._ready_time,
+                                load_s=self._load_s, **info)
+        first = self.is_rank0
         self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
         lag = int(self.config.train.stop_vote == "overlap")
@@ -274,6 +283,10 @@ class Job:
             yield step
             step += 1
             self._step = step
+            if first:  # the recovery's last phase ends here (launch/phases.py)
+                rundir.record_event(self.run_dir, "first_step", step=step, job_id=self.job_id,
+                                    restart=self.restart)
+                first = False
             self._stop.current_step = step
             now = time.monotonic()
             self._deadline.observe_step(now - t_step)
@@ -294,14 +307,14 @@ class Job:
             if stop or save_due:
                 for s in samplers:
                     s.set_step(step)
-                t0 = time.monotonic()
+                t0, decided = time.monotonic(), time.time()
                 self._store.save(step, state, blocking=bool(stop))
                 if self._tb is not None:
                     self._tb.flush()  # what a resume from this checkpoint keeps is on disk
                 self._deadline.observe_checkpoint(time.monotonic() - t0)
                 self._schedule.mark_saved()
             if stop:
-                self._stop_for_requeue(step, stop)
+                self._stop_for_requeue(step, stop, decided_time=decided, saved_time=time.time())
             if lag:  # after the save: "busy" must cover a background write started just now
                 t0 = time.perf_counter()
                 vote = self._control.start_agree(self._my_vote(step + 1))
@@ -321,7 +334,7 @@ class Job:
             self._stop.request(preemption.DEADLINE)
         return [self._stop.code, int(self._schedule.due(due_at)), int(self._store.busy())]
 
-    def _stop_for_requeue(self, step: int, code: int) -> None:
+    def _stop_for_requeue(self, step: int, code: int, **times: float) -> None:
         from ddpjob.node import preemption, requeue
 
         self.stopped_at = step
@@ -331,7 +344,7 @@ class Job:
         if self.is_rank0:
             requeue.after_stop(self.config, self.env, self.run_dir, code, step, restart=self.restart,
                                signal_step=self._stop.signal_step, signal_time=self._stop.time,
-                               lag=self._deadline.lag_steps)
+                               lag=self._deadline.lag_steps, times=times)
         # nobody exits (srun --kill-on-bad-exit) before rank 0 requeued
         self._control.barrier("the barrier after the requeue decision")
         raise StopForRequeue(step)
@@ -446,6 +459,9 @@ class Job:
             self._stop.uninstall()  # ddpjob run installed its own and removes it itself
         # After a failure the peers are stuck in some collective, not in our exit barrier.
         self._ctx.destroy(barrier_timeout_s=None if failed else 30.0)
+        if self.is_rank0 and self.stopped_at is not None:  # the end of the recovery's exit phase
+            rundir.record_event(self.run_dir, "exit", step=self.stopped_at, job_id=self.job_id,
+                                restart=self.restart)
         if _current is self:
             _current = None
         # The interpreter's final garbage collection walks torch's module graph: seconds per

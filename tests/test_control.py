@@ -351,7 +351,8 @@ def test_the_json_record_of_a_run(tmp_path):
         "job_id": "78", "job_ids": ["77", "78"], "state": "RUNNING", "reason": None, "completed": False,
         "restarts": 1,
         "stops": [{"reason": "node_failure", "step": 10, "job_id": "77", "restart": 0, "steps_lost": 3,
-                   "requeued": True, "requeued_by": "slurm", "next_job_id": None, "time": 5.0, "note": "n"}],
+                   "requeued": True, "requeued_by": "slurm", "next_job_id": None, "time": 5.0, "note": "n",
+                   "phases": {}}],  # no phase has both of its ends recorded here
         "step": 14, "loss": None,
         "checkpoint": {"step": 10, "path": str(run / "checkpoints" / "step-000000010")},
         "best_accuracy": {"value": 0.75, "step": 12}, "final_accuracy": None, "code": None}

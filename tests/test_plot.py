@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddpjob.cli import main
-from ddpjob.launch import plot
+from ddpjob.launch import phases, plot
 from ranks import LAG, Ranks, events, run, signal_when_paused, write_job
 
 pytest.importorskip("matplotlib")  # the `plot` extra; in the `test` extra too
@@ -92,7 +92,14 @@ def test_summary_of_a_requeued_run(requeued_run: Path) -> None:
     assert "best acc    " in text
     attempts = [line for line in lines if line.startswith("attempt     ")]  # the ledger, one per stop
     assert [a.split()[1] for a in attempts] == ["time_limit", "preemption"], attempts
-    assert len(lines) <= 5 + len(attempts) and all(len(line) < 200 for line in lines)
+    # each followed by its recovery, every phase recorded by the real ranks
+    recoveries = [lines[lines.index(a) + 1] for a in attempts]
+    for r in recoveries:
+        assert r.startswith("  recovery  stop vote "), r
+        took = dict((p.rsplit(" ", 2)[0].strip(), float(p.rsplit(" ", 2)[1])) for p in r[12:].split(", "))
+        assert list(took) == list(phases.PHASES) and all(v >= 0 for v in took.values()), r
+        assert took["start-up"] > 0 and took["save"] > 0, r
+    assert len(lines) <= 5 + 2 * len(attempts) and all(len(line) < 200 for line in lines)
 
 
 def _fake_run(root: Path, name: str, lr: float, steps: int, stop_at: int | None) -> Path:

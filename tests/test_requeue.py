@@ -12,7 +12,7 @@ import pytest
 import fake_checkpoint
 
 from ddpjob import config, rundir
-from ddpjob.launch import control, plot, slurm
+from ddpjob.launch import control, phases, plot, slurm
 from ddpjob.node import preemption, requeue
 from ddpjob.node.cluster import ClusterEnv
 
@@ -204,9 +204,37 @@ def test_the_ledger_in_status(tmp_path) -> None:
                                              "next_job_id": "78"})
     rundir.append_jsonl(d / "events.jsonl", {"event": "start", "time": 165.0, "restart": 1,
                                              "job_id": "78", "resumed_step": 9})
-    [line] = plot.ledger(rundir.events(d))
+    [(line, took)] = plot.ledger(rundir.events(d))
     assert line == ("preemption at step 9 (job 77), steps lost 1, successor -> job 78, "
                     "resumed step 9 after 45 s")
+    assert took == ""  # a run from before the phases were recorded: none is guessed
+
+
+def test_the_recovery_phases_from_the_events(tmp_path) -> None:
+    """Each phase from the two records that bound it; a phase with an end missing is left out."""
+    d = tmp_path
+    for rec in [
+        {"event": "start", "time": 100.0, "restart": 0, "job_id": "77"},
+        {"event": "signal", "signal_time": 120.0, "rank": 1, "job_id": "77", "restart": 0},
+        {"event": "signal", "signal_time": 120.5, "rank": 0, "job_id": "77", "restart": 0},
+        {"event": "stop", "time": 122.1, "reason": "preemption", "step": 9, "job_id": "77", "restart": 0,
+         "requeued": True, "decided_time": 120.25, "saved_time": 122.0, "signal_time": 120.5},
+        {"event": "exit", "time": 122.5, "step": 9, "job_id": "77", "restart": 0},
+        {"event": "start", "time": 141.0, "restart": 1, "job_id": "77", "resumed_step": 9,
+         "launched_time": 133.5, "ready_time": 139.0, "load_s": 1.25},
+        {"event": "first_step", "time": 141.75, "step": 10, "job_id": "77", "restart": 1},
+    ]:
+        rundir.append_jsonl(d / "events.jsonl", rec)
+    events = rundir.events(d)
+    i = next(n for n, e in enumerate(events) if e["event"] == "stop")
+    assert phases.recovery(events, i) == {"stop vote": 0.25, "save": 1.75, "exit": 0.5, "requeue": 11.0,
+                                          "start-up": 5.5, "load": 1.25, "first step": 0.75}
+    [(line, took)] = plot.ledger(events)
+    assert took == ("stop vote 0.25 s, save 1.75 s, exit 0.50 s, requeue 11.00 s, start-up 5.50 s, "
+                    "load 1.25 s, first step 0.75 s")
+    # killed before its exit was recorded: exit and requeue have one end only
+    events = [e for e in events if e["event"] != "exit"]
+    assert set(phases.recovery(events, i)) == {"stop vote", "save", "start-up", "load", "first step"}
 
 
 def test_the_batch_shell_env_is_the_job_not_a_rank() -> None:
@@ -283,7 +311,7 @@ def test_a_node_failure_nobody_saw_is_recorded_at_the_next_start(fake_slurm, tmp
         assert why == "1 failure(s) retried, more than slurm.max_failures = 0", why
         assert (stops[-1]["reason"], stops[-1]["restart"]) == ("budget", 1)
         assert plot.ledger(rundir.events(d))[1] == (
-            "start refused (job 77): 1 failure(s) retried, more than slurm.max_failures = 0")
+            "start refused (job 77): 1 failure(s) retried, more than slurm.max_failures = 0", "")
         # the batch shell's crash check after the refusal decides nothing more
         assert requeue.after_crash(cfg, again, d, 1) is None
     calls = len(fake_slurm.calls)
@@ -291,8 +319,8 @@ def test_a_node_failure_nobody_saw_is_recorded_at_the_next_start(fake_slurm, tmp
     assert len(fake_slurm.calls) == calls
     events = rundir.events(d) + [{"event": "start", "time": t + 100, "restart": 1, "job_id": "77",
                                   "resumed_step": 10}]
-    assert plot.ledger(events)[0] == ("node_failure at step 10 (job 77), steps lost 3, slurm, "
-                                      "resumed step 10 after 40 s")
+    assert plot.ledger(events)[0][0] == ("node_failure at step 10 (job 77), steps lost 3, slurm, "
+                                         "resumed step 10 after 40 s")
 
 
 def test_an_unseen_end_without_sacct_or_in_another_job(fake_slurm, tmp_path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ddpjob import console, rundir
 from ddpjob.errors import DDPJobError
+from ddpjob.launch import phases
 
 # (metrics key, panel title): the four panels, in reading order.
 PANELS = (("loss", "train loss"), ("eval_acc", "eval accuracy"), ("lr", "learning rate"),
@@ -211,19 +212,23 @@ def summary(run_dir: str | Path) -> list[str]:
             f"resumed at step {m.step} after {m.reason}" for m in h.markers))
     else:
         lines.append("restarts    0")
-    lines += [f"attempt     {a}" for a in ledger(h.events)]
+    for line, took in ledger(h.events):
+        lines.append(f"attempt     {line}")
+        if took:
+            lines.append(f"  recovery  {took}")
     return lines
 
 
-def ledger(events: list[dict[str, Any]]) -> list[str]:
-    """One line per stop of the run (rank 0's and the crash records): why, at which step, steps
-    lost, how it came back and the seconds from the signal to the next start's resumed step."""
-    out = []
+def ledger(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One entry per stop of the run (rank 0's and the crash records): a line with why, at which
+    step, steps lost, how it came back and the seconds from the signal to the next start's
+    resumed step; and the recovery's phases ('' if none were recorded: launch/phases.py)."""
+    out: list[tuple[str, str]] = []
     for i, e in enumerate(events):
         if e.get("event") != "stop" or "rank" in e or e.get("reason") == "finished":
             continue
         if e.get("reason") == "budget":  # a start refused (node/requeue.py: check_start)
-            out.append(f"start refused (job {e.get('job_id')}): {e.get('note')}")
+            out.append((f"start refused (job {e.get('job_id')}): {e.get('note')}", ""))
             continue
         sig = [float(s["signal_time"]) for s in events if s.get("event") == "signal"
                and s.get("job_id") == e.get("job_id") and s.get("restart") == e.get("restart")
@@ -236,8 +241,9 @@ def ledger(events: list[dict[str, Any]]) -> list[str]:
         if e.get("next_job_id"):
             how += f" -> job {e['next_job_id']}"
         lost = e.get("steps_lost")
-        out.append(f"{e.get('reason') or 'stopped'} at step {e.get('step')} (job {e.get('job_id')}), "
-                   f"steps lost {'?' if lost is None else lost}, {how}, {back}")
+        out.append((f"{e.get('reason') or 'stopped'} at step {e.get('step')} (job {e.get('job_id')}), "
+                    f"steps lost {'?' if lost is None else lost}, {how}, {back}",
+                    phases.describe(phases.recovery(events, i))))
     return out
 
 
@@ -255,4 +261,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for run, marks in record.markers.items():
         for step, label in marks:
             console.info(f"  {run}: step {step}  {label}")
+    for run in args.runs:  # the same ledger as `ddpjob status`, with the recovery's phases
+        for line, took in ledger(rundir.events(run)):
+            console.info(f"  {Path(run).name}: {line}" + (f"; recovery: {took}" if took else ""))
     return 0

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from ddpjob import rundir
-from ddpjob.launch import control, plot
+from ddpjob.launch import control, phases, plot
 
 SCHEMA = "ddpjob.run/1"
 STOP_KEYS = ("reason", "step", "job_id", "restart", "steps_lost", "requeued", "requeued_by",
@@ -31,8 +31,9 @@ def record(i: control.RunInfo) -> dict[str, Any]:
     job = control.job_record(i.run_dir) if i.state != "DAMAGED" else {}
     ids = [str(j) for j in (job.get("job_ids") or ([job["job_id"]] if job.get("job_id") else []))]
     history = plot.load_history(i.run_dir) if i.state != "DAMAGED" else None
-    stops = [{k: e.get(k) for k in STOP_KEYS} for e in (history.events if history else [])
-             if e.get("event") == "stop" and "rank" not in e]
+    evs = history.events if history else []
+    stops = [{**{k: e.get(k) for k in STOP_KEYS}, "phases": phases.recovery(evs, n)}
+             for n, e in enumerate(evs) if e.get("event") == "stop" and "rank" not in e]
     accs = [(a, r["step"]) for r in (history.evals if history else [])
             if (a := _num(r.get("eval_acc"))) is not None]
     best = max(accs, default=None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,17 @@ PORT_SPAN = 15000
 DEFAULT_PORT = 29500  # torch's default, used when there is no job id to derive one from
 
 _HINT_ENV = "unset the stray variable, or launch with srun / torchrun, which set all of them"
+
+
+def process_started() -> float | None:
+    """When this process started, in epoch seconds (Linux /proc, 10 ms ticks), so that a
+    start-up time counts the interpreter and the imports too; None where /proc has no answer."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def port_for_job(job_id: str | None) -> int:

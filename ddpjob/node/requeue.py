@@ -122,7 +122,8 @@ def _node_failed(env: ClusterEnv, signal_time: float | None) -> bool:
 
 def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int, *,
                restart: int = 0, signal_step: int | None = None,
-               signal_time: float | None = None, lag: int = 0) -> bool | None:
+               signal_time: float | None = None, lag: int = 0,
+               times: dict[str, float] | None = None) -> bool | None:
     """Rank 0: record the stop (the ledger: reason, steps_lost) and, where nobody else will,
     bring the job back. Returns whether it did (None: it was not asked to)."""
     under_slurm = env.source in ("slurm", "torchrun") and bool(env.job_id)
@@ -153,7 +154,7 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
     lost = None if signal_step is None else max(0, step - signal_step - 1 - lag)
     rundir.record_event(run_dir, "stop", reason=reason, step=step, job_id=env.job_id, restart=restart,
-                        steps_lost=lost, signal_time=signal_time, **fields)
+                        steps_lost=lost, signal_time=signal_time, **(times or {}), **fields)
     note = fields.get("note")
     console.print0(f"ddpjob: stopped at step {step} ({reason}); checkpoint written"
                    + (f"; {note}" if note else ""))
