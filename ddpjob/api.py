@@ -271,7 +271,7 @@ class Job:
                                 host=self.env.hostname, resumed_step=step or None,
                                 launched_time=process_started(), ready_time=self._ready_time,
                                 load_s=self._load_s, **info)
-        first = self.is_rank0
+        first_step = self.is_rank0  # rank 0 records when the first step of this attempt ends
         self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
         lag = int(self.config.train.stop_vote == "overlap")
@@ -283,10 +283,10 @@ class Job:
             yield step
             step += 1
             self._step = step
-            if first:  # the recovery's last phase ends here (launch/phases.py)
+            if first_step:  # the recovery's last phase ends here (launch/phases.py)
                 rundir.record_event(self.run_dir, "first_step", step=step, job_id=self.job_id,
                                     restart=self.restart)
-                first = False
+                first_step = False
             self._stop.current_step = step
             now = time.monotonic()
             self._deadline.observe_step(now - t_step)
@@ -296,8 +296,8 @@ class Job:
             if lag:  # what every rank saw after the previous step
                 # nothing in flight after the first step: only the schedule's step answer, which
                 # every rank gives alike (a minute answer would need the vote)
-                first = (0, int(self._schedule.due_by_steps(step)), 1)
-                stop, save_due, busy = vote.result() if vote is not None else first
+                alone = (0, int(self._schedule.due_by_steps(step)), 1)
+                stop, save_due, busy = vote.result() if vote is not None else alone
             else:
                 stop, save_due, busy = self._control.agree(self._my_vote(step))
             vote = None

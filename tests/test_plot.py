@@ -53,6 +53,10 @@ def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: P
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     stops, starts = _stops_and_starts(requeued_run)
     assert [s["reason"] for s in stops] == ["time_limit", "preemption", "finished"]
+    # rank 0 alone marks the end of each attempt's first step, once
+    firsts = [e for e in events(requeued_run) if e["event"] == "first_step"]
+    assert [(e["restart"], e["step"]) for e in firsts] == [(r, (s.get("resumed_step") or 0) + 1)
+                                                          for r, s in enumerate(starts)], firsts
     resumed = [s["resumed_step"] for s in starts[1:]]
     assert resumed == [stops[0]["step"], stops[1]["step"]] == [8 + LAG, 16 + 2 * LAG]
 
