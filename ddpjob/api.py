@@ -180,8 +180,7 @@ class Job:
         self._tb: Any = None  # metrics.TensorBoard on rank 0 with train.tensorboard, from resume()
         self._closed = False
         self.vote_s = 0.0
-        # the recovery's phases (launch/phases.py): ready = process group up, run dir known
-        self._ready_time, self._load_s = time.time(), None
+        self._load_s: float | None = None  # resume()'s, for the recovery's phases (launch/phases.py)
         console.print0(f"ddpjob run {run_dir}: {self.env.describe()}")
         if standalone:
             atexit.register(self.close)
@@ -269,8 +268,7 @@ class Job:
             rundir.record_event(self.run_dir, "start", restart=self.restart, job_id=self.job_id,
                                 world_size=self.world_size, source=self.env.source,
                                 host=self.env.hostname, resumed_step=step or None,
-                                launched_time=process_started(), ready_time=self._ready_time,
-                                load_s=self._load_s, **info)
+                                launched_time=process_started(), load_s=self._load_s, **info)
         first_step = self.is_rank0  # rank 0 records when the first step of this attempt ends
         self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]

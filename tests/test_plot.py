@@ -82,6 +82,10 @@ def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: P
     out = capsys.readouterr().out
     assert code == 0 and (tmp_path / "cli.png").stat().st_size > 20_000
     assert f"step {resumed[0]}  restart 1: time_limit" in out and "2 restart marker(s)" in out
+    assert out.count("; recovery: stop vote ") == 2, out  # the phases, as status shows them
+    assert main(["status", str(requeued_run)]) == 0
+    status = capsys.readouterr().out
+    assert status.count("\n  recovery  stop vote ") == 2 and "first step" in status, status
 
 
 @pytest.mark.slow

@@ -211,7 +211,8 @@ def test_the_ledger_in_status(tmp_path) -> None:
 
 
 def test_the_recovery_phases_from_the_events(tmp_path) -> None:
-    """Each phase from the two records that bound it; a phase with an end missing is left out."""
+    """Each phase from the two records that bound it, adding up to the signal -> the end of the
+    next first step (120.0 -> 141.75); a phase with an end missing is left out."""
     d = tmp_path
     for rec in [
         {"event": "start", "time": 100.0, "restart": 0, "job_id": "77"},
@@ -221,16 +222,17 @@ def test_the_recovery_phases_from_the_events(tmp_path) -> None:
          "requeued": True, "decided_time": 120.25, "saved_time": 122.0, "signal_time": 120.5},
         {"event": "exit", "time": 122.5, "step": 9, "job_id": "77", "restart": 0},
         {"event": "start", "time": 141.0, "restart": 1, "job_id": "77", "resumed_step": 9,
-         "launched_time": 133.5, "ready_time": 139.0, "load_s": 1.25},
+         "launched_time": 133.5, "load_s": 1.25},
         {"event": "first_step", "time": 141.75, "step": 10, "job_id": "77", "restart": 1},
     ]:
         rundir.append_jsonl(d / "events.jsonl", rec)
     events = rundir.events(d)
     i = next(n for n, e in enumerate(events) if e["event"] == "stop")
     assert phases.recovery(events, i) == {"stop vote": 0.25, "save": 1.75, "exit": 0.5, "requeue": 11.0,
-                                          "start-up": 5.5, "load": 1.25, "first step": 0.75}
+                                          "start-up": 6.25, "load": 1.25, "first step": 0.75}
+    assert sum(phases.recovery(events, i).values()) == pytest.approx(141.75 - 120.0)
     [(line, took)] = plot.ledger(events)
-    assert took == ("stop vote 0.25 s, save 1.75 s, exit 0.50 s, requeue 11.00 s, start-up 5.50 s, "
+    assert took == ("stop vote 0.25 s, save 1.75 s, exit 0.50 s, requeue 11.00 s, start-up 6.25 s, "
                     "load 1.25 s, first step 0.75 s")
     # killed before its exit was recorded: exit and requeue have one end only
     events = [e for e in events if e["event"] != "exit"]

@@ -262,7 +262,7 @@ def format_status(i: RunInfo) -> str:
     # progress, best accuracy and every restart with its reason, read from the run dir alone
     from ddpjob.launch.plot import summary
 
-    lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts", "attempt")
+    lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts", "attempt", "recovery")
               and not ln.startswith("restarts    0")]
     code = code_state(i.run_dir)
     if code:

@@ -6,11 +6,12 @@ What rank 0 records, and where (ddpjob/api.py, node/requeue.py):
   signal (each rank)  signal_time: when the stop signal reached the rank
   stop                decided_time: the vote said stop; saved_time: the checkpoint is committed
   exit                time: the process group is torn down, the process ends next
-  start (next)        launched_time: the process started (/proc); ready_time: the process group
-                      is up; load_s: the checkpoint load; time: the loop is about to begin
+  start (next)        launched_time: the process started (/proc); load_s: the checkpoint load;
+                      time: the loop is about to begin
   first_step (next)   time: the first step of the attempt is done
 
-A phase whose ends were not both recorded (a crash, a stop recorded by the next start, a run
+The phases add up to the time from the signal to the end of the next first step. A phase
+whose ends were not both recorded (a crash, a stop recorded by the next start, a run
 made by an older ddpjob) is left out rather than guessed.
 """
 
@@ -24,6 +25,10 @@ PHASES = ("stop vote", "save", "exit", "requeue", "start-up", "load", "first ste
 def _t(rec: dict[str, Any] | None, key: str) -> float | None:
     v = (rec or {}).get(key)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
 
 def _same_attempt(e: dict[str, Any], stop: dict[str, Any]) -> bool:
@@ -47,7 +52,9 @@ def recovery(events: list[dict[str, Any]], i: int) -> dict[str, float]:
         ("save", _t(stop, "decided_time"), _t(stop, "saved_time")),
         ("exit", _t(stop, "saved_time"), _t(exited, "time")),
         ("requeue", _t(exited, "time"), _t(start, "launched_time")),
-        ("start-up", _t(start, "launched_time"), _t(start, "ready_time")),
+        # everything from the process's start to the loop but the load: imports, the process
+        # group, building the model and the data
+        ("start-up", _t(start, "launched_time"), _minus(_t(start, "time"), _t(start, "load_s"))),
         ("load", 0.0, _t(start, "load_s")),
         ("first step", _t(start, "time"), _t(first, "time")),
     ]
