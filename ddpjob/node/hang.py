@@ -82,10 +82,12 @@ class Watch:
         self.inside: str | None = None
         self.since = time.monotonic()
         self._main = threading.main_thread().ident
-        # One client, used by the listener thread and the main thread: c10d's TCPStore client
-        # runs one request at a time (its activeOpLock_ mutex), so the two never interleave.
-        self._store = dist.TCPStore(master_addr, master_port, is_master=False,
-                                    timeout=timedelta(seconds=REPORT_S), wait_for_workers=False)
+        # One client, used by the listener thread and the main thread. c10d's client has a
+        # mutex of its own (activeOpLock_), but a request is several socket writes and reads:
+        # _LockedStore makes one request at a time certain whatever the torch version does.
+        self._store = _LockedStore(dist.TCPStore(master_addr, master_port, is_master=False,
+                                                 timeout=timedelta(seconds=REPORT_S),
+                                                 wait_for_workers=False))
         # Keys of this process group only: torchrun's agent keeps its store across restarts. The
         # ranks of one attempt all join before any rank of the next, so they share a generation.
         generation = (int(self._store.add("ddpjob/hang/joined", 1)) - 1) // world_size
@@ -206,6 +208,29 @@ class Watch:
                   f"{self._report(self.inside).frame}), expected it to end with the job. Hint: its "
                   "stack is above; ending this process", file=sys.stderr, flush=True)
             os._exit(1)
+
+
+class _LockedStore:
+    """The four TCPStore requests the watch makes, one at a time across threads."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self._lock = store, threading.Lock()
+
+    def set(self, key: str, value: str) -> None:
+        with self._lock:
+            self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return bytes(self._store.get(key))
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return bool(self._store.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            return int(self._store.add(key, amount))
 
 
 def describe(what: str, step: int | None, reports: dict[int, Report], hosts: dict[int, str]) -> str:
