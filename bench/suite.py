@@ -202,11 +202,16 @@ def p4(b: Bench) -> list[Row]:
 
 # ------------------------------------------------------------------------------------ P5
 def p5(b: Bench) -> list[Row]:
-    """Twice: on the seeds' network (as everywhere else), and on the job file's own network
-    (CIFAR stem: ~8x the step time for the same 45 MB of gradients to all-reduce)."""
+    """Three times: on the seeds' network (as everywhere else), the same with bf16 gradient
+    compression, and on the job file's own network (CIFAR stem: ~8x the step time for the
+    same 45 MB of gradients to all-reduce)."""
     s = b.sizes
     rows = []
     for label, stem, warm, steps in (("seeds' network", [], s.warm, s.steps),
+                                     # the 2-rank arm's gradients travel as bfloat16: half the
+                                     # 45 MB all-reduce that bounds this network (README)
+                                     ("seeds' network, train.grad_compression = bf16",
+                                      ['train.grad_compression="bf16"'], s.warm, s.steps),
                                      ("job file's network (CIFAR stem)",
                                       ["train.cifar_stem=true"], s.stem_warm, s.stem_steps)):
         over = [*stem, f"train.max_steps={warm + steps}"]

@@ -205,7 +205,8 @@ class Job:
     def wrap(self, model: Any, **ddp_kwargs: Any) -> Any:
         """Move `model` to this rank's device and wrap it in DDP (when there are several ranks).
         With train.deterministic_reduce and more than 2 ranks the gradients are summed in rank
-        order, so a resumed run adds them exactly as the uninterrupted one did."""
+        order, so a resumed run adds them exactly as the uninterrupted one did; with
+        train.grad_compression = "bf16" they travel as bfloat16."""
         from ddpjob.node import dist
 
         model.to(self.device)
@@ -217,8 +218,9 @@ class Job:
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)
         ddp = DDP(model, **ddp_kwargs)
-        if self.config.train.deterministic_reduce and self.world_size > 2:
-            ddp.register_comm_hook(None, dist.ordered_sum_hook)
+        t = self.config.train
+        dist.register_comm_hook(ddp, ordered=t.deterministic_reduce and self.world_size > 2,
+                                compression=t.grad_compression)
         return ddp
 
     # ------------------------------------------------------------------ resume / steps

@@ -108,6 +108,7 @@ class TrainConfig:
     threads: int = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
     dist_timeout_s: int = 300
     deterministic_reduce: bool = True  # >2 ranks: sum gradients in rank order (bit-exact resume)
+    grad_compression: str = "none"  # none | bf16: DDP's gradient all-reduce sends bfloat16 (half the bytes)
     # overlap: the stop vote after step s travels while step s+1 runs and is read after it (a
     # stop lands one step later, nothing on the critical path); sync: read at once (one blocking
     # all-reduce per step, the stop one step sooner: for steps of minutes under a short GraceTime)
@@ -168,7 +169,7 @@ class JobConfig:
         d.pop("checkpoint")
         for k in ("epochs", "max_steps", "eval_every", "log_every", "threads", "backend",
                   "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce",
-                  "log_sample_ids", "tensorboard", "stop_vote"):
+                  "log_sample_ids", "tensorboard", "stop_vote", "grad_compression"):
             d["train"].pop(k)
         for k in ("root", "num_workers"):
             d["data"].pop(k)

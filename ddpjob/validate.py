@@ -167,7 +167,7 @@ def _train_data(cfg: JobConfig) -> None:
     s, t, d = cfg.slurm, cfg.train, cfg.data
     for key, options in (("optimizer", ("sgd", "adamw")), ("schedule", ("cosine", "step", "constant")),
                          ("amp", ("auto", "bf16", "fp16", "off")), ("backend", ("auto", "nccl", "gloo")),
-                         ("stop_vote", ("overlap", "sync"))):
+                         ("stop_vote", ("overlap", "sync")), ("grad_compression", ("none", "bf16"))):
         v = getattr(t, key)
         _check(v in options, f"train.{key} is {v!r}, expected one of {', '.join(options)}",
                f"e.g. {key} = \"{options[0]}\"")

@@ -92,6 +92,8 @@ CASES = [
     ("global batch", 2, lambda t: ["jobs/smoke.toml", "--set", "train.global_batch_size=100"],
      "not a multiple"),
     ("unknown amp", 2, lambda t: ["jobs/smoke.toml", "--set", "train.amp=fp8"], "train.amp"),
+    ("unknown grad compression", 2, lambda t: ["jobs/smoke.toml", "--set", 'train.grad_compression="fp8"'],
+     "train.grad_compression"),
     ("unknown optimizer", 2, lambda t: ["jobs/smoke.toml", "--set", "train.optimizer=lion"],
      "train.optimizer"),
     ("unknown dataset", 2, lambda t: ["jobs/smoke.toml", "--set", "data.dataset=imagenet"],

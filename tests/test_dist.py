@@ -169,3 +169,63 @@ def test_group_that_does_not_form_names_the_missing_ranks() -> None:
         in exc.value.line()
     out, _ = rank0.communicate(timeout=60)
     assert "rank 0 on n1 waited" in out and "not all 3 ranks joined" in out and "2/3 clients joined" in out
+
+
+HOOK_WORKER = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from ddpjob.node import dist as d
+    from ddpjob.node.cluster import ClusterEnv
+    ordered, compression = sys.argv[1] == "ordered", sys.argv[2]
+    env = ClusterEnv.from_environ(argv=[])
+    ctx = d.init_process_group(env, backend="gloo", timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    ddp = DDP(model)
+    d.register_comm_hook(ddp, ordered=ordered, compression=compression)
+    ddp(torch.randn(8, 64, generator=torch.Generator().manual_seed(env.rank))).square().sum().backward()
+    print("RESULT " + json.dumps({"rank": env.rank, "grad": model.weight.grad.flatten().tolist()}), flush=True)
+    ctx.destroy()
+""")
+
+
+def _local_grad(rank: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    model(torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))).square().sum().backward()
+    assert model.weight.grad is not None
+    return model.weight.grad.flatten()
+
+
+@pytest.mark.parametrize("world, ordered", [(2, False), (3, True)])
+def test_bf16_gradient_compression_sends_bfloat16(world: int, ordered: bool) -> None:
+    """train.grad_compression = "bf16": every rank ends with the same gradient, the mean of the
+    ranks' gradients each rounded to bfloat16 (ordered: summed in rank order, exactly that)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", HOOK_WORKER, "ordered" if ordered else "ring", "bf16"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=clean_environ(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                                                MASTER_PORT=str(port), OMP_NUM_THREADS="1"))
+             for r in range(world)]
+    grads = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        grads.append(torch.tensor(json.loads(out.split("RESULT ", 1)[1])["grad"]))
+    assert all(torch.equal(g, grads[0]) for g in grads)
+    local = [_local_grad(r) for r in range(world)]
+    fp32_mean = sum(local) / world
+    assert not torch.equal(grads[0], fp32_mean)  # it really was rounded on the way
+    if ordered:
+        expected = local[0].bfloat16().float()
+        for g in local[1:]:
+            expected = expected + g.bfloat16().float()
+        assert torch.equal(grads[0], expected / world)
+    else:  # torch's bf16 hook: each rank's grad / world in bfloat16, summed in bfloat16
+        expected = sum((g.bfloat16() / world for g in local[1:]), local[0].bfloat16() / world).float()
+        assert torch.equal(grads[0], expected)
+    # each rank's value rounded to bf16 (half an ulp: 2^-9 of it), and the sum once more
+    bound = 2.0 ** -7 * sum(g.abs() for g in local) / world
+    assert bool(((grads[0] - fp32_mean).abs() <= bound).all())

@@ -329,8 +329,23 @@ def broadcast_(t: torch.Tensor, src: int = 0, what: str = "a broadcast") -> torc
     return t
 
 
-def ordered_sum_hook(group, bucket):
-    """DDP comm hook: mean of the ranks' gradients, summed in rank order (bit-reproducible).
+def register_comm_hook(ddp: Any, *, ordered: bool, compression: str = "none") -> None:
+    """How DDP all-reduces the gradients: as it does (ring, fp32), summed in rank order
+    (`ordered`: bit-reproducible across bucket layouts), and/or sent as bfloat16
+    (`compression = "bf16"`: half the bytes on the wire, each gradient rounded to 8 bits of
+    mantissa before the mean)."""
+    wire = torch.bfloat16 if compression == "bf16" else None
+    if ordered:
+        ddp.register_comm_hook(wire, ordered_sum_hook)
+    elif wire is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
+def ordered_sum_hook(wire, bucket):
+    """DDP comm hook: mean of the ranks' gradients, summed in rank order (bit-reproducible);
+    `wire` (the hook's state): the dtype sent, None for the gradients' own.
 
     Ring all-reduce (gloo and NCCL) adds the ranks' values in an order that depends on the
     element's offset in its bucket, and DDP rebuilds its buckets after the first iteration of
@@ -339,14 +354,15 @@ def ordered_sum_hook(group, bucket):
     (No annotations: DDP checks them against the real classes, and this module's annotations
     are strings under `from __future__ import annotations`.)"""
     buf = bucket.buffer()
-    world = dist.get_world_size(group)
-    parts = [torch.empty_like(buf) for _ in range(world)]
-    fut = dist.all_gather(parts, buf, group=group, async_op=True).get_future()
+    send = buf if wire is None else buf.to(wire)
+    world = dist.get_world_size()
+    parts = [torch.empty_like(send) for _ in range(world)]
+    fut = dist.all_gather(parts, send, async_op=True).get_future()
 
     def reduce(_: Any) -> torch.Tensor:
-        acc = parts[0].clone()
+        acc = parts[0].to(buf.dtype, copy=True)
         for p in parts[1:]:
-            acc.add_(p)
+            acc.add_(p)  # in the gradients' dtype, whatever was sent
         return buf.copy_(acc.div_(world))
 
     return fut.then(reduce)
