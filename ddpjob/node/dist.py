@@ -251,7 +251,7 @@ def all_gather_object(obj: Any, what: str = "an all-gather") -> list[Any]:
 class Vote:
     """An agree() in flight: started after one step, read after the next (result())."""
 
-    def __init__(self, values: list[int], work: Any, what: str) -> None:
+    def __init__(self, values: list[int] | torch.Tensor, work: Any, what: str) -> None:
         self._t, self._work, self.what = values, work, what
 
     def result(self) -> list[int]:
