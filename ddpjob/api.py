@@ -99,15 +99,19 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
     cfg = launch.cfg
     env = ClusterEnv.from_environ(argv=launch.argv)  # GPUs not counted yet: torch is slow to import
     console.set_rank(env.rank)
-    from ddpjob.node import preemption
+    from ddpjob.node import determinism, preemption
 
     # Flag-only handlers before torch loads: a signal during the slow start must not kill us.
     stop = launch.stop or preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
+    # Here, not in `ddpjob run`'s runner: every rank passes through init() (scripts started
+    # alone and under torchrun too) before its first CUDA matmul, which is what cuBLAS needs.
+    determinism.set_environ(cfg.train.deterministic, env)
     import torch
 
     from ddpjob.node import dist
 
     env = ClusterEnv.from_environ(argv=launch.argv, num_gpus=torch.cuda.device_count())
+    determinism.apply(cfg.train.deterministic)
     ctx = dist.init_process_group(env, backend=cfg.train.backend, timeout_s=cfg.train.dist_timeout_s,
                                   threads=cfg.train.threads)
     try:
@@ -181,7 +185,11 @@ class Job:
         self._closed = False
         self.vote_s = 0.0
         self._load_s: float | None = None  # resume()'s, for the recovery's phases (launch/phases.py)
-        console.print0(f"ddpjob run {run_dir}: {self.env.describe()}")
+        # On GPUs the kernel choice decides both speed and whether a resume is bit-exact: say it.
+        kernels = "" if self.device.type != "cuda" else (
+            ", deterministic kernels (train.deterministic)" if cfg.train.deterministic
+            else ", fastest kernels, cudnn.benchmark (train.deterministic = false: resumes not bit-exact)")
+        console.print0(f"ddpjob run {run_dir}: {self.env.describe()}{kernels}")
         if standalone:
             atexit.register(self.close)
             self._excepthook = sys.excepthook
@@ -190,9 +198,11 @@ class Job:
     def explain(self, exc: BaseException) -> BaseException:
         """What to report for an exception that ends this rank: a failed collective in the
         training code becomes one line naming the ranks that did not arrive (node/hang.py)."""
-        from ddpjob.node import dist
+        from ddpjob.node import determinism, dist
 
-        return dist.explain_failure(exc)
+        # The hang watch first: it tells the peers waiting for this rank what ended it.
+        reported = dist.explain_failure(exc)
+        return determinism.explain(exc) if reported is exc else reported
 
     def _report_uncaught(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         # A script run alone (no `ddpjob run` around it): Python prints the traceback, then the line.

@@ -109,6 +109,10 @@ class TrainConfig:
     dist_timeout_s: int = 300
     deterministic_reduce: bool = True  # >2 ranks: sum gradients in rank order (bit-exact resume)
     grad_compression: str = "none"  # none | bf16: DDP's gradient all-reduce sends bfloat16 (half the bytes)
+    # GPUs: deterministic cuDNN/cuBLAS kernels, no cuDNN autotuning (bit-exact resume; maybe slower
+    # convolutions); an operation without a deterministic kernel stops the run with one line.
+    # false: cudnn.benchmark on. CPU: no measurable cost (node/determinism.py)
+    deterministic: bool = True
     # overlap: the stop vote after step s travels while step s+1 runs and is read after it (a
     # stop lands one step later, nothing on the critical path); sync: read at once (one blocking
     # all-reduce per step, the stop one step sooner: for steps of minutes under a short GraceTime)
@@ -167,9 +171,12 @@ class JobConfig:
         d.pop("slurm")
         d.pop("name")
         d.pop("checkpoint")
+        # deterministic / deterministic_reduce choose how the same sums are computed, not what is
+        # trained: either may change for a resume (e.g. off for speed), which then continues the
+        # run close to, not bit-equal to, the uninterrupted one, as an elastic resume does.
         for k in ("epochs", "max_steps", "eval_every", "log_every", "threads", "backend",
                   "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce",
-                  "log_sample_ids", "tensorboard", "stop_vote", "grad_compression"):
+                  "deterministic", "log_sample_ids", "tensorboard", "stop_vote", "grad_compression"):
             d["train"].pop(k)
         for k in ("root", "num_workers"):
             d["data"].pop(k)

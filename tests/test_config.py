@@ -86,6 +86,9 @@ def test_resume_hash_ignores_resources_but_not_the_recipe() -> None:
     assert bigger.hash() == cfg.hash()
     other_lr = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=0.1))
     assert other_lr.hash() != cfg.hash()
+    # kernel choice, not the recipe: a resume may switch deterministic kernels off for speed
+    fast = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, deterministic=False))
+    assert fast.hash() == cfg.hash()
 
 
 def _raw(**sections) -> dict:

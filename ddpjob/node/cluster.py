@@ -140,6 +140,9 @@ class ClusterEnv:
     partition: str | None = None
     submitit_folder: str | None = None
     ddpjob_vars: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+    # cuBLAS's workspace setting as inherited (None: unset); node/determinism.py sets it
+    # when train.deterministic needs it. Not where the process sits: left out of ==.
+    cublas_workspace_config: str | None = field(default=None, compare=False)
 
     @property
     def is_distributed(self) -> bool:
@@ -179,6 +182,7 @@ class ClusterEnv:
             partition=v.text("SLURM_JOB_PARTITION"),
             submitit_folder=v.text("SUBMITIT_FOLDER"),
             ddpjob_vars={k: env[k] for k in sorted(env) if k.startswith("DDPJOB_")},
+            cublas_workspace_config=v.text("CUBLAS_WORKSPACE_CONFIG"),
         )
         argv_local_rank = _argv_local_rank(args)
         if "RANK" in env or argv_local_rank is not None:
