@@ -251,7 +251,7 @@ def all_gather_object(obj: Any, what: str = "an all-gather") -> list[Any]:
 class Vote:
     """An agree() in flight: started after one step, read after the next (result())."""
 
-    def __init__(self, values: list[int], work: Any, what: str) -> None:
+    def __init__(self, values: list[int] | torch.Tensor, work: Any, what: str) -> None:
         self._t, self._work, self.what = values, work, what
 
     def result(self) -> list[int]:
@@ -271,8 +271,19 @@ class Control:
     def __init__(self, ctx: DistContext) -> None:
         self.active = ctx.initialized
         self.group: Any = None
+        self._io: Any = None
         if ctx.initialized:
             self.group = dist.new_group(backend="gloo")
+
+    def io_group(self) -> Any:
+        """A third gloo group, for sharded checkpoints only (DCP's planning gathers and its final
+        one): a background save runs them from its writer thread, which must never interleave
+        with the stop vote on `group`. Made at first use, which every rank reaches together (a
+        save or a resume is collective). None with one process."""
+        if self.active and self._io is None:
+            with guard("the creation of the checkpoint group"):
+                self._io = dist.new_group(backend="gloo")
+        return self._io
 
     def agree(self, values: list[int], what: str = "the stop vote") -> list[int]:
         """Element-wise MAX of small integers over all ranks: one all-reduce of a few int64s,
@@ -319,6 +330,60 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
         with guard("the broadcast of rank 0's buffers"):
             for buf in model.buffers():
                 dist.broadcast(buf, src=0)
+
+
+def broadcast_module(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP does when it wraps a model: FSDP's
+    fully_shard cuts each rank's own tensors, so ranks that built different weights (another
+    seed) would otherwise train shards of different models."""
+    if _active():
+        with guard("the broadcast of rank 0's weights"), torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+
+
+def dcp_save(state: dict[str, Any], writer: Any, planner: Any, group: Any, *, what: str,
+             background: bool = False) -> None:
+    """torch.distributed.checkpoint.save on `group` (None: one process): every rank writes its
+    own shards, rank 0 the metadata. `background`: called from the writer thread, outside the
+    hang watch (which follows the main thread); the group's own timeout bounds it."""
+    import torch.distributed.checkpoint as dcp
+
+    if background:
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
+                 no_dist=group is None)
+        return
+    with guard(what):
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
+                 no_dist=group is None)
+
+
+def dcp_load(state: dict[str, Any], reader: Any, planner: Any, group: Any, *, what: str) -> None:
+    """torch.distributed.checkpoint.load into `state` in place, resharded to this world size."""
+    import torch.distributed.checkpoint as dcp
+
+    with guard(what):
+        dcp.load(state, storage_reader=reader, planner=planner, process_group=group,
+                 no_dist=group is None)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """A sharded model's whole state dict, gathered from every rank's shards: plain CPU tensors
+    on rank 0, {} on the others. A collective (all-gathers on the model's own group)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    with guard("the gather of the whole model"):
+        return dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                          cpu_offload=True)))
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """A whole (plain) state dict, present on every rank, into a sharded model: each rank keeps
+    its shard of rank 0's tensors (distribute_tensor scatters from rank 0). A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with guard("the load of a whole model into its shards"):
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def broadcast_(t: torch.Tensor, src: int = 0, what: str = "a broadcast") -> torch.Tensor:

@@ -78,8 +78,10 @@ class CheckpointStore:
         _check_loadable(obj, [name])
         self._write_file(staging, name, obj)
 
-    def write_async(self, staging: Path, files: dict[str, Any]) -> AsyncWrite:
-        """`files` must already be snapshots (see snapshot()); only the disk I/O runs in the background."""
+    def write_async(self, staging: Path, files: dict[str, Any],
+                    then: Callable[[], None] | None = None) -> AsyncWrite:
+        """`files` must already be snapshots (see snapshot()); only the disk I/O runs in the
+        background, followed by `then` (a sharded checkpoint's write, store/sharded.py)."""
         for name, obj in files.items():  # fail in the caller's thread, before anything is written
             _check_name(name)
             _check_loadable(obj, [name])
@@ -87,6 +89,8 @@ class CheckpointStore:
         def work() -> None:
             for name, obj in files.items():
                 self._write_file(staging, name, obj)
+            if then is not None:
+                then()
 
         return AsyncWrite(work, staging)
 
