@@ -249,7 +249,7 @@ def test_fsdp_4_to_2_reshards_sees_every_sample_once_and_ends_within_1e5(tmp_pat
 
 
 STAGE_CHECK = """
-import os, tempfile, torch, torch.distributed as dist
+import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from ddpjob.store import sharded
@@ -263,7 +263,7 @@ model(torch.ones(3, 4)).sum().backward()
 opt.step()
 units = sharded.units({"model": model, "optimizer": opt})
 live = sharded.state_dicts(units)
-staged = sharded.stage(live, tempfile.mkdtemp())
+staged = sharded.stage(live)
 assert isinstance(staged["model"]["0.weight"], DTensor)
 before = staged["model"]["0.weight"].to_local().clone()
 with torch.no_grad():

@@ -238,13 +238,18 @@ def broadcast_object(obj: Any, src: int = 0, what: str = "a broadcast") -> Any:
     return box[0]
 
 
-def all_gather_object(obj: Any, what: str = "an all-gather") -> list[Any]:
-    """Every rank's picklable object, in rank order, on every rank."""
+def all_gather_object(obj: Any, what: str = "an all-gather", group: Any = None,
+                      background: bool = False) -> list[Any]:
+    """Every rank's picklable object, in rank order, on every rank (of `group`, default the
+    job's). `background`: from a writer thread, outside the hang watch (as dcp_save)."""
     if not _active():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
+    out: list[Any] = [None] * dist.get_world_size(group)
+    if background:
+        dist.all_gather_object(out, obj, group=group)
+        return out
     with guard(what):
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 

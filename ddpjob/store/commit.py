@@ -94,6 +94,14 @@ class CheckpointStore:
 
         return AsyncWrite(work, staging)
 
+    def add_digests(self, staging: Path, digests: dict[str, tuple[int, int, str]]) -> None:
+        """(size, mtime_ns, sha256) of staged files other ranks wrote and hashed themselves (a
+        sharded checkpoint's shards): commit() takes each while its size and mtime still match
+        instead of reading the file back."""
+        for name, known in digests.items():
+            _check_name(name)
+            self._digests[staging / name] = known
+
     def commit(self, staging: Path, step: int, meta: dict[str, Any]) -> Path:
         """Rank 0, after every rank's write returned: manifest last, then one atomic rename."""
         if not staging.is_dir():

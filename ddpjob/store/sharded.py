@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist
 from ddpjob.store import manifest
+from ddpjob.store.snapshot import snapshot_tree
 
 METADATA = "dcp.metadata"
 _DCP_METADATA = ".metadata"  # what FileSystemWriter writes (torch 2.4 - 2.14 at least)
@@ -115,16 +116,53 @@ def planner() -> Any:
     return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
-def stage(state: dict[str, Any], staging: Path) -> dict[str, Any]:
-    """A host copy of the state dicts (DTensors stay DTensors over copied shards): after this,
-    training may change the parameters while a background thread writes the copy."""
-    return dict(writer(staging).stage(state))
+def stage(state: dict[str, Any]) -> dict[str, Any]:
+    """A host copy of the state dicts, DTensors wrapped again around copies of their local
+    shards: after this, training may change the parameters while a background thread writes
+    the copy. The copies come from the store's pooled buffers (snapshot.py): DCP's own stager
+    allocates every tensor afresh (and deep-copies each DTensor first), 8x slower here."""
+    return _rewrap(state, snapshot_tree(_locals(state)))
 
 
-def save(staging: Path, state: dict[str, Any], control: dist.Control, *, background: bool = False) -> None:
-    """Every rank: its shards into `staging`, rank 0 also dcp.metadata. Collective."""
-    dist.dcp_save(state, writer(staging), planner(), control.io_group(),
-                  what="the sharded checkpoint's write", background=background)
+def _locals(o: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(o, DTensor):
+        return o.to_local()
+    if isinstance(o, dict):
+        return {k: _locals(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return type(o)(_locals(v) for v in o)
+    return o
+
+
+def _rewrap(orig: Any, copy: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(orig, DTensor):  # same mesh, placements and global shape: no communication
+        return DTensor.from_local(copy, orig.device_mesh, orig.placements, run_check=False,
+                                  shape=orig.shape, stride=orig.stride())
+    if isinstance(orig, dict):
+        return {k: _rewrap(v, copy[k]) for k, v in orig.items()}
+    if isinstance(orig, (list, tuple)):
+        return type(orig)(_rewrap(v, c) for v, c in zip(orig, copy))
+    return copy
+
+
+def save(staging: Path, state: dict[str, Any], control: dist.Control, rank: int,
+         known: Callable[[dict[str, tuple[int, int, str]]], None], *, background: bool = False) -> None:
+    """Every rank: its shards into `staging`, rank 0 also dcp.metadata. Then each rank hashes
+    the files it wrote (in parallel, from the page cache) and rank 0 gets every digest for the
+    manifest (`known`), instead of reading all ranks' shards back alone. Collective."""
+    group = control.io_group()
+    dist.dcp_save(state, writer(staging), planner(), group, what="the sharded checkpoint's write",
+                  background=background)
+    mine = sorted(staging.glob(f"__{rank}_*.distcp")) + ([staging / METADATA] if rank == 0 else [])
+    digests = {p.name: (p.stat().st_size, p.stat().st_mtime_ns, manifest.sha256(p)) for p in mine}
+    every = dist.all_gather_object(digests, what="the sharded checkpoint's digests", group=group,
+                                   background=background)
+    if rank == 0:
+        known({name: d for part in every for name, d in part.items()})
 
 
 # ------------------------------------------------------------------------------ loading

@@ -260,7 +260,7 @@ class StateStore:
             for name, obj in files.items():
                 self.store.write(staging, name, obj)
             if in_dcp is not None:
-                sharded.save(staging, in_dcp, self.control)
+                sharded.save(staging, in_dcp, self.control, self.rank, self._known(staging))
             self.control.barrier("the checkpoint's write")  # every rank's files are on disk before rank 0 commits
             if self.rank == 0:
                 self.store.commit(staging, step, extra)
@@ -269,12 +269,16 @@ class StateStore:
         snap = {name: CheckpointStore.snapshot(obj) for name, obj in files.items()}
         then = None
         if in_dcp is not None:
-            staged = sharded.stage(in_dcp, staging)  # the step blocks for this copy only
+            staged = sharded.stage(in_dcp)  # the step blocks for this copy only
             self.control.io_group()  # made here, on the main thread of every rank together
+            known = self._known(staging)
 
             def then() -> None:  # in the writer thread, after the .pt files: DCP's gathers on the io group
-                sharded.save(staging, staged, self.control, background=True)
+                sharded.save(staging, staged, self.control, self.rank, known, background=True)
         self._pending = (self.store.write_async(staging, snap, then=then), staging, step, extra)
+
+    def _known(self, staging: Path) -> Callable[[dict[str, tuple[int, int, str]]], None]:
+        return lambda digests: self.store.add_digests(staging, digests)
 
     def busy(self) -> bool:
         return self._pending is not None and not self._pending[0].done()
