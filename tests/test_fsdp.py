@@ -125,6 +125,18 @@ def test_fsdp_async_checkpoint_is_complete_and_resumes_bit_exactly(tmp_path: Pat
     assert _losses(out) == _losses(reference)
 
 
+def test_fsdp_resumes_alone_from_two_shards(tmp_path: Path) -> None:
+    """One rank has no process group and shards nothing, yet the checkpoints keep the fsdp
+    layout: DCP reads the two shards into whole tensors, and writes one shard file after."""
+    out, log = _stop_then_resume(tmp_path, charlm_fsdp_job(tmp_path), 2, 6, 1)
+    assert "resumed at another world size: 2 -> 1 ranks (step 8)" in log
+    assert "Warning" not in log
+    newest = _checkpoints(out)[-1]
+    assert newest.name == "step-000000012"
+    assert sorted(json.loads((newest / "manifest.json").read_text())["files"]) == \
+        ["__0_0.distcp", "dcp.metadata", "rank-0.pt", "sampler.pt", "scheduler.pt"]
+
+
 # ------------------------------------------------------------------ config and the metadata reader
 @pytest.mark.parametrize("sets, found", [
     (["train.strategy=\"zero\""], "train.strategy is 'zero', expected one of ddp, fsdp"),

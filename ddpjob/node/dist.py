@@ -10,9 +10,11 @@ the default group become no-ops, so the trainer has a single code path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -354,11 +356,7 @@ def dcp_save(state: dict[str, Any], writer: Any, planner: Any, group: Any, *, wh
     hang watch (which follows the main thread); the group's own timeout bounds it."""
     import torch.distributed.checkpoint as dcp
 
-    if background:
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
-                 no_dist=group is None)
-        return
-    with guard(what):
+    with _alone_is_fine(), (contextlib.nullcontext() if background else guard(what)):
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=group is None)
 
@@ -367,9 +365,23 @@ def dcp_load(state: dict[str, Any], reader: Any, planner: Any, group: Any, *, wh
     """torch.distributed.checkpoint.load into `state` in place, resharded to this world size."""
     import torch.distributed.checkpoint as dcp
 
-    with guard(what):
+    with _alone_is_fine(), guard(what):
         dcp.load(state, storage_reader=reader, planner=planner, process_group=group,
                  no_dist=group is None)
+
+
+def _alone_is_fine() -> contextlib.nullcontext[None]:
+    """DCP warns at every save and load of a single process that it assumes one process: ddpjob
+    asked for exactly that (no_dist with one rank), the line would only fill the logs. A
+    process-wide filter, set once: catch_warnings is not thread-safe (background saves)."""
+    global _quiet
+    if not _quiet:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        _quiet = True
+    return contextlib.nullcontext()
+
+
+_quiet = False
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
