@@ -137,6 +137,45 @@ def test_fsdp_resumes_alone_from_two_shards(tmp_path: Path) -> None:
         ["__0_0.distcp", "dcp.metadata", "rank-0.pt", "sampler.pt", "scheduler.pt"]
 
 
+# ------------------------------------------------------------------ the built-in trainer
+def test_trainer_fsdp_stopped_mid_accumulation_resumes_bit_exactly(tmp_path: Path) -> None:
+    """The built-in trainer with strategy fsdp: BatchNorm (buffers: rank 0's are saved), SGD
+    (foreach: no fused SGD on DTensors), accumulation 2 (gradient sync only at the last micro-
+    step), random crops, an evaluation every epoch (513 test images: shares of 256 and 257 would
+    be 1 and 2 batches of 256, but a sharded forward is a collective: both ranks run 2). Rank
+    1 signals itself in the first micro-step of step 12 (forward call 23); the resumed run
+    equals the uninterrupted one bit for bit: final model, every loss, every evaluation."""
+    import torch
+
+    from ranks import write_job
+
+    job = write_job(tmp_path / "job.toml", train=dict(
+        model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2, lr=0.05,
+        warmup_steps=3, log_every=1, eval_every=0, amp="off", channels_last=False, threads=1, seed=1,
+        max_steps=20, strategy="fsdp"), data=dict(dataset="synthetic", synthetic_train=512,
+                                                   synthetic_test=513, augment=True),
+        checkpoint=dict(every_steps=7, keep_last=2))
+    ref = tmp_path / "reference"
+    codes, r = run([str(job), "--run-dir", str(ref)], 2, tmp_path / "logs")
+    assert codes == [0, 0], r.output()
+    out = tmp_path / "interrupted"
+    codes, r = run([str(job), "--run-dir", str(out)], 2, tmp_path / "logs",
+                   extra_env={"DDPJOB_TEST_SIGNAL": "1:23:0"})
+    assert codes == [3, 3], r.output()
+    stop = [e for e in events(out) if e["event"] == "stop"][0]
+    assert stop["step"] == 12 + LAG, stop
+    ckpt = sorted(p.name for p in (out / "checkpoints" / f"step-{12 + LAG:09d}").iterdir())
+    assert ckpt == ["__0_0.distcp", "__1_0.distcp", "dcp.metadata", "manifest.json", "progress.pt",
+                    "rank-0.pt", "rank-1.pt", "scaler.pt"], ckpt
+    codes, r = run([str(out)], 2, tmp_path / "logs", restart=1)
+    assert codes == [0, 0], r.output()
+    assert_bit_equal(torch.load(ref / "final" / "model.pt"), torch.load(out / "final" / "model.pt"), "model")
+    assert _losses(out) == _losses(ref) and len(_losses(ref)) == 20
+    evals = {s: (x["eval_acc"], x["eval_loss"]) for s, x in metrics(out, "eval").items()}
+    assert evals == {s: (x["eval_acc"], x["eval_loss"]) for s, x in metrics(ref, "eval").items()}
+    assert sorted(evals) == [8, 16, 20]
+
+
 # ------------------------------------------------------------------ config and the metadata reader
 @pytest.mark.parametrize("sets, found", [
     (["train.strategy=\"zero\""], "train.strategy is 'zero', expected one of ddp, fsdp"),
