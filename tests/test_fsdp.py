@@ -300,7 +300,8 @@ def test_fsdp_4_to_2_reshards_sees_every_sample_once_and_ends_within_1e5(tmp_pat
 
 
 STAGE_CHECK = """
-import torch, torch.distributed as dist
+import tempfile, torch, torch.distributed as dist
+from pathlib import Path
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from ddpjob.store import sharded
@@ -314,7 +315,7 @@ model(torch.ones(3, 4)).sum().backward()
 opt.step()
 units = sharded.units({"model": model, "optimizer": opt})
 live = sharded.state_dicts(units)
-staged = sharded.stage(live)
+staged = sharded.stage(live, Path(tempfile.mkdtemp()))
 assert isinstance(staged["model"]["0.weight"], DTensor)
 before = staged["model"]["0.weight"].to_local().clone()
 with torch.no_grad():

@@ -269,7 +269,7 @@ class StateStore:
         snap = {name: CheckpointStore.snapshot(obj) for name, obj in files.items()}
         then = None
         if in_dcp is not None:
-            staged = sharded.stage(in_dcp)  # the step blocks for this copy only
+            staged = sharded.stage(in_dcp, staging)  # the step blocks for this copy only
             self.control.io_group()  # made here, on the main thread of every rank together
             known = self._known(staging)
 
