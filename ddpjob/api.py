@@ -433,7 +433,8 @@ class Job:
 
     def finish(self, model: Any = None, **info: Any) -> None:
         """The end of training: RUN_DIR/final/model.pt (a plain state_dict, no `module.`
-        prefixes) and the COMPLETED marker with `info` (e.g. accuracy=0.93). Collective."""
+        prefixes; a sharded model gathered whole) and the COMPLETED marker with `info` (e.g.
+        accuracy=0.93). Collective."""
         from ddpjob.node import dist, fsdp
         from ddpjob.store.state import plain_module, plain_state_dict
 
