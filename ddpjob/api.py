@@ -175,7 +175,8 @@ class Job:
                                  job_id=self.job_id, control=self._control,
                                  init_from=c.init_from, init_keys=c.init_keys,
                                  code=lambda: _code_hash(cfg, run_dir),
-                                 allow_code_change=bool(_launch and _launch.allow_code_change))
+                                 allow_code_change=bool(_launch and _launch.allow_code_change),
+                                 sharded=cfg.train.strategy == "fsdp")
         self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
         self._deadline = preemption.DeadlineWatch(_end_time(self.env))
         self._step: int | None = None  # set by resume()
@@ -216,12 +217,22 @@ class Job:
         """Move `model` to this rank's device and wrap it in DDP (when there are several ranks).
         With train.deterministic_reduce and more than 2 ranks the gradients are summed in rank
         order, so a resumed run adds them exactly as the uninterrupted one did; with
-        train.grad_compression = "bf16" they travel as bfloat16."""
+        train.grad_compression = "bf16" they travel as bfloat16.
+        With train.strategy = "fsdp" the model is sharded in place instead (FSDP2 fully_shard
+        on each child with parameters and on the root, node/fsdp.py) and returned: build the
+        optimizer after wrap(). `ddp_kwargs` are DDP's only."""
         from ddpjob.node import dist
 
         model.to(self.device)
         if not self._ctx.initialized:
-            return model
+            return model  # one process: nothing to share or shard (the checkpoint layout still follows the strategy)
+        if self.config.train.strategy == "fsdp":
+            from ddpjob.node import fsdp
+
+            if ddp_kwargs:
+                raise DDPJobError(f"job.wrap() got DDP arguments {sorted(ddp_kwargs)} with train.strategy = "
+                                  "\"fsdp\", expected none", "drop them, or use strategy = \"ddp\"")
+            return fsdp.shard(model, self.config.train.amp)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         if self.device.type == "cuda":
@@ -434,19 +445,24 @@ class Job:
 
     def finish(self, model: Any = None, **info: Any) -> None:
         """The end of training: RUN_DIR/final/model.pt (a plain state_dict, no `module.`
-        prefixes) and the COMPLETED marker with `info` (e.g. accuracy=0.93). Collective."""
-        from ddpjob.store.state import plain_state_dict
+        prefixes; a sharded model gathered whole) and the COMPLETED marker with `info` (e.g.
+        accuracy=0.93). Collective."""
+        from ddpjob.node import dist, fsdp
+        from ddpjob.store.state import plain_module, plain_state_dict
 
         self._store.finish_pending()
         step = self._step if self._step is not None else 0
         self._record_signal(step)
+        weights: dict[str, Any] | None = None
+        if model is not None and fsdp.is_sharded(plain_module(model)):
+            weights = dist.full_state_dict(plain_module(model))  # every rank: its shards to rank 0
         if self.is_rank0:
             if model is not None:
                 import torch
 
                 final = self.run_dir / rundir.FINAL
                 final.mkdir(exist_ok=True)
-                weights = plain_state_dict(model)
+                weights = plain_state_dict(model) if weights is None else weights
                 rundir.write_atomic(final / "model.pt", lambda f: torch.save(weights, f))
             rundir.mark_completed(self.run_dir, step=step, **info)
             rundir.record_event(self.run_dir, "stop", reason="finished", step=step, job_id=self.job_id,

@@ -113,6 +113,9 @@ class TrainConfig:
     # convolutions); an operation without a deterministic kernel stops the run with one line.
     # false: cudnn.benchmark on. CPU: no measurable cost (node/determinism.py)
     deterministic: bool = True
+    # ddp: every rank holds the whole model (DistributedDataParallel); fsdp: parameters, gradients
+    # and optimizer state sharded over the ranks (FSDP2 fully_shard), checkpoints through DCP
+    strategy: str = "ddp"
     # overlap: the stop vote after step s travels while step s+1 runs and is read after it (a
     # stop lands one step later, nothing on the critical path); sync: read at once (one blocking
     # all-reduce per step, the stop one step sooner: for steps of minutes under a short GraceTime)
@@ -178,6 +181,11 @@ class JobConfig:
                   "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce",
                   "deterministic", "log_sample_ids", "tensorboard", "stop_vote", "grad_compression"):
             d["train"].pop(k)
+        if d["train"].get("strategy") == "ddp":
+            # the default leaves the hash as it was before the key existed: runs started by an
+            # older ddpjob still resume. fsdp stays in it: its checkpoints (DCP shards) are
+            # another layout, a run changing strategy is another training.
+            d["train"].pop("strategy")
         for k in ("root", "num_workers"):
             d["data"].pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

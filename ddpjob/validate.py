@@ -167,10 +167,12 @@ def _train_data(cfg: JobConfig) -> None:
     s, t, d = cfg.slurm, cfg.train, cfg.data
     for key, options in (("optimizer", ("sgd", "adamw")), ("schedule", ("cosine", "step", "constant")),
                          ("amp", ("auto", "bf16", "fp16", "off")), ("backend", ("auto", "nccl", "gloo")),
-                         ("stop_vote", ("overlap", "sync")), ("grad_compression", ("none", "bf16"))):
+                         ("stop_vote", ("overlap", "sync")), ("grad_compression", ("none", "bf16")),
+                         ("strategy", ("ddp", "fsdp"))):
         v = getattr(t, key)
         _check(v in options, f"train.{key} is {v!r}, expected one of {', '.join(options)}",
                f"e.g. {key} = \"{options[0]}\"")
+    _fsdp(cfg)
     scriptsafe.one_line(t.model, "train.model", "e.g. model = \"resnet18\"", limit=200)
     problem = model_problem(t.model)
     _check(problem is None, f"train.model {t.model!r} is not a model the nodes can build, expected "
@@ -201,6 +203,27 @@ def _train_data(cfg: JobConfig) -> None:
            f"data.dataset is {d.dataset!r}, expected cifar10, synthetic or \"package.module:function\"",
            "e.g. dataset = \"cifar10\"")
     scriptsafe.one_line(d.dataset, "data.dataset", "e.g. dataset = \"cifar10\"", limit=200)
+
+
+def _fsdp(cfg: JobConfig) -> None:
+    """What sharded training cannot do (api.Job.wrap, docs/api.md). train.deterministic_reduce
+    is DDP's comm hook and simply does not apply: FSDP's reduce-scatter has a fixed layout, so
+    the same world size sums in the same order on every run."""
+    t = cfg.train
+    if t.strategy != "fsdp":
+        return
+    for on, why, fix in (
+            (t.sync_batchnorm, "train.sync_batchnorm (its statistics all-reduce runs inside the "
+             "forward, which FSDP already drives with its own all-gathers)", "sync_batchnorm = false"),
+            (t.compile, "train.compile (torch.compile of a fully_shard model is not supported by "
+             "ddpjob yet)", "compile = false"),
+            (t.amp == "fp16", "train.amp = \"fp16\" (GradScaler's overflow check would see only "
+             "this rank's shard of the gradients)", "amp = \"bf16\" or \"off\""),
+            (t.grad_compression != "none", f"train.grad_compression = \"{t.grad_compression}\" (a "
+             "hook of DDP's all-reduce; FSDP reduce-scatters the gradients itself, in float32)",
+             "grad_compression = \"none\"")):
+        _check(not on, f"train.strategy = \"fsdp\" with {why}, expected a setting sharded "
+               "training supports", f"set {fix}, or strategy = \"ddp\"")
 
 
 _STATE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # as store/state.py's keys

@@ -94,6 +94,8 @@ CASES = [
     ("unknown amp", 2, lambda t: ["jobs/smoke.toml", "--set", "train.amp=fp8"], "train.amp"),
     ("unknown grad compression", 2, lambda t: ["jobs/smoke.toml", "--set", 'train.grad_compression="fp8"'],
      "train.grad_compression"),
+    ("grad compression with fsdp", 2, lambda t: ["jobs/smoke.toml", "--set", 'train.grad_compression="bf16"',
+                                                 "--set", 'train.strategy="fsdp"'], "train.grad_compression"),
     ("unknown optimizer", 2, lambda t: ["jobs/smoke.toml", "--set", "train.optimizer=lion"],
      "train.optimizer"),
     ("unknown dataset", 2, lambda t: ["jobs/smoke.toml", "--set", "data.dataset=imagenet"],

@@ -10,9 +10,11 @@ the default group become no-ops, so the trainer has a single code path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -238,13 +240,18 @@ def broadcast_object(obj: Any, src: int = 0, what: str = "a broadcast") -> Any:
     return box[0]
 
 
-def all_gather_object(obj: Any, what: str = "an all-gather") -> list[Any]:
-    """Every rank's picklable object, in rank order, on every rank."""
+def all_gather_object(obj: Any, what: str = "an all-gather", group: Any = None,
+                      background: bool = False) -> list[Any]:
+    """Every rank's picklable object, in rank order, on every rank (of `group`, default the
+    job's). `background`: from a writer thread, outside the hang watch (as dcp_save)."""
     if not _active():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
+    out: list[Any] = [None] * dist.get_world_size(group)
+    if background:
+        dist.all_gather_object(out, obj, group=group)
+        return out
     with guard(what):
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -271,8 +278,19 @@ class Control:
     def __init__(self, ctx: DistContext) -> None:
         self.active = ctx.initialized
         self.group: Any = None
+        self._io: Any = None
         if ctx.initialized:
             self.group = dist.new_group(backend="gloo")
+
+    def io_group(self) -> Any:
+        """A third gloo group, for sharded checkpoints only (DCP's planning gathers and its final
+        one): a background save runs them from its writer thread, which must never interleave
+        with the stop vote on `group`. Made at first use, which every rank reaches together (a
+        save or a resume is collective). None with one process."""
+        if self.active and self._io is None:
+            with guard("the creation of the checkpoint group"):
+                self._io = dist.new_group(backend="gloo")
+        return self._io
 
     def agree(self, values: list[int], what: str = "the stop vote") -> list[int]:
         """Element-wise MAX of small integers over all ranks: one all-reduce of a few int64s,
@@ -319,6 +337,70 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
         with guard("the broadcast of rank 0's buffers"):
             for buf in model.buffers():
                 dist.broadcast(buf, src=0)
+
+
+def broadcast_module(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP does when it wraps a model: FSDP's
+    fully_shard cuts each rank's own tensors, so ranks that built different weights (another
+    seed) would otherwise train shards of different models."""
+    if _active():
+        with guard("the broadcast of rank 0's weights"), torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+
+
+def dcp_save(state: dict[str, Any], writer: Any, planner: Any, group: Any, *, what: str,
+             background: bool = False) -> None:
+    """torch.distributed.checkpoint.save on `group` (None: one process): every rank writes its
+    own shards, rank 0 the metadata. `background`: called from the writer thread, outside the
+    hang watch (which follows the main thread); the group's own timeout bounds it."""
+    import torch.distributed.checkpoint as dcp
+
+    with _alone_is_fine(), (contextlib.nullcontext() if background else guard(what)):
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
+                 no_dist=group is None)
+
+
+def dcp_load(state: dict[str, Any], reader: Any, planner: Any, group: Any, *, what: str) -> None:
+    """torch.distributed.checkpoint.load into `state` in place, resharded to this world size."""
+    import torch.distributed.checkpoint as dcp
+
+    with _alone_is_fine(), guard(what):
+        dcp.load(state, storage_reader=reader, planner=planner, process_group=group,
+                 no_dist=group is None)
+
+
+def _alone_is_fine() -> contextlib.nullcontext[None]:
+    """DCP warns at every save and load of a single process that it assumes one process: ddpjob
+    asked for exactly that (no_dist with one rank), the line would only fill the logs. A
+    process-wide filter, set once: catch_warnings is not thread-safe (background saves)."""
+    global _quiet
+    if not _quiet:
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        _quiet = True
+    return contextlib.nullcontext()
+
+
+_quiet = False
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """A sharded model's whole state dict, gathered from every rank's shards: plain CPU tensors
+    on rank 0, {} on the others. A collective (all-gathers on the model's own group)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    with guard("the gather of the whole model"):
+        return dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                          cpu_offload=True)))
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
+    """A whole (plain) state dict, present on every rank, into a sharded model: each rank keeps
+    its shard of rank 0's tensors (distribute_tensor scatters from rank 0). A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with guard("the load of a whole model into its shards"):
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def broadcast_(t: torch.Tensor, src: int = 0, what: str = "a broadcast") -> torch.Tensor:

@@ -78,8 +78,10 @@ class CheckpointStore:
         _check_loadable(obj, [name])
         self._write_file(staging, name, obj)
 
-    def write_async(self, staging: Path, files: dict[str, Any]) -> AsyncWrite:
-        """`files` must already be snapshots (see snapshot()); only the disk I/O runs in the background."""
+    def write_async(self, staging: Path, files: dict[str, Any],
+                    then: Callable[[], None] | None = None) -> AsyncWrite:
+        """`files` must already be snapshots (see snapshot()); only the disk I/O runs in the
+        background, followed by `then` (a sharded checkpoint's write, store/sharded.py)."""
         for name, obj in files.items():  # fail in the caller's thread, before anything is written
             _check_name(name)
             _check_loadable(obj, [name])
@@ -87,8 +89,18 @@ class CheckpointStore:
         def work() -> None:
             for name, obj in files.items():
                 self._write_file(staging, name, obj)
+            if then is not None:
+                then()
 
         return AsyncWrite(work, staging)
+
+    def add_digests(self, staging: Path, digests: dict[str, tuple[int, int, str]]) -> None:
+        """(size, mtime_ns, sha256) of staged files other ranks wrote and hashed themselves (a
+        sharded checkpoint's shards): commit() takes each while its size and mtime still match
+        instead of reading the file back."""
+        for name, known in digests.items():
+            _check_name(name)
+            self._digests[staging / name] = known
 
     def commit(self, staging: Path, step: int, meta: dict[str, Any]) -> Path:
         """Rank 0, after every rank's write returned: manifest last, then one atomic rename."""

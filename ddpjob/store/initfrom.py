@@ -20,7 +20,7 @@ import torch
 from ddpjob import rundir
 from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
-from ddpjob.node import dist
+from ddpjob.node import dist, fsdp
 from ddpjob.store import manifest
 from ddpjob.store.commit import CheckpointInfo, CheckpointStore
 
@@ -74,6 +74,12 @@ def load(state: MutableMapping[str, Any], source: str, keys: tuple[str, ...], ra
         loaded = {"model": _load_file(found)}
     else:
         files = found.manifest.get("files", {})
+        in_dcp = [k for k in keys if k in found.manifest.get("sharded", [])]
+        if in_dcp:
+            raise DDPJobError(f"checkpoint.init_from {found.path} holds {', '.join(in_dcp)} as DCP shards "
+                              "(written with train.strategy = \"fsdp\"), expected <key>.pt files",
+                              f"set checkpoint.init_from to {found.path.parent.parent / rundir.FINAL / 'model.pt'} "
+                              "(the whole model that run finished with)")
         missing = [k for k in keys if f"{k}.pt" not in files]
         if missing:
             raise DDPJobError(f"checkpoint.init_from {found.path} has no {', '.join(missing)} (it holds "
@@ -84,8 +90,18 @@ def load(state: MutableMapping[str, Any], source: str, keys: tuple[str, ...], ra
         if key not in state:
             raise DDPJobError(f"checkpoint.init_keys names '{key}', which this run's state does not "
                               f"have (it has {', '.join(state)})", "name keys of the dict given to job.resume()")
+        obj = target(state[key])
         try:
-            target(state[key]).load_state_dict(loaded[key])
+            if fsdp.is_sharded(obj):  # strategy fsdp: the whole weights scattered into the shards
+                if not isinstance(obj, torch.nn.Module):
+                    raise DDPJobError(f"checkpoint.init_keys names '{key}', a sharded optimizer: its "
+                                      "saved state is keyed by position, a sharded one by parameter name",
+                                      "start a fsdp run from the weights only: init_keys = [\"model\"]")
+                dist.load_full_state_dict(obj, loaded[key])
+            else:
+                obj.load_state_dict(loaded[key])
+        except DDPJobError:
+            raise
         except (RuntimeError, KeyError, ValueError, TypeError, AttributeError) as err:
             raise DDPJobError(f"checkpoint.init_from: '{key}' does not fit this run's "
                               f"{type(state[key]).__name__} ({' '.join(str(err).split())[:200]})",

@@ -15,7 +15,9 @@ from typing import Any
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"step-(\d+)", re.ASCII)
-FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*", re.ASCII)
+# a plain name in the checkpoint's own folder (never "..", never a path); a leading "_" for the
+# shard files DCP names itself (`__<rank>_0.distcp`, store/sharded.py)
+FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", re.ASCII)
 
 
 def read(folder: Path) -> dict[str, Any]:

@@ -4,7 +4,9 @@ A state is a dict like torchtitan's: values with `state_dict`/`load_state_dict` 
 LR scheduler, GradScaler, StepSampler, the user's own objects) and plain values (numbers,
 strings, tensors, lists and dicts of them). A checkpoint `step-N/` holds `<key>.pt` for each
 stateful value and `values.pt` for the plain ones, written by rank 0 (DDP keeps them equal on
-every rank), and `rank-<R>.pt` with every RNG of each rank. Loads use weights_only=True.
+every rank), and `rank-<R>.pt` with every RNG of each rank. Loads use weights_only=True. With
+`train.strategy = "fsdp"` the models and optimizers go through DCP instead (sharded.py): every
+rank writes its shards into the same staging folder, and the manifest covers them all.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist
-from ddpjob.store import rng
+from ddpjob.store import rng, sharded
 from ddpjob.store.commit import CheckpointInfo, CheckpointStore
 from ddpjob.store.snapshot import AsyncWrite
 
@@ -81,8 +83,9 @@ class StateStore:
                  rank: int, world_size: int, restart: int, job_id: str | None,
                  control: dist.Control, init_from: str = "", init_keys: tuple[str, ...] = ("model",),
                  code: Callable[[], tuple[str, tuple[str, ...]]] | None = None,
-                 allow_code_change: bool = False) -> None:
+                 allow_code_change: bool = False, sharded: bool = False) -> None:
         self.store = CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
+        self.sharded = sharded  # train.strategy = "fsdp": models and optimizers through DCP
         self.init_from, self.init_keys = init_from, init_keys
         # (hash of the code this process runs, hashes it accepts): launch/freeze.py. Asked on
         # rank 0 only, once (it may hash a repository); None: not checked (tests, benchmarks).
@@ -108,13 +111,14 @@ class StateStore:
         """Load the newest valid checkpoint into `state` (in place) and this rank's saved RNG
         states (put in place by restore_rng()); returns its step, or 0."""
         check_state(state)
+        units = self._units(state)  # every rank: a state DCP cannot take stops them all alike
         info = None
         if enabled:
             # latest() hashes whole checkpoints: rank 0 does it, the others get the answer. A
             # checkpoint that verifies but does not load is skipped like a damaged one.
             picked: CheckpointInfo | DDPJobError | None = None
             try:
-                picked = self._pick(state) if self.rank == 0 else None
+                picked = self._pick(state, sharded.keys(units)) if self.rank == 0 else None
             except DDPJobError as exc:
                 picked = exc  # the other ranks stop with the same line instead of waiting
             picked = dist.broadcast_object(picked, what="the choice of the checkpoint to resume from")
@@ -128,7 +132,9 @@ class StateStore:
 
                 initfrom.load(state, self.init_from, self.init_keys, self.rank, _target)
             return 0
-        self._load_into(state, info)
+        if units:
+            sharded.load(info.path, units, self.control)
+        self._load_into(state, info, skip=set(sharded.keys(units)))
         rng_file = f"rank-{self.rank}.pt"
         if rng_file in info.manifest.get("files", {}):
             self._rng = self.store.load(info, rng_file)
@@ -137,12 +143,19 @@ class StateStore:
         print0(f"resumed from {info.path.name} (step {info.step}, restart {self.restart})")
         return info.step
 
-    def _pick(self, state: State) -> CheckpointInfo | None:
+    def _units(self, state: State) -> list[sharded.Unit]:
+        """With fsdp: the state's models and their optimizers, which go through DCP."""
+        return sharded.units({k: _target(v) for k, v in state.items()}) if self.sharded else []
+
+    def _pick(self, state: State, dcp_keys: list[str]) -> CheckpointInfo | None:
         for info in self.store.list():
             reason = self.store.verify(info)
             if reason is None:
+                files, in_dcp = info.manifest.get("files", {}), info.manifest.get("sharded", [])
                 missing = [f"{k}.pt" for k, v in state.items()
-                           if _stateful(v) and f"{k}.pt" not in info.manifest.get("files", {})]
+                           if _stateful(v) and k not in dcp_keys and f"{k}.pt" not in files]
+                missing += [f"sharded '{k}'" for k in dcp_keys
+                            if k not in in_dcp or sharded.METADATA not in files]
                 if missing:
                     reason = f"it has no {', '.join(missing)} (saved by another state layout)"
             if reason is None:
@@ -152,10 +165,12 @@ class StateStore:
             print0(f"skipping step-{info.step}: {reason}")
         return None
 
-    def _load_into(self, state: State, info: CheckpointInfo) -> None:
+    def _load_into(self, state: State, info: CheckpointInfo, skip: set[str]) -> None:
         files = info.manifest.get("files", {})
         values = self.store.load(info, "values.pt") if "values.pt" in files else {}
         for key, obj in list(state.items()):
+            if key in skip:
+                continue  # loaded through DCP
             if _stateful(obj):
                 loaded = self.store.load(info, f"{key}.pt")
                 try:
@@ -186,11 +201,13 @@ class StateStore:
         np.random.seed(s)
 
     # ---------------------------------------------------------------- saving
-    def _files(self, state: State) -> dict[str, Any]:
+    def _files(self, state: State, skip: list[str]) -> dict[str, Any]:
         files: dict[str, Any] = {f"rank-{self.rank}.pt": rng.capture_rng_state()}
         if self.rank == 0:
             values = {}
             for key, obj in state.items():
+                if key in skip:
+                    continue  # through DCP
                 if _stateful(obj):
                     files[f"{key}.pt"] = _target(obj).state_dict()
                 else:
@@ -233,19 +250,35 @@ class StateStore:
             return  # e.g. a periodic save at the step where training then stops
         self.finish_pending()
         staging = self.store.staging_dir(step, self.attempt)
-        files = self._files(state)
+        units = self._units(state)
+        dcp_keys = sharded.keys(units)
+        files = self._files(state, dcp_keys)
         self.saved_step = step
-        extra = self._meta(step, meta or {})
+        extra = self._meta(step, {**({"sharded": dcp_keys} if units else {}), **(meta or {})})
+        in_dcp = sharded.state_dicts(units) if units else None
         if blocking or not self.async_save:
             for name, obj in files.items():
                 self.store.write(staging, name, obj)
+            if in_dcp is not None:
+                sharded.save(staging, in_dcp, self.control, self.rank, self._known(staging))
             self.control.barrier("the checkpoint's write")  # every rank's files are on disk before rank 0 commits
             if self.rank == 0:
                 self.store.commit(staging, step, extra)
             self.control.barrier("the checkpoint's commit")  # nobody moves on (or exits) before it exists
             return
         snap = {name: CheckpointStore.snapshot(obj) for name, obj in files.items()}
-        self._pending = (self.store.write_async(staging, snap), staging, step, extra)
+        then = None
+        if in_dcp is not None:
+            staged = sharded.stage(in_dcp, staging)  # the step blocks for this copy only
+            self.control.io_group()  # made here, on the main thread of every rank together
+            known = self._known(staging)
+
+            def then() -> None:  # in the writer thread, after the .pt files: DCP's gathers on the io group
+                sharded.save(staging, staged, self.control, self.rank, known, background=True)
+        self._pending = (self.store.write_async(staging, snap, then=then), staging, step, extra)
+
+    def _known(self, staging: Path) -> Callable[[dict[str, tuple[int, int, str]]], None]:
+        return lambda digests: self.store.add_digests(staging, digests)
 
     def busy(self) -> bool:
         return self._pending is not None and not self._pending[0].done()

@@ -358,18 +358,28 @@ class TensorLoader:
 def eval_batches(ds: Any, *, batch_size: int, rank: int, world_size: int,
                  device: torch.device | str, channels_last: bool = False,
                  mean: Sequence[float] = CIFAR10_MEAN, std: Sequence[float] = CIFAR10_STD,
-                 dtype: torch.dtype = torch.float32) -> Iterator[Batch]:
+                 dtype: torch.dtype = torch.float32, same_count: bool = False) -> Iterator[Batch]:
     """This rank's contiguous share [r*N//W, (r+1)*N//W) of an eval set: no padding, no
-    duplicates, so all-reduced correct/total counts equal a one-process evaluation exactly."""
+    duplicates, so all-reduced correct/total counts equal a one-process evaluation exactly.
+    `same_count`: every rank yields the same number of batches (the largest share's count,
+    batches split evenly), because a sharded model's forward is a collective."""
     n, device = len(ds), torch.device(device)
     lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+    largest = -(-n // world_size)  # ceil: the last rank's share
+    count = -(-(largest if same_count else hi - lo) // batch_size)
+    bounds = [lo + (hi - lo) * k // max(count, 1) for k in range(count + 1)] if same_count else \
+        [min(lo + k * batch_size, hi) for k in range(count + 1)]
     if isinstance(ds, ArrayDataset):
         normalize = _Normalizer(mean, std, ds.images.shape[1], device, dtype, channels_last)
-        for i in range(lo, hi, batch_size):
-            j = min(i + batch_size, hi)
+        for i, j in zip(bounds, bounds[1:]):
             u = ds.images[i:j].to(device, non_blocking=True)
             yield (normalize(u),
                    ds.labels[i:j].to(device, non_blocking=True))
+        return
+    if same_count:
+        for i, j in zip(bounds, bounds[1:]):
+            x, y = torch.utils.data.default_collate([ds[k] for k in range(i, j)])
+            yield _plugin_batch(x, y, device, channels_last, mean, std, dtype)
         return
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, range(lo, hi)),
                                          batch_size=batch_size, shuffle=False)

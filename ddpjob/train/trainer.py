@@ -82,10 +82,10 @@ def fit(job: Job) -> FitResult:
         raw = syncbn.convert(raw, device)
     raw.to(device)
     raw.to(memory_format=fmt)  # channels_last for 4-d weights
-    optimizer = build_optimizer(raw, cfg)
     # One code path for every precision: the scaler is a no-op unless fp16 (bf16 needs none).
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
-    model = job.wrap(raw)  # DDP (+ rank-ordered reduction for >2 ranks)
+    model = job.wrap(raw)  # DDP (+ rank-ordered reduction for >2 ranks), or sharded in place (fsdp)
+    optimizer = build_optimizer(raw, cfg)  # after wrap: fully_shard replaces the parameters
     if t.compile:
         model = cast(nn.Module, torch.compile(model))
     train_set, test_set = data.build_datasets(cfg.data.dataset, cfg.data.root, t.seed,
@@ -190,10 +190,13 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     n = len(micro_batches)
     device_type = micro_batches[0][0].device.type
     total = torch.zeros((), device=micro_batches[0][0].device)
+    sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2's no_sync
     for i, (x, y) in enumerate(micro_batches):
         # no_sync on all but the last micro-step: gradients accumulate locally and DDP
         # all-reduces once per optimizer step instead of once per micro-batch.
         no_sync = getattr(model, "no_sync", None)  # DDP, also behind torch.compile
+        if sync is not None:  # FSDP: unsharded gradients accumulate, one reduce-scatter at the end
+            sync(i == n - 1)
         with (contextlib.nullcontext() if i == n - 1 or no_sync is None else no_sync()):
             with torch.autocast(device_type, dtype=amp_dtype or torch.float32,
                                 enabled=amp_dtype is not None):
@@ -224,7 +227,8 @@ def evaluate(model: nn.Module, test_set: Any, job: Job, *, batch_size: int,
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, count, loss sum
     for x, y in data.eval_batches(test_set, batch_size=batch_size, rank=job.rank,
                                   world_size=job.world_size, device=device,
-                                  channels_last=channels_last):
+                                  channels_last=channels_last,
+                                  same_count=job.config.train.strategy == "fsdp"):
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
             logits = model(x)
         logits = logits.float()
@@ -275,9 +279,14 @@ def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.Optimizer:
     groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     # fused: one kernel for all parameters (CPU and CUDA in torch >= 2.4); foreach otherwise.
+    # DTensor (fsdp) has a sharding rule for fused Adam(W) but none for fused SGD, whose
+    # failure would come only at the first step.
     fast: dict[str, Any] = {"fused": True}
     slow: dict[str, Any] = {"foreach": True}
-    for attempt in (fast, slow):
+    from ddpjob.node.fsdp import is_sharded
+
+    attempts = (slow,) if t.optimizer == "sgd" and is_sharded(model) else (fast, slow)
+    for attempt in attempts:
         try:
             if t.optimizer == "adamw":
                 return torch.optim.AdamW(groups, lr=t.lr, **attempt)

@@ -58,7 +58,7 @@ class CharGRU(nn.Module):
 
 
 raw = CharGRU(len(vocab), cfg["hidden"], cfg["layers"], cfg["dropout"])
-model = job.wrap(raw)  # to the device, DDP
+model = job.wrap(raw)  # to the device, DDP (or sharded in place: [train] strategy = "fsdp")
 optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
 
 # ---- the data order: the global batch of step g is a function of (seed, g) at any world size
@@ -109,7 +109,7 @@ for step in job.steps(state, total):
         print(f"step {step + 1}/{total} loss {logged['loss']:.4f} lr {logged['lr']:.2e}", flush=True)
 
 
-# ---- the end: a short sample from rank 0 (its own generator: no training RNG is touched)
+# ---- the end: a short sample, printed by rank 0 (its own generator: no training RNG is touched)
 @torch.no_grad()
 def generate(prompt: str, n: int) -> str:
     raw.eval()
@@ -121,6 +121,7 @@ def generate(prompt: str, n: int) -> str:
     return "".join(vocab[i] for i in x[0].tolist())
 
 
+sample = generate("The ", cfg["sample_chars"])  # every rank: with strategy fsdp a forward is a collective
 if job.is_rank0:
-    print("sample:", generate("The ", cfg["sample_chars"]), flush=True)
+    print("sample:", sample, flush=True)
 job.finish(raw, loss=logged.get("loss"))  # RUN_DIR/final/model.pt and the COMPLETED marker
