@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from test_preemption_slurm import (Reference, assert_same_as_reference, ddpjob, job_env, job_file,
-                                   preempt, reference, release, wait_step, wait_stop)
+                                   preempt_and_finish, reference, wait_step)
 
 __all__ = ["reference"]
 STANDIN = Path(__file__).resolve().parent / "standin"
@@ -51,13 +51,7 @@ def test_a_job_in_a_container_is_preempted_and_resumes_bit_exactly(
         jid = json.loads((run / "job.json").read_text())["job_id"]
         slurmtools.submitted.append(jid)
     wait_step(run, 30, 0, jid)
-    high = preempt(jid, tmp_path, f"high-{runtime}")
-    stop = wait_stop(run, 1, jid)
-    assert stop["reason"] == "preemption" and stop["requeued"] is True, stop
-    slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
-    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
-    release(jid)
-    assert slurmtools.wait_done(jid, 600) == "COMPLETED"
+    preempt_and_finish(run, jid, tmp_path, f"high-{runtime}")
     assert_same_as_reference(run, reference.run_dir())
     lines = log.read_text().splitlines()
     if runtime == "pyxis":  # one srun per start, every task started inside the image

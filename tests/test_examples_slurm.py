@@ -78,6 +78,21 @@ def _scontrol_update(jid: str, *fields: str) -> None:
     subprocess.run(["scontrol", "update", f"jobid={jid}", *fields], check=True, timeout=30)
 
 
+def shrink_to_one_node_and_finish(jid: str, folder: Path) -> None:
+    """The preempted 2-node job, pending again, shrunk to 1 node x 2 tasks (SLURM 22.05 needs
+    nodes, tasks and CPUs together, else BadConstraints), started once the hook's high job has
+    run, and waited for: it must complete on the one node, restarted once."""
+    import slurmtools
+
+    slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
+    _scontrol_update(jid, "NumNodes=1", "NumTasks=2", "NumCPUs=2")
+    _wait_high(folder)
+    release(jid)
+    assert slurmtools.wait_done(jid, timeout=600) == "COMPLETED"
+    info = slurmtools.job_info(jid)
+    assert (info["NumNodes"], info["NumTasks"], info["Restarts"]) == ("1", "2", "1"), info
+
+
 def _reference(folder: Path, job: Path, world: int = 2) -> Path:
     out = folder / "reference"
     codes, r = run([str(job), "--run-dir", str(out)], world, folder / "ref-logs", timeout=600)
@@ -212,16 +227,8 @@ def test_charlm_slurm_2x2_preempted_resumed_1x2_sees_every_sample_once_per_epoch
                   env={"DDPJOB_TEST_PREEMPT_AT": f"0:{at}:{tmp_path / 'high.id'}"})
     stop = wait_stop(run_dir, 1, jid, timeout=400)
     assert stop["reason"] == "preemption" and stop["requeued"] is True and stop["step"] == at + 1 + LAG, stop
-    slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
-    # SLURM 22.05 needs nodes, tasks and CPUs together (else BadConstraints)
-    _scontrol_update(jid, "NumNodes=1", "NumTasks=2", "NumCPUs=2")
-    _wait_high(tmp_path)
-    release(jid)
-    assert slurmtools.wait_done(jid, timeout=600) == "COMPLETED"
+    shrink_to_one_node_and_finish(jid, tmp_path)
     took = time.monotonic() - t0
-
-    info = slurmtools.job_info(jid)
-    assert (info["NumNodes"], info["NumTasks"], info["Restarts"]) == ("1", "2", "1"), info
     starts = events(run_dir, "start")
     assert [(s["world_size"], s["resumed_step"]) for s in starts] == [(4, None), (2, at + 1 + LAG)], starts
     samples = _samples_by_step(run_dir)

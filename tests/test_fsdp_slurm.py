@@ -20,8 +20,8 @@ import pytest
 
 from ranks import LAG
 from test_examples import CHARLM, CHARLM_SMALL, _hook_job, _samples_by_step
-from test_examples_slurm import ENTRY, _reference, _scontrol_update, _submit, _wait_high
-from test_preemption_slurm import events, release, train_records, wait_stop
+from test_examples_slurm import ENTRY, _reference, _submit, shrink_to_one_node_and_finish
+from test_preemption_slurm import events, train_records, wait_stop
 
 
 def _job(folder: Path, **user: Any) -> Path:
@@ -51,16 +51,8 @@ def test_fsdp_slurm_2x2_preempted_resumed_1x2_reshards_and_sees_every_sample_onc
     newest = sorted((run_dir / "checkpoints").glob("step-*"))[-1]  # what the second start loads
     assert newest.name == f"step-{stop_step:09d}"
     assert sorted(p.name for p in newest.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
-    slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
-    # SLURM 22.05 needs nodes, tasks and CPUs together (else BadConstraints)
-    _scontrol_update(jid, "NumNodes=1", "NumTasks=2", "NumCPUs=2")
-    _wait_high(tmp_path)
-    release(jid)
-    assert slurmtools.wait_done(jid, timeout=600) == "COMPLETED"
+    shrink_to_one_node_and_finish(jid, tmp_path)
     took = time.monotonic() - t0
-
-    info = slurmtools.job_info(jid)
-    assert (info["NumNodes"], info["NumTasks"], info["Restarts"]) == ("1", "2", "1"), info
     starts = events(run_dir, "start")
     assert [(s["world_size"], s["resumed_step"]) for s in starts] == [(4, None), (2, stop_step)], starts
     log = (run_dir / "logs" / f"{jid}_0_log.out").read_text()

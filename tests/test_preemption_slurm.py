@@ -153,6 +153,22 @@ def preempt(job_id: str, tmp_path: Path, name: str) -> str:
                              f"--output={tmp_path / (name + '.out')}", cwd=tmp_path)
 
 
+def preempt_and_finish(run: Path, job_id: str, tmp_path: Path, name: str) -> dict[str, Any]:
+    """Preempt the running job with a `high` job on both nodes, check the stop it recorded (a
+    preemption, requeued), start it again once the high job is done and wait until it completes.
+    Returns the stop record."""
+    import slurmtools
+
+    high = preempt(job_id, tmp_path, name)
+    stop = wait_stop(run, 1, job_id)
+    assert stop["reason"] == "preemption" and stop["requeued"] is True, stop
+    slurmtools.wait_state(job_id, {"PENDING"}, timeout=90)
+    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
+    release(job_id)
+    assert slurmtools.wait_done(job_id, 600) == "COMPLETED"
+    return stop
+
+
 def task_pids(job_id: str) -> dict[int, int]:
     """Task id -> pid of the job's step processes (`scontrol listpids JOB NODE`)."""
     pids = {}

@@ -18,8 +18,8 @@ import pytest
 
 from ranks import LAG, write_job
 from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob,
-                                   events, job_env, job_file, poll, preempt, reference, release, wait_step,
-                                   wait_stop)
+                                   events, job_env, job_file, poll, preempt, preempt_and_finish, reference,
+                                   release, wait_step, wait_stop)
 
 __all__ = ["reference"]  # the module-scoped fixture, shared with test_preemption_slurm
 
@@ -244,13 +244,7 @@ def test_code_edited_after_submission_never_reaches_the_job(
         source = (code / name).read_text()
         (code / name).write_text(f'raise RuntimeError("{name} edited after submission")\n' + source)
     wait_step(run, 30, 0, jid)
-    high = preempt(jid, tmp_path, "high-frozen")
-    stop = wait_stop(run, 1, jid)
-    assert stop["reason"] == "preemption" and stop["requeued"] is True, stop
-    slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
-    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
-    release(jid)
-    assert slurmtools.wait_done(jid, 600) == "COMPLETED"
+    preempt_and_finish(run, jid, tmp_path, "high-frozen")
     assert_same_as_reference(run, reference.run_dir())
     status = ddpjob("status", str(run), cwd=tmp_path, env=env).stdout
     assert "(frozen at submission; the code on disk has changed since)" in status, status
