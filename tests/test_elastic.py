@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 
-from ranks import Ranks, metrics, write_job
+from ranks import LAG, Ranks, metrics, write_job
 
 TRAIN = dict(model="cnn_tiny", batch_size=16, accumulation_steps=2, max_steps=60, lr=0.05,
              warmup_steps=5, log_every=1, eval_every=0, amp="off", channels_last=False, threads=1,
              seed=7, log_sample_ids=True)
 DATA = dict(dataset="synthetic", synthetic_train=2560, synthetic_test=256, augment=True)
 SAMPLES, GLOBAL_BATCH, STEPS_PER_EPOCH = 2560, 128, 20
+PREEMPT_AT = 25  # the stop lands at step 27: inside epoch 1 (steps 21-40)
 # Final-loss tolerance, elastic vs uninterrupted. Both runs train every step on the same eight
 # 16-sample micro-batches (the loader cuts the global batch the same way at any world size), so
 # BatchNorm's batch statistics are the same and only the order in which the eight micro-batch
@@ -86,31 +87,36 @@ def assert_each_sample_once_per_epoch(log: dict[int, dict[str, Any]], steps: int
 def test_2x2_preempted_then_resumed_as_1x2_keeps_global_batch_and_sees_each_sample_once(
         slurm_cluster: Any, tmp_path: Path) -> None:
     import slurmtools
-    from test_preemption_slurm import (ddpjob, events, job_env, preempt, release, wait_step,
-                                       wait_stop)
+    from test_examples_slurm import ENTRY, _wait_high
+    from test_preemption_slurm import ddpjob, events, job_env, release, wait_step, wait_stop
 
     slurmtools.cluster_free(timeout=300)
     t0 = time.monotonic()
-    job = write_job(tmp_path / "job.toml", train=TRAIN, data=DATA,
-                    slurm=dict(nodes=2, tasks_per_node=2, time="00:10:00", max_requeues=3),
+    # The built-in trainer behind example_slurm_hooks: rank 0 submits the `high` job when step
+    # PREEMPT_AT is handed out and waits in that step for the SIGTERM, so the stop lands inside
+    # epoch 1 (steps 21-40) however busy the machine is.
+    script = tmp_path / "train.py"
+    script.write_text("from ddpjob.train.trainer import main\n\nmain()\n")
+    job = write_job(tmp_path / "job.toml", train={**TRAIN, "entry": ENTRY, "args": [str(script)]},
+                    data=DATA, slurm=dict(nodes=2, tasks_per_node=2, time="00:10:00", max_requeues=3),
                     checkpoint=dict(every_steps=10, keep_last=2))
     run = tmp_path / "run"
-    ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
-    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=job_env())
+    env = job_env(DDPJOB_TEST_PREEMPT_AT=f"0:{PREEMPT_AT}:{tmp_path / 'high.id'}")
+    ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path, env=env)
+    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=env)
     wait_step(run, 1, restart=0, job_id=jid)
     ref = Ranks([str(job), "--run-dir", str(tmp_path / "reference")], 4, tmp_path / "ref-logs",
                 job_id=None)
     try:
-        wait_step(run, 27, restart=0, job_id=jid)  # well inside epoch 1 (steps 21-40)
-        high = preempt(jid, tmp_path, "e-high")
-        stop = wait_stop(run, 1, jid)
+        stop = wait_stop(run, 1, jid, timeout=400)
         assert stop["reason"] == "preemption" and stop["requeued"] is True, stop
+        assert stop["step"] == PREEMPT_AT + 1 + LAG, stop  # the step in flight, the vote's, then the stop
         slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
         # Shrink the waiting job. SLURM 22.05 needs all three: nodes, tasks and CPUs (else
         # "BadConstraints"); the batch script's srun takes the task count from the allocation.
         subprocess.run(["scontrol", "update", f"jobid={jid}", "NumNodes=1", "NumTasks=2",
                         "NumCPUs=2"], check=True, timeout=30)
-        assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
+        _wait_high(tmp_path)
         release(jid)
         assert slurmtools.wait_done(jid, timeout=400) == "COMPLETED"
         took = time.monotonic() - t0
