@@ -12,11 +12,21 @@ From the environment, each hook acting when `job.steps()` hands out a step:
       (what SLURM's time-limit warning delivers) and waits the same way for the signal.
   DDPJOB_TEST_SLOW_STEP="RESTART:SECONDS"  every step of that incarnation sleeps that long (wall
       time only: no number changes), so that a time-limit warning lands mid-run.
+  DDPJOB_TEST_ACTIONS=FILE  lines "RESTART STEP RANK ACTION [ARG]", read when an incarnation
+      starts, so a test can write the next incarnation's action while the job is pending (after
+      a stop whose step it could not know in advance). ACTION, on that rank when that step is
+      handed out:
+        preempt OUTFILE  as DDPJOB_TEST_PREEMPT_AT;
+        requeue          `scontrol requeue JOB`, then wait in the step until the SIGTERM is recorded;
+        kill MARKER      write MARKER.ready, wait until the test writes MARKER.go (it reads the
+                         task pids meanwhile), then SIGKILL this rank.
+tests/trainer_plugins.py installs these hooks too, so they also drive the built-in trainer.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -44,30 +54,82 @@ def _slurm_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 
 
+def slurm(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """Run a SLURM command from inside a rank. A controller too busy to answer ("Socket timed
+    out", "Unable to contact", seen under stress-ng) is asked again instead of failing the rank,
+    as tests/slurmtools.py does for the test's own commands."""
+    for attempt in range(4):
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=_slurm_env(), **kwargs)
+        if out.returncode == 0:
+            return out
+        if attempt == 3 or not re.search(r"timed out|Unable to contact", out.stderr):
+            raise RuntimeError(f"{' '.join(argv)} failed ({out.returncode}): {out.stderr.strip()}")
+        time.sleep(2)
+    raise AssertionError("unreachable")
+
+
 def _preempt(job: api.Job, outfile: str) -> None:
-    out = subprocess.run(
-        ["sbatch", "--parsable", "--partition=high", "--nodes=2", "--ntasks-per-node=2", "--time=2",
-         "--job-name=ex-high", f"--output={outfile}.out"],
-        input="#!/bin/bash\nsleep 1\n", capture_output=True, text=True, timeout=60, env=_slurm_env(),
-        cwd=os.path.dirname(outfile) or ".", check=True)
+    out = slurm(["sbatch", "--parsable", "--partition=high", "--nodes=2", "--ntasks-per-node=2", "--time=2",
+                 "--job-name=ex-high", f"--output={outfile}.out"],
+                input="#!/bin/bash\nsleep 1\n", cwd=os.path.dirname(outfile) or ".")
     Path(outfile).write_text(out.stdout.strip().split(";")[0] + "\n")
     print(f"example_slurm_hooks: step {job._step}: submitted high job {out.stdout.strip()}", flush=True)
     _wait_for_flag(signal.SIGTERM)
 
 
 def _usr2(job: api.Job) -> None:
-    subprocess.run(["scancel", "--signal=USR2", str(job.job_id)], check=True, timeout=60,
-                   env=_slurm_env())
+    slurm(["scancel", "--signal=USR2", str(job.job_id)])
     _wait_for_flag(signal.SIGUSR2)
 
 
-def _install() -> None:
+def _requeue(job: api.Job) -> None:
+    slurm(["scontrol", "requeue", str(job.job_id)])
+    _wait_for_flag(signal.SIGTERM)
+
+
+def _kill(marker: str) -> None:
+    Path(marker + ".ready").write_text(f"{os.getpid()}\n")
+    go = Path(marker + ".go")
+    deadline = time.monotonic() + 120
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _actions(path: str) -> dict[tuple[int, int, int], list[str]]:
+    """(restart, step, rank) -> [action, arg...] from the DDPJOB_TEST_ACTIONS file."""
+    out = {}
+    for line in Path(path).read_text().splitlines() if path and os.path.isfile(path) else []:
+        restart, step, rank, *action = line.split()
+        out[int(restart), int(step), int(rank)] = action
+    return out
+
+
+def _act(job: api.Job, action: list[str]) -> None:
+    print(f"example_slurm_hooks: step {job._step}: rank {job.rank}: {' '.join(action)}", flush=True)
+    if action[0] == "preempt":
+        _preempt(job, action[1])
+    elif action[0] == "requeue":
+        _requeue(job)
+    elif action[0] == "kill":
+        _kill(action[1])
+    else:
+        raise ValueError(f"example_slurm_hooks: unknown action {action}")
+
+
+_installed = False
+
+
+def install() -> None:
+    global _installed
     env = os.environ
     preempt = env.get("DDPJOB_TEST_PREEMPT_AT", "")
     usr2 = env.get("DDPJOB_TEST_USR2_AT", "")
     slow = env.get("DDPJOB_TEST_SLOW_STEP", "")
-    if not (preempt or usr2 or slow):
+    actions = _actions(env.get("DDPJOB_TEST_ACTIONS", ""))
+    if _installed or not (preempt or usr2 or slow or actions):
         return
+    _installed = True
     p_restart, p_step, p_file = (preempt.split(":", 2) if preempt else ("-1", "-1", ""))
     u_restart, u_step = (usr2.split(":") if usr2 else ("-1", "-1"))
     s_restart, s_secs = (slow.split(":") if slow else ("-1", "0"))
@@ -81,11 +143,13 @@ def _install() -> None:
                 _preempt(self, p_file)
             if self.rank == 0 and self.restart == int(u_restart) and step == int(u_step):
                 _usr2(self)
+            if (self.restart, step, self.rank) in actions:
+                _act(self, actions[self.restart, step, self.rank])
             yield step
 
     api.Job.steps = hooked  # type: ignore[method-assign]
 
 
 def main() -> None:
-    _install()
+    install()
     example_hooks.main()

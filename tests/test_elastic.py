@@ -87,8 +87,8 @@ def assert_each_sample_once_per_epoch(log: dict[int, dict[str, Any]], steps: int
 def test_2x2_preempted_then_resumed_as_1x2_keeps_global_batch_and_sees_each_sample_once(
         slurm_cluster: Any, tmp_path: Path) -> None:
     import slurmtools
-    from test_examples_slurm import ENTRY, _wait_high
-    from test_preemption_slurm import ddpjob, events, job_env, release, wait_step, wait_stop
+    from test_examples_slurm import ENTRY
+    from test_preemption_slurm import ddpjob, events, job_env, release, wait_high, wait_step, wait_stop
 
     slurmtools.cluster_free(timeout=300)
     t0 = time.monotonic()
@@ -116,7 +116,7 @@ def test_2x2_preempted_then_resumed_as_1x2_keeps_global_batch_and_sees_each_samp
         # "BadConstraints"); the batch script's srun takes the task count from the allocation.
         subprocess.run(["scontrol", "update", f"jobid={jid}", "NumNodes=1", "NumTasks=2",
                         "NumCPUs=2"], check=True, timeout=30)
-        _wait_high(tmp_path)
+        wait_high(tmp_path)
         release(jid)
         assert slurmtools.wait_done(jid, timeout=400) == "COMPLETED"
         took = time.monotonic() - t0

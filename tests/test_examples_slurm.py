@@ -29,9 +29,11 @@ import pytest
 
 from ranks import LAG, REPO, assert_bit_equal, run
 from test_examples import CHARLM, CHARLM_SMALL, CIFAR, CIFAR_SMALL, _hook_job, _samples_by_step
-from test_preemption_slurm import events, job_env, poll, release, train_records, wait_stop
+from test_preemption_slurm import events, job_env, poll, release, train_records, wait_high, wait_stop
 
 ENTRY = "example_slurm_hooks:main"
+# charlm's tiny.txt (38664 characters) cut into windows of context 32 at stride 32, global batch 32
+CHARLM_STEPS_PER_EPOCH = ((38664 - 32 - 1) // 32 + 1) // 32
 LEAD_S = 90  # --signal=USR2@90: with a 2-minute limit the warning comes 30-60 s after the start
 
 
@@ -86,7 +88,7 @@ def shrink_to_one_node_and_finish(jid: str, folder: Path) -> None:
 
     slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
     _scontrol_update(jid, "NumNodes=1", "NumTasks=2", "NumCPUs=2")
-    _wait_high(folder)
+    wait_high(folder)
     release(jid)
     assert slurmtools.wait_done(jid, timeout=600) == "COMPLETED"
     info = slurmtools.job_info(jid)
@@ -99,17 +101,6 @@ def _reference(folder: Path, job: Path, world: int = 2) -> Path:
     assert codes == [0] * world, r.output()
     assert (out / "COMPLETED").is_file()
     return out
-
-
-def _wait_high(folder: Path, timeout: float = 300) -> str:
-    """The id of the `high` job the hook submitted; waits until it has run."""
-    import slurmtools
-
-    f = folder / "high.id"
-    high = poll("the hook's high job id", timeout, lambda: f.is_file() and f.read_text().strip())
-    slurmtools.submitted.append(high)
-    assert slurmtools.wait_done(high, timeout=timeout) == "COMPLETED"
-    return high
 
 
 def _preempted_then_time_limit_then_done(tmp_path: Path, job: Path, total: int, at: int,
@@ -131,7 +122,7 @@ def _preempted_then_time_limit_then_done(tmp_path: Path, job: Path, total: int, 
     assert stop1["step"] == at + 1 + LAG, stop1  # the step in flight finishes, the vote's, then the stop
     slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
     _scontrol_update(jid, "TimeLimit=2")  # the second incarnation gets 2 minutes: USR2@90 mid-run
-    _wait_high(tmp_path)
+    wait_high(tmp_path)
     release(jid)
     # (ii) the time-limit warning
     stop2 = wait_stop(run_dir, 2, jid, timeout=400)
@@ -215,8 +206,7 @@ def test_charlm_slurm_2x2_preempted_resumed_1x2_sees_every_sample_once_per_epoch
 
     slurmtools.cluster_free(timeout=600)
     t0 = time.monotonic()
-    windows = (38664 - 32 - 1) // 32 + 1  # tiny.txt's length, context 32, stride 32
-    steps_per_epoch = windows // 32
+    steps_per_epoch = CHARLM_STEPS_PER_EPOCH
     total = steps_per_epoch + 8  # one full epoch and part of the next
     at = 20
     job = _charlm_job(tmp_path, max_steps=total, num_workers=1)

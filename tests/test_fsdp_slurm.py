@@ -20,7 +20,7 @@ import pytest
 
 from ranks import LAG
 from test_examples import CHARLM, CHARLM_SMALL, _hook_job, _samples_by_step
-from test_examples_slurm import ENTRY, _reference, _submit, shrink_to_one_node_and_finish
+from test_examples_slurm import CHARLM_STEPS_PER_EPOCH, ENTRY, _reference, _submit, shrink_to_one_node_and_finish
 from test_preemption_slurm import events, train_records, wait_stop
 
 
@@ -38,8 +38,7 @@ def test_fsdp_slurm_2x2_preempted_resumed_1x2_reshards_and_sees_every_sample_onc
 
     slurmtools.cluster_free(timeout=600)
     t0 = time.monotonic()
-    windows = (38664 - 32 - 1) // 32 + 1  # tiny.txt's length, context 32, stride 32
-    steps_per_epoch = windows // 32
+    steps_per_epoch = CHARLM_STEPS_PER_EPOCH
     total, at = steps_per_epoch + 8, 20  # one full epoch and part of the next
     stop_step = at + 1 + LAG  # the step in flight finishes, the vote's, then the stop
     job = _job(tmp_path, max_steps=total)

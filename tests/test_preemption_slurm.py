@@ -10,16 +10,19 @@ including the lines of steps that were trained twice because a kill lost them.
 job S, `ddpjob sbatch` + real `sbatch`:
   1. the time-limit warning: --time 2 min with --signal=USR2@60 (the first incarnation is slowed
      down by the test plugin's sleep, so the warning lands mid-run, not after the last step);
-  2. partition-priority preemption: a job in `high` needs both nodes (SIGTERM, GraceTime 20 s);
-  3. one rank SIGKILLed mid-step: srun --kill-on-bad-exit ends the other three, the job ends
+  2. partition-priority preemption: a job in `high` needs both nodes (SIGTERM, GraceTime 20 s),
+     submitted by rank 0 when step stop1 + 15 begins;
+  3. rank 2 SIGKILLed when a step begins, 3 steps past a periodic checkpoint: srun --kill-on-bad-exit ends the other three, the job ends
      FAILED (a crash is not a preemption: ddpjob does not requeue it, a crash may repeat); the
      test requeues it by hand, and it resumes from the last periodic checkpoint.
 job M, `ddpjob submit` (submitit):
   1. `scancel --signal=USR2` mid-accumulation: rank 1's model runs scancel during the first
      micro-step of step 25 and waits there until the signal has arrived (test plugin);
-  2. `scontrol requeue`: on this cluster that is SIGTERM to every task, then SIGKILL after
-     KillWait (5 s); the ranks stop at the next step boundary and checkpoint well within it;
-  3. partition-priority preemption (through submitit's NodeTask).
+  2. `scontrol requeue`, run by rank 1 at step 45: on this cluster that is SIGTERM to every task,
+     then SIGKILL after KillWait (5 s); the ranks stop two steps later and checkpoint well within it;
+  3. partition-priority preemption (through submitit's NodeTask), caused by rank 0 at a step.
+Every stop but S's time-limit warning is caused at a step by the job itself (at-step actions of
+tests/example_slurm_hooks.py, written while the job waits for its next start): none races a clock.
 Lost work is read from the per-rank `signal` events (the step when the signal arrived vs the step
 the ranks stopped and checkpointed at); the sample-id log (train.log_sample_ids) shows every
 sample used once per epoch across the four incarnations of job S. The local-backend version of
@@ -31,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -151,6 +153,17 @@ def preempt(job_id: str, tmp_path: Path, name: str) -> str:
     return slurmtools.submit("#!/bin/bash\nsleep 1\n", "--partition=high", "--nodes=2",
                              "--ntasks-per-node=2", "--time=2", f"--job-name={name}",
                              f"--output={tmp_path / (name + '.out')}", cwd=tmp_path)
+
+
+def wait_high(folder: Path, timeout: float = 300) -> str:
+    """The id of the `high` job the hook submitted; waits until it has run."""
+    import slurmtools
+
+    f = folder / "high.id"
+    high = poll("the hook's high job id", timeout, lambda: f.is_file() and f.read_text().strip())
+    slurmtools.submitted.append(high)
+    assert slurmtools.wait_done(high, timeout=timeout) == "COMPLETED"
+    return high
 
 
 def preempt_and_finish(run: Path, job_id: str, tmp_path: Path, name: str) -> dict[str, Any]:
@@ -288,8 +301,9 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     assert "#SBATCH --signal=USR2@60" in script and "#SBATCH --time=00:02:00" in script
     # First incarnation: 0.25 s of sleep per micro-step, so that it is still training when the
     # warning comes (SLURM sends it 60-90 s before the limit: 30-60 s after the start).
+    actions = tmp_path / "actions"  # the next incarnation's at-step action (example_slurm_hooks)
     jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path,
-                            env=job_env(DDPJOB_TEST_SLOW="0.25:0"))
+                            env=job_env(DDPJOB_TEST_SLOW="0.25:0", DDPJOB_TEST_ACTIONS=str(actions)))
 
     # 1. the time-limit warning (USR2 to every task), mid-run
     wait_step(run, 1, restart=0, job_id=jid)
@@ -300,26 +314,30 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     # No more warnings after this: the next incarnations get 10 minutes.
     slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
     subprocess.run(["scontrol", "update", f"jobid={jid}", "TimeLimit=10"], check=True, timeout=30)
+    # 2. partition-priority preemption, caused at a step: rank 0 submits the `high` job when
+    # step stop1 + 15 is handed out and waits in it for the SIGTERM.
+    at2 = stop1["step"] + 15
+    actions.write_text(f"1 {at2} 0 preempt {tmp_path / 'high.id'}\n")
     release(jid)
-
-    # 2. partition-priority preemption
-    wait_step(run, stop1["step"] + 15, restart=1, job_id=jid)
-    high = preempt(jid, tmp_path, "s-high")
     stop2 = wait_stop(run, 2, jid)
     times["preemption"] = time.monotonic() - t0
     assert stop2["reason"] == "preemption" and stop2["requeued"] is True, stop2
+    assert stop2["step"] == at2 + 1 + LAG, stop2  # the step in flight, the vote's, then the stop
     slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
-    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
-    release(jid)
+    wait_high(tmp_path)
 
-    # 3. one rank SIGKILLed mid-step, between two periodic checkpoints
+    # 3. rank 2 SIGKILLed right after step `target` (job.steps hands out 0-based indices: index
+    # `target` begins step target + 1), 4 steps past the last periodic save
     target = stop2["step"] + 12
-    target += (4 - target) % EVERY  # a step ending in 4: 4 steps past the last periodic save
-    wait_step(run, target, restart=2, job_id=jid)
+    target += (4 - target) % EVERY  # a step ending in 4
+    marker = tmp_path / "kill"
+    actions.write_text(f"2 {target} 2 kill {marker}\n")
+    release(jid)
+    poll("rank 2 at the kill step", 300, (marker.parent / "kill.ready").is_file, jid)
     pids = task_pids(jid)
     assert sorted(pids) == [0, 1, 2, 3], pids
     assert "ddpjob" in Path(f"/proc/{pids[2]}/cmdline").read_text()
-    os.kill(pids[2], signal.SIGKILL)
+    (marker.parent / "kill.go").write_text("")
     killed_at = time.monotonic()
     poll("every task of the job to exit", 90, lambda: not any(alive(p) for p in pids.values()))
     all_gone_s = time.monotonic() - killed_at
@@ -339,7 +357,9 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     assert [(s["restart"], s["world_size"], s["accumulation"]) for s in starts] == \
         [(r, 4, 2) for r in range(4)]
     resumed = starts[3]["resumed_step"]
-    assert resumed % EVERY == 0 and 0 < last_logged - resumed <= EVERY, (resumed, last_logged)
+    assert last_logged == target, (last_logged, target)
+    # the periodic checkpoint 4 steps back, or the one before if its async commit was not done
+    assert resumed in (target - 4, target - 4 - EVERY), (resumed, target)
     lost = {"time-limit": assert_signalled_stop(run, stop1, 0, "SIGUSR2"),
             "preemption": assert_signalled_stop(run, stop2, 1, "SIGTERM")}
     assert events(run, "stop")[-1]["reason"] == "finished" and (run / "COMPLETED").is_file()
@@ -390,8 +410,9 @@ def test_submitit_job_through_scancel_usr2_scontrol_requeue_and_preemption_is_bi
     run = tmp_path / "run"
     job = job_file(tmp_path)
     # Rank 1, first incarnation, training forward call 49 = step 25, micro-step 1 of 2.
+    actions = tmp_path / "actions"  # the next incarnation's at-step action (example_slurm_hooks)
     ddpjob("submit", str(job), "--backend", "slurm", "--run-dir", str(run), cwd=tmp_path,
-           env=job_env(DDPJOB_TEST_SIGNAL="1:49:0:scancel"))
+           env=job_env(DDPJOB_TEST_SIGNAL="1:49:0:scancel", DDPJOB_TEST_ACTIONS=str(actions)))
     jid = json.loads((run / "job.json").read_text())["job_id"]
     slurmtools.submitted.append(jid)  # conftest cancels what a failed test leaves
 
@@ -401,26 +422,28 @@ def test_submitit_job_through_scancel_usr2_scontrol_requeue_and_preemption_is_bi
     # USR2 is the job's time-limit warning signal, whoever sends it
     assert stop1["reason"] == "time_limit" and stop1["requeued"] is True and stop1["step"] == 25 + LAG, stop1
     assert signal_events(run, 0) == [(r, "SIGUSR2", 24, 25 + LAG) for r in range(4)]
+    # 2. scontrol requeue (SIGTERM now, SIGKILL after KillWait), run by rank 1 when step 45 is
+    # handed out; it waits in that step until the SIGTERM is recorded
+    actions.write_text("1 45 1 requeue\n")
     requeued_and_released(jid)
-
-    # 2. scontrol requeue: SIGTERM now, SIGKILL after KillWait; SLURM has requeued the job
-    wait_step(run, 45, restart=1, job_id=jid)
-    slurmtools.requeue(jid)
     stop2 = wait_stop(run, 2, jid)
     times["scontrol requeue"] = time.monotonic() - t0
     # SIGTERM with no PreemptTime: a plain signal, not a preemption (SLURM requeues it itself)
     assert stop2["reason"] == "signal" and stop2["requeued"] is None, stop2
     assert "already requeued" in stop2["note"]
-    requeued_and_released(jid)
+    assert stop2["step"] == 45 + 1 + LAG, stop2
 
-    # 3. partition-priority preemption; NodeTask / the runner requeue within GraceTime
-    wait_step(run, stop2["step"] + 20, restart=2, job_id=jid)
-    high = preempt(jid, tmp_path, "m-high")
+    # 3. partition-priority preemption caused by rank 0 at step stop2 + 20; NodeTask / the runner
+    # requeue within GraceTime
+    at3 = stop2["step"] + 20
+    actions.write_text(f"2 {at3} 0 preempt {tmp_path / 'high.id'}\n")
+    requeued_and_released(jid)
     stop3 = wait_stop(run, 3, jid)
     times["preemption"] = time.monotonic() - t0
     assert stop3["reason"] == "preemption" and stop3["requeued"] is True, stop3
+    assert stop3["step"] == at3 + 1 + LAG, stop3
     slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
-    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
+    wait_high(tmp_path)
     release(jid)
     assert slurmtools.wait_done(jid, timeout=400) == "COMPLETED"
     times["completed"] = time.monotonic() - t0

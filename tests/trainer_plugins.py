@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import torch
 from torch import nn
 
 from ddpjob.train.models import TinyCNN
+
+import example_slurm_hooks
+
+# The at-step actions of the real-SLURM tests (DDPJOB_TEST_ACTIONS ...) for jobs that run the
+# built-in trainer with a model from this module.
+example_slurm_hooks.install()
 
 
 def conv_nobn(num_classes: int = 10) -> nn.Module:
@@ -59,7 +64,7 @@ class SignallingCNN(TinyCNN):
                 time.sleep(self._sleep)
             if self._armed and self._calls == self._at:
                 if self._how == "scancel":
-                    subprocess.run(["scancel", "--signal=USR2", self._job_id], check=True, timeout=60)
+                    example_slurm_hooks.slurm(["scancel", "--signal=USR2", self._job_id])
                     self._wait_for_signal()
                 elif self._how == "pause":
                     print(f"paused at call {self._calls}", flush=True)
