@@ -99,7 +99,7 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
     cfg = launch.cfg
     env = ClusterEnv.from_environ(argv=launch.argv)  # GPUs not counted yet: torch is slow to import
     console.set_rank(env.rank)
-    from ddpjob.node import determinism, preemption
+    from ddpjob.node import compilecache, determinism, preemption
 
     # Flag-only handlers before torch loads: a signal during the slow start must not kill us.
     stop = launch.stop or preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
@@ -124,6 +124,7 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
         ctx.destroy()
         raise AlreadyCompleted()
     restart = _check_budget(cfg, env, path, ctx)
+    compilecache.use_run_dir(path, env)  # before any model code: torch.compile reads it when compiling
     _current = Job(cfg, ctx, path, stop, standalone=_launch is None, restart=restart)
     return _current
 
@@ -305,8 +306,11 @@ class Job:
             step += 1
             self._step = step
             if first_step:  # the recovery's last phase ends here (launch/phases.py)
+                from ddpjob.node import compilecache
+
+                graphs = compilecache.graphs()  # torch.compile's work is in this first step
                 rundir.record_event(self.run_dir, "first_step", step=step, job_id=self.job_id,
-                                    restart=self.restart)
+                                    restart=self.restart, **({"graphs": graphs} if graphs else {}))
                 first_step = False
             self._stop.current_step = step
             now = time.monotonic()

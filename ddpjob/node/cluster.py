@@ -143,6 +143,9 @@ class ClusterEnv:
     # cuBLAS's workspace setting as inherited (None: unset); node/determinism.py sets it
     # when train.deterministic needs it. Not where the process sits: left out of ==.
     cublas_workspace_config: str | None = field(default=None, compare=False)
+    # torch.compile's cache places as inherited; node/compilecache.py points unset ones into
+    # the run dir
+    compile_cache_vars: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def is_distributed(self) -> bool:
@@ -183,6 +186,8 @@ class ClusterEnv:
             submitit_folder=v.text("SUBMITIT_FOLDER"),
             ddpjob_vars={k: env[k] for k in sorted(env) if k.startswith("DDPJOB_")},
             cublas_workspace_config=v.text("CUBLAS_WORKSPACE_CONFIG"),
+            compile_cache_vars={k: env[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+                                if env.get(k)},
         )
         argv_local_rank = _argv_local_rank(args)
         if "RANK" in env or argv_local_rank is not None:
