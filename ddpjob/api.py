@@ -280,7 +280,6 @@ class Job:
         With train.stop_vote = "overlap" (default) the vote started after step s is read after
         step s+1, so no step waits for it: a stop request lands one step later.
         `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
-        from ddpjob.node import preemption
         from ddpjob.node.sampler import StepSampler
 
         if self._step is None:

@@ -19,7 +19,6 @@ checked by validate.py (no comma, colon or control character where the runtimes 
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 

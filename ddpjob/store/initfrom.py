@@ -22,7 +22,7 @@ from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist, fsdp
 from ddpjob.store import manifest
-from ddpjob.store.commit import CheckpointInfo, CheckpointStore
+from ddpjob.store.commit import CheckpointInfo
 
 _HINT = "set checkpoint.init_from to a run dir, RUN_DIR/checkpoints/step-N or a weights file"
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn as nn
