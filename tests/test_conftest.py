@@ -64,7 +64,8 @@ def _run(tmp_path: Path, test_text: str, ci: bool,
     (tmp_path / "sub" / "conftest.py").write_text(sub_conftest)
     (tmp_path / "sub" / "test_case.py").write_text(test_text)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cluster: needs SLURM\n")
-    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    # the outer run's own pytest options (e.g. PYTEST_ADDOPTS=--basetemp=...) are not this one's
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_ADDOPTS")}
     # A controller that is not there: every SLURM command fails (after ~9 s of retries).
     (tmp_path / "slurm.conf").write_text("ClusterName=down\nSlurmctldHost=localhost\n"
                                          "SlurmctldPort=1\n")

@@ -27,11 +27,12 @@ from torch import nn
 
 from ddpjob.train.models import TinyCNN
 
-import example_slurm_hooks
+if os.environ.get("DDPJOB_TEST_ACTIONS"):
+    # The at-step actions of the real-SLURM tests for jobs that run the built-in trainer with a
+    # model from this module. Imported only then: test_freeze copies this file alone as a plugin.
+    import example_slurm_hooks
 
-# The at-step actions of the real-SLURM tests (DDPJOB_TEST_ACTIONS ...) for jobs that run the
-# built-in trainer with a model from this module.
-example_slurm_hooks.install()
+    example_slurm_hooks.install()
 
 
 def conv_nobn(num_classes: int = 10) -> nn.Module:
@@ -64,7 +65,9 @@ class SignallingCNN(TinyCNN):
                 time.sleep(self._sleep)
             if self._armed and self._calls == self._at:
                 if self._how == "scancel":
-                    example_slurm_hooks.slurm(["scancel", "--signal=USR2", self._job_id])
+                    from example_slurm_hooks import slurm
+
+                    slurm(["scancel", "--signal=USR2", self._job_id])
                     self._wait_for_signal()
                 elif self._how == "pause":
                     print(f"paused at call {self._calls}", flush=True)
