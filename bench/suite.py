@@ -238,18 +238,20 @@ def _checkpoint_cost(trial: Trial, after: float, before: float) -> float:
 
 def _excess(trial: Trial, warm: int, every: int, total: int) -> float:
     """Wall time the steps after the checkpoint took beyond the median step before it."""
-    typical = median(step_costs(trial, warm, every))
+    typical = median(step_costs(trial, warm, every if every > warm else total))  # (--tiny: none before)
     return sum(d - typical for d in step_costs(trial, every, total))
 
 
 def p6(b: Bench) -> list[Row]:
     s = b.sizes
-    every, total = s.ckpt_every, s.ckpt_every + s.ckpt_tail
+    every, often, total = s.ckpt_every, s.ckpt_often, s.ckpt_every + s.ckpt_tail
     common = (f"train.max_steps={total}", "checkpoint.async=true", "checkpoint.every_minutes=0")
+    cfg_often = b.config(2, *common, f"checkpoint.every_steps={often}")
     # Whole trials in turn, not lockstep: the background writer would run during the other
-    # arm's steps. The checkpoint after step `every` is timed where it happens (worker.py).
-    ck, no = b.interleave(trials=s.slow_trials, arms=[
+    # arm's steps. The checkpoints are timed where they happen (worker.py).
+    ck, ck_often, no = b.interleave(trials=s.slow_trials, arms=[
         Arm("P6-ckpt", "fit", 2, {"config": b.config(2, *common, f"checkpoint.every_steps={every}")}),
+        Arm("P6-ckpt-often", "fit", 2, {"config": cfg_often}),
         Arm("P6-none", "fit", 2, {"config": b.config(2, *common, "checkpoint.every_steps=0")})])
     step_s = median([1 / rate(t, s.warm, total) for t in no])  # a step without checkpoints
     # mark `every` ends the step the checkpoint follows; the final save after `total` is not counted
@@ -258,21 +260,50 @@ def p6(b: Bench) -> list[Row]:
     r = every * step_s / (every * step_s + cost_s)
     excess = median([_excess(t, s.warm, every, total) for t in ck]) - \
         median([_excess(t, s.warm, every, total) for t in no])
+    rows = [Row("P6", f"steps/s with an async checkpoint every {every} steps / none (2 ranks)", ">= 0.99x",
+                f"{r:.3f}x", r >= 0.99,
+                {"checkpoint_cost_ms": [round(1000 * c) for c in costs], "step_ms": round(1000 * step_s, 1),
+                 "by_excess_step_time": f"{every * step_s / (every * step_s + max(excess, 0)):.3f}x "
+                                        f"(cost {1000 * excess:.0f} ms)"})]
+    rows.append(_p6_often(s.warm, often, total, ck_often, no, step_s, cfg_often))
     (saves,) = b.interleave([Arm("P6-save", "async_save", 1, {"config": b.config(1)})], trials=1,
                             params=lambda arm, i: {"saves": s.saves})
     ms = [1000 * x for x in saves[0][0]["blocking_s"]]
     steady = median(ms[1:]) if len(ms) > 1 else ms[0]
-    return [
-        Row("P6", f"steps/s with an async checkpoint every {every} steps / none (2 ranks)", ">= 0.99x",
-            f"{r:.3f}x", r >= 0.99,
-            {"checkpoint_cost_ms": [round(1000 * c) for c in costs], "step_ms": round(1000 * step_s, 1),
-             "by_excess_step_time": f"{every * step_s / (every * step_s + max(excess, 0)):.3f}x "
-                                    f"(cost {1000 * excess:.0f} ms)"}),
-        Row("P6", "blocking time of an async save (ResNet-18 + SGD state)" if not s.tiny
-            else f"blocking time of an async save ({s.model} + SGD state)", "<= 50 ms",
-            f"{steady:.1f} ms", steady <= 50, {"each_ms": [round(x, 1) for x in ms],
-                                               "note": "median of saves 2.. (the first allocates)"}),
-    ]
+    rows.append(Row("P6", "blocking time of an async save (ResNet-18 + SGD state)" if not s.tiny
+                    else f"blocking time of an async save ({s.model} + SGD state)", "<= 50 ms",
+                    f"{steady:.1f} ms", steady <= 50, {"each_ms": [round(x, 1) for x in ms],
+                                                       "note": "median of saves 2.. (the first allocates)"}))
+    return rows
+
+
+def _p6_often(warm: int, often: int, total: int, ck: list[Trial], no: list[Trial], step_s: float,
+              cfg: str) -> Row:
+    """A checkpoint every `often` steps, in the same run length: its cost is the mean over the
+    steady-state checkpoints, those after keep_last were committed (each one's commit prunes
+    the oldest, as in a long run), from the first of them to the end of the last step."""
+    from ddpjob import config
+
+    keep = config.from_json(cfg).checkpoint.keep_last
+    saved = list(range(often, total, often))
+    steady = [c for c in saved if c > keep * often] or saved  # --tiny: too few to have a steady state
+    costs = [_checkpoint_cost(t, t[0]["marks"][str(steady[0])][0], t[0]["marks"][str(total)][0]) / len(steady)
+             for t in ck]
+    cost_s = median(costs)
+    r = often * step_s / (often * step_s + cost_s)
+    # each checkpoint alone (the most over the ranks), first ones included: [trial][checkpoint]
+    each = [[round(1000 * _checkpoint_cost(t, t[0]["marks"][str(c)][0],
+                                           t[0]["marks"][str(min(c + often, total))][0] - 1e-6))
+             for c in saved] for t in ck]
+    excess = (median([_excess(t, warm, steady[0], total) for t in ck])
+              - median([_excess(t, warm, steady[0], total) for t in no])) / len(steady)
+    return Row("P6", f"steps/s with an async checkpoint every {often} steps / none (2 ranks)", ">= 0.99x",
+               f"{r:.3f}x", r >= 0.99,
+               {"checkpoint_cost_ms": [round(1000 * c) for c in costs], "step_ms": round(1000 * step_s, 1),
+                "steady_checkpoints": steady, "each_checkpoint_ms": {str(c): [e[i] for e in each]
+                                                                     for i, c in enumerate(saved)},
+                "by_excess_step_time": f"{often * step_s / (often * step_s + max(excess, 0)):.3f}x "
+                                       f"(cost {1000 * excess:.0f} ms)"})
 
 
 # ------------------------------------------------------------------------------------ P7
