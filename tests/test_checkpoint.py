@@ -73,6 +73,28 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "ck").iterdir()] == [info.path.name]
 
 
+def test_files_are_torch_save_files_without_the_crc(tmp_path: Path) -> None:
+    """The store writes torch.save's zip without its CRC32 of every record (as much CPU as the
+    sha256, and torch.load never checks it): the same records at the same offsets, the same
+    tensors back with weights_only, and a flipped byte is still caught, by the manifest's sha256."""
+    import zipfile
+
+    state = tiny_state(3)
+    store = CheckpointStore(tmp_path / "ck", config_hash="h")
+    path = store.save(3, state, {})
+    with open(tmp_path / "ref.pt", "wb") as f:  # a file object, as the store writes: same archive name
+        torch.save(state["model.pt"], f)
+    ours, ref = (zipfile.ZipFile(p).infolist() for p in (path / "model.pt", tmp_path / "ref.pt"))
+    assert [(i.filename, i.header_offset, i.file_size) for i in ours] == \
+        [(i.filename, i.header_offset, i.file_size) for i in ref]
+    assert {i.CRC for i in ours} == {0} and {i.CRC for i in ref} != {0}
+    assert_same(torch.load(path / "model.pt", weights_only=True), state["model.pt"])
+    data = bytearray((path / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 1
+    (path / "model.pt").write_bytes(bytes(data))
+    assert "model.pt sha256 mismatch" in store.verify(store.list()[0])
+
+
 def test_folder_names_sort_numerically(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep_last=5)
     save_steps(store, 9, 10, 100)
