@@ -9,6 +9,7 @@ and background writes live in snapshot.py, RNG state in rng.py, the save schedul
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import inspect
@@ -74,26 +75,43 @@ class CheckpointStore:
             self._digests.pop(old, None)
         return path
 
-    def write(self, staging: Path, name: str, obj: Any) -> None:
+    def write(self, staging: Path, name: str, obj: Any, *, shared: bool = False) -> None:
+        """One file into `staging`. A failed write removes the staging folder, unless `shared`:
+        other ranks may still be writing into it, and the collective that follows every rank's
+        writes removes it (state.py); then only this file's partial .tmp goes."""
         _check_name(name)
         _check_loadable(obj, [name])
-        self._write_file(staging, name, obj)
+        self._write_file(staging, name, obj, abort=not shared)
 
     def write_async(self, staging: Path, files: dict[str, Any],
-                    then: Callable[[], None] | None = None) -> AsyncWrite:
+                    then: Callable[[BaseException | None], None] | None = None) -> AsyncWrite:
         """`files` must already be snapshots (see snapshot()); only the disk I/O runs in the
-        background, followed by `then` (a sharded checkpoint's write, store/sharded.py)."""
+        background, followed by `then(error)`: None, or what the writes raised (then must raise
+        it: it is called anyway so that a collective in it, such as the digests' gather, meets
+        the other ranks' even when this rank's write failed). With `then` a failed write leaves
+        the staging folder to it (as write(shared=True)); without, it removes the folder."""
         for name, obj in files.items():  # fail in the caller's thread, before anything is written
             _check_name(name)
             _check_loadable(obj, [name])
 
         def work() -> None:
-            for name, obj in files.items():
-                self._write_file(staging, name, obj)
+            error: BaseException | None = None
+            try:
+                for name, obj in files.items():
+                    self._write_file(staging, name, obj, abort=then is None)
+            except Exception as err:
+                error = err
             if then is not None:
-                then()
+                then(error)
+            elif error is not None:
+                raise error
 
         return AsyncWrite(work, staging)
+
+    def digests(self, staging: Path, names: list[str]) -> dict[str, tuple[int, int, str]]:
+        """(size, mtime_ns, sha256) of the named staged files, for those this process wrote
+        and hashed on their way out (for rank 0's add_digests)."""
+        return {n: self._digests[staging / n] for n in names if staging / n in self._digests}
 
     def add_digests(self, staging: Path, digests: dict[str, tuple[int, int, str]]) -> None:
         """(size, mtime_ns, sha256) of staged files other ranks wrote and hashed themselves (a
@@ -260,7 +278,7 @@ class CheckpointStore:
             return {"size": st.st_size, "sha256": known[2]}
         return {"size": st.st_size, "sha256": manifest.sha256(path)}
 
-    def _write_file(self, staging: Path, name: str, obj: Any) -> None:
+    def _write_file(self, staging: Path, name: str, obj: Any, abort: bool = True) -> None:
         tmp = staging / f"{name}.tmp"
         recorder: _ErrnoRecorder | None = None
         try:
@@ -274,7 +292,11 @@ class CheckpointStore:
             if sent is not None and st.st_size == sent.size:  # every byte went through the recorder
                 self._digests[staging / name] = (st.st_size, st.st_mtime_ns, sent.digest.hexdigest())
         except (OSError, RuntimeError) as err:
-            self.abort(staging)
+            if abort:
+                self.abort(staging)
+            else:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
             # torch.save turns the writer's OSError into a RuntimeError; the recorder kept the errno.
             os_err = err if isinstance(err, OSError) else (recorder.error if recorder else None)
             if os_err is None:
