@@ -110,6 +110,31 @@ def test_keep_last_prunes_oldest(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000004", "step-000000005"]
 
 
+def test_a_save_makes_room_first_but_never_takes_the_newest(tmp_path: Path) -> None:
+    """The write of step N starts by deleting what N's commit would prune (its write reuses the
+    freed memory). Killed before that commit, keep_last - 1 remain and the newest is intact;
+    keep_last = 1 deletes nothing early; a process that committed nothing yet leaves it all
+    to the commit (it has not verified the newest one)."""
+    store = CheckpointStore(tmp_path / "a", keep_last=3)
+    save_steps(store, 1, 2, 3)
+    store.make_room(4)  # what save(4) does before writing; killed right after:
+    assert [i.step for i in store.list()] == [3, 2]
+    assert store.latest(log=lambda _: None).step == 3
+    save_steps(store, 4)
+    assert [i.step for i in store.list()] == [4, 3, 2]
+    fresh = CheckpointStore(tmp_path / "a", keep_last=3)  # e.g. after a restart
+    fresh.make_room(5)
+    assert [i.step for i in fresh.list()] == [4, 3, 2]
+    store.make_room(4)  # the same step again: its commit keeps the valid one and prunes nothing
+    assert [i.step for i in store.list()] == [4, 3, 2]
+    one = CheckpointStore(tmp_path / "one", keep_last=1)
+    save_steps(one, 1, 2)
+    one.make_room(3)
+    assert [i.step for i in one.list()] == [2]
+    save_steps(one, 3)
+    assert [i.step for i in one.list()] == [3]
+
+
 def test_keep_last_below_one_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="keep_last is 0"):
         CheckpointStore(tmp_path, keep_last=0)

@@ -274,6 +274,8 @@ class StateStore:
         in_dcp = sharded.state_dicts(units) if units else None
         if blocking or not self.async_save:
             error = None
+            if self.rank == 0:
+                self.store.make_room(step)
             try:
                 for name, obj in files.items():
                     self.store.write(staging, name, obj, shared=True)
@@ -296,7 +298,8 @@ class StateStore:
             self._share(staging, list(snap), error, group, background=True)
             if staged is not None:  # DCP's gathers, on the io group too
                 sharded.save(staging, staged, self.control, self.rank, known, background=True)
-        self._pending = (self.store.write_async(staging, snap, then=then), staging, step, extra)
+        self._pending = (self.store.write_async(staging, snap, then=then, make_room=step if self.rank == 0 else None),
+                         staging, step, extra)
 
     def _share(self, staging: Path, names: list[str], error: BaseException | None, group: Any, *,
                background: bool) -> None:
