@@ -95,6 +95,50 @@ def test_files_are_torch_save_files_without_the_crc(tmp_path: Path) -> None:
     assert "model.pt sha256 mismatch" in store.verify(store.list()[0])
 
 
+def test_crc32_switch_is_off_only_inside_our_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's CRC32 switch is process-wide: our saves turn it off until their first byte (torch
+    has read it by then) and put back the caller's value, False included, also when a save
+    fails; saves of ours that overlap share one window; a user's torch.save keeps its CRC."""
+    import io
+    import zipfile
+
+    from ddpjob.store import nocrc
+
+    ser = torch.serialization
+    seen = []
+    real_save = torch.save
+
+    def spy(obj, f, *a, **kw):
+        seen.append(ser.get_crc32_options())
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", spy)
+    store = CheckpointStore(tmp_path / "ck")
+    store.save(1, tiny_state(1), {})
+    assert seen == [False] * 3 and ser.get_crc32_options() is True
+    user = io.BytesIO()
+    real_save({"t": torch.ones(4)}, user)
+    assert 0 not in {i.CRC for i in zipfile.ZipFile(user).infolist()}
+
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):  # fails before any byte
+        nocrc.save({"f": lambda: 0}, io.BytesIO())
+    assert ser.get_crc32_options() is True
+
+    ser.set_crc32_options(False)  # the caller's own False stays
+    try:
+        nocrc.save({"t": torch.ones(2)}, io.BytesIO())
+        assert ser.get_crc32_options() is False
+    finally:
+        ser.set_crc32_options(True)
+
+    first, second = nocrc._Crc32Off(), nocrc._Crc32Off()  # overlapping saves (writer threads)
+    with first:
+        with second:
+            first.restore()
+            assert ser.get_crc32_options() is False  # second still inside its window
+        assert ser.get_crc32_options() is True
+
+
 def test_folder_names_sort_numerically(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep_last=5)
     save_steps(store, 9, 10, 100)

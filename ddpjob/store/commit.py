@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import inspect
 import json
 import os
 import pickle
@@ -31,6 +30,7 @@ import torch
 from ddpjob import __version__
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.store import manifest
+from ddpjob.store.nocrc import save as _torch_save  # without the zip's CRC32: nocrc.py says why
 from ddpjob.store.snapshot import AsyncWrite, snapshot_tree
 
 _WIDTH = 9  # step-000001234: lexical order = numeric order (names are still parsed as numbers)
@@ -342,53 +342,6 @@ class CheckpointStore:
                 "versions": {"ddpjob": __version__, "torch": torch.__version__,
                              "python": sys.version.split()[0]},
                 "created_unix": time.time(), "files": files}
-
-
-def _torch_save(obj: Any, f: Any) -> None:
-    """torch.save(obj, f) without the zip's CRC32 of every record, where torch's pieces allow.
-    The CRC costs as much CPU as the sha256 (25 ms per 45 MB on the benchmark VM, on the rank's
-    one core) and protects nothing here: torch.load never checks it (a file with a flipped data
-    byte loads without a word) and the manifest's sha256, verified before any load, covers every
-    byte. Same zip records and layout, CRC fields 0 (`unzip -t` would complain; torch.load and
-    weights_only loads do not). torch's own switch (`compute_crc32 = False`) is a process-wide
-    setting that a user's torch.save in another thread would see, so the writer is built here
-    the way torch.save builds it; checked once against torch.save, else torch.save itself."""
-    if not _no_crc_works():
-        torch.save(obj, f)
-        return
-    ser = torch.serialization
-    writer = torch._C.PyTorchFileWriter(f, False, ser._get_storage_alignment())
-    ser._save(obj, writer, pickle, ser.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
-    f.flush()
-
-
-_NO_CRC: bool | None = None
-
-
-def _no_crc_works() -> bool:
-    """Whether the private pieces _torch_save uses exist and give what torch.save gives."""
-    global _NO_CRC
-    if _NO_CRC is None:
-        import io
-
-        probe = {"t": torch.arange(5.0), "n": [1, "a"]}
-        try:
-            ser = torch.serialization
-            if list(inspect.signature(ser._save).parameters) != [
-                    "obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]:
-                raise TypeError("torch.serialization._save changed")
-            ours, theirs = io.BytesIO(), io.BytesIO()
-            writer = torch._C.PyTorchFileWriter(ours, False, ser._get_storage_alignment())
-            ser._save(probe, writer, pickle, ser.DEFAULT_PROTOCOL, False)
-            writer.write_end_of_file()
-            torch.save(probe, theirs)
-            back = torch.load(io.BytesIO(ours.getvalue()), weights_only=True)
-            _NO_CRC = (len(ours.getvalue()) == len(theirs.getvalue()) and back["n"] == probe["n"]
-                       and torch.equal(back["t"], probe["t"]))
-        except (AttributeError, TypeError, RuntimeError, pickle.UnpicklingError):
-            _NO_CRC = False
-    return _NO_CRC
 
 
 class _ErrnoRecorder:
