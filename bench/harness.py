@@ -38,6 +38,7 @@ class Sizes:
     stem_steps: int
     ckpt_every: int  # P6: checkpoint interval in steps
     ckpt_tail: int  # P6: steps run after the checkpoint (its background write lands there)
+    ckpt_often: int  # P6's second interval (same run length): steady-state checkpoints are timed
     loader_batches: int  # P3: batches per loader trial (ddpjob's loader)
     pil_batches: int  # P3: batches per PIL trial
     saves: int  # P6: async saves timed
@@ -45,9 +46,10 @@ class Sizes:
 
 FULL = Sizes(tiny=False, model="resnet18", n_train=50_000, n_test=512, batch=128, warm=3,
              steps=12, trials=5, slow_trials=3, stem_warm=2, stem_steps=4, ckpt_every=50, ckpt_tail=15,
+             ckpt_often=10,
              loader_batches=100, pil_batches=10, saves=6)
 TINY = Sizes(tiny=True, model="cnn_tiny", n_train=1024, n_test=64, batch=32, warm=2, steps=4,
-             trials=1, slow_trials=1, stem_warm=1, stem_steps=2, ckpt_every=4, ckpt_tail=2, loader_batches=4,
+             trials=1, slow_trials=1, stem_warm=1, stem_steps=2, ckpt_every=4, ckpt_tail=2, ckpt_often=2, loader_batches=4,
              pil_batches=2, saves=2)
 
 

@@ -240,49 +240,99 @@ def p5(b: Bench) -> list[Row]:
 
 
 # ------------------------------------------------------------------------------------ P6
-def _checkpoint_cost(trial: Trial, after: float, before: float) -> float:
-    """Seconds the checkpoint took from the training loop, the most over the ranks: main thread
-    blocked in save/commit (wall) plus the writer thread's CPU (taken from the rank's core)."""
-    return max(sum(e["s"] for e in r["checkpoint"] if after <= e["at"] <= before) for r in trial)
+def _in(rank: dict[str, Any], e: dict[str, Any], start: int, end: int) -> bool:
+    """Whether a timed call began between the end of step `start` and the end of step `end`,
+    by this rank's own marks: a rank may reach the save before rank 0 has logged the step
+    (rank 0 also writes metrics.jsonl), and rank 0's clock would leave that save out."""
+    return rank["marks"][str(start)][0] <= e["at"] < rank["marks"][str(end)][0]
+
+
+def _checkpoint_cost(trial: Trial, start: int, end: int) -> float:
+    """Seconds the checkpoints after step `start` (up to step `end`) took from the training
+    loop, the most over the ranks: main thread blocked in save/commit (wall) plus the writer
+    thread's CPU (taken from the rank's core)."""
+    return max(sum(e["s"] for e in r["checkpoint"] if _in(r, e, start, end)) for r in trial)
+
+
+def _parts(trials: list[Trial], start: int, end: int, per: int = 1) -> dict[str, dict[str, int]]:
+    """Where the cost went, per rank: ms per timed call kind (save, commit_pending,
+    finish_pending, _run = the writer thread's CPU) between the marks of steps `start` and
+    `end`, divided by `per` checkpoints, median over the trials."""
+    out: dict[str, dict[str, int]] = {}
+    for rank in range(len(trials[0])):
+        kinds = sorted({e["what"] for t in trials for e in t[rank]["checkpoint"]})
+        out[f"rank {rank}"] = {k: round(1000 * median([sum(
+            e["s"] for e in t[rank]["checkpoint"] if e["what"] == k and _in(t[rank], e, start, end))
+            for t in trials]) / per) for k in kinds}
+    return out
 
 
 def _excess(trial: Trial, warm: int, every: int, total: int) -> float:
     """Wall time the steps after the checkpoint took beyond the median step before it."""
-    typical = median(step_costs(trial, warm, every))
+    typical = median(step_costs(trial, warm, every if every > warm else total))  # (--tiny: none before)
     return sum(d - typical for d in step_costs(trial, every, total))
 
 
 def p6(b: Bench) -> list[Row]:
     s = b.sizes
-    every, total = s.ckpt_every, s.ckpt_every + s.ckpt_tail
+    every, often, total = s.ckpt_every, s.ckpt_often, s.ckpt_every + s.ckpt_tail
     common = (f"train.max_steps={total}", "checkpoint.async=true", "checkpoint.every_minutes=0")
+    cfg_often = b.config(2, *common, f"checkpoint.every_steps={often}")
     # Whole trials in turn, not lockstep: the background writer would run during the other
-    # arm's steps. The checkpoint after step `every` is timed where it happens (worker.py).
-    ck, no = b.interleave(trials=s.slow_trials, arms=[
+    # arm's steps. The checkpoints are timed where they happen (worker.py).
+    ck, ck_often, no = b.interleave(trials=s.slow_trials, arms=[
         Arm("P6-ckpt", "fit", 2, {"config": b.config(2, *common, f"checkpoint.every_steps={every}")}),
+        Arm("P6-ckpt-often", "fit", 2, {"config": cfg_often}),
         Arm("P6-none", "fit", 2, {"config": b.config(2, *common, "checkpoint.every_steps=0")})])
     step_s = median([1 / rate(t, s.warm, total) for t in no])  # a step without checkpoints
     # mark `every` ends the step the checkpoint follows; the final save after `total` is not counted
-    costs = [_checkpoint_cost(t, t[0]["marks"][str(every)][0], t[0]["marks"][str(total)][0]) for t in ck]
+    costs = [_checkpoint_cost(t, every, total) for t in ck]
     cost_s = median(costs)
     r = every * step_s / (every * step_s + cost_s)
     excess = median([_excess(t, s.warm, every, total) for t in ck]) - \
         median([_excess(t, s.warm, every, total) for t in no])
+    rows = [Row("P6", f"steps/s with an async checkpoint every {every} steps / none (2 ranks)", ">= 0.99x",
+                f"{r:.3f}x", r >= 0.99,
+                {"checkpoint_cost_ms": [round(1000 * c) for c in costs], "step_ms": round(1000 * step_s, 1),
+                 "parts_ms": _parts(ck, every, total),
+                 "by_excess_step_time": f"{every * step_s / (every * step_s + max(excess, 0)):.3f}x "
+                                        f"(cost {1000 * excess:.0f} ms)"})]
+    rows.append(_p6_often(s.warm, often, total, ck_often, no, step_s, cfg_often))
     (saves,) = b.interleave([Arm("P6-save", "async_save", 1, {"config": b.config(1)})], trials=1,
                             params=lambda arm, i: {"saves": s.saves})
     ms = [1000 * x for x in saves[0][0]["blocking_s"]]
     steady = median(ms[1:]) if len(ms) > 1 else ms[0]
-    return [
-        Row("P6", f"steps/s with an async checkpoint every {every} steps / none (2 ranks)", ">= 0.99x",
-            f"{r:.3f}x", r >= 0.99,
-            {"checkpoint_cost_ms": [round(1000 * c) for c in costs], "step_ms": round(1000 * step_s, 1),
-             "by_excess_step_time": f"{every * step_s / (every * step_s + max(excess, 0)):.3f}x "
-                                    f"(cost {1000 * excess:.0f} ms)"}),
-        Row("P6", "blocking time of an async save (ResNet-18 + SGD state)" if not s.tiny
-            else f"blocking time of an async save ({s.model} + SGD state)", "<= 50 ms",
-            f"{steady:.1f} ms", steady <= 50, {"each_ms": [round(x, 1) for x in ms],
-                                               "note": "median of saves 2.. (the first allocates)"}),
-    ]
+    rows.append(Row("P6", "blocking time of an async save (ResNet-18 + SGD state)" if not s.tiny
+                    else f"blocking time of an async save ({s.model} + SGD state)", "<= 50 ms",
+                    f"{steady:.1f} ms", steady <= 50, {"each_ms": [round(x, 1) for x in ms],
+                                                       "note": "median of saves 2.. (the first allocates)"}))
+    return rows
+
+
+def _p6_often(warm: int, often: int, total: int, ck: list[Trial], no: list[Trial], step_s: float,
+              cfg: str) -> Row:
+    """A checkpoint every `often` steps, in the same run length: its cost is the mean over the
+    steady-state checkpoints, those after keep_last were committed (each one's commit prunes
+    the oldest, as in a long run), from the first of them to the end of the last step."""
+    from ddpjob import config
+
+    keep = config.from_json(cfg).checkpoint.keep_last
+    saved = list(range(often, total, often))
+    steady = [c for c in saved if c > keep * often] or saved  # --tiny: too few to have a steady state
+    costs = [_checkpoint_cost(t, steady[0], total) / len(steady) for t in ck]
+    cost_s = median(costs)
+    r = often * step_s / (often * step_s + cost_s)
+    # each checkpoint alone (the most over the ranks), first ones included: [trial][checkpoint]
+    each = [[round(1000 * _checkpoint_cost(t, c, min(c + often, total))) for c in saved] for t in ck]
+    excess = (median([_excess(t, warm, steady[0], total) for t in ck])
+              - median([_excess(t, warm, steady[0], total) for t in no])) / len(steady)
+    return Row("P6", f"steps/s with an async checkpoint every {often} steps / none (2 ranks)", ">= 0.99x",
+               f"{r:.3f}x", r >= 0.99,
+               {"checkpoint_cost_ms": [round(1000 * c) for c in costs], "step_ms": round(1000 * step_s, 1),
+                "steady_checkpoints": steady, "parts_ms": _parts(ck, steady[0], total, len(steady)),
+                "each_checkpoint_ms": {str(c): [e[i] for e in each] for i, c in enumerate(saved)},
+                "by_excess_step_time": f"{often * step_s / (often * step_s + max(excess, 0)):.3f}x "
+                                       f"(cost {1000 * excess:.0f} ms)"})
 
 
 # ------------------------------------------------------------------------------------ P7

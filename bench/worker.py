@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -53,6 +54,7 @@ def _mark_log_steps() -> None:
 
 
 _ckpt_events: list[dict[str, Any]] | None = None  # P6 timings of this trial
+_nesting = threading.local()  # P6: depth of timed checkpoint calls on this thread
 
 
 def _time_checkpoints() -> None:
@@ -68,11 +70,16 @@ def _time_checkpoints() -> None:
             return
 
         def timed(self: Any, *args: Any, **kw: Any) -> Any:
+            # save() calls finish_pending() (and that commit_pending()): only the outermost call
+            # of a thread counts, or a save that waits for the previous write counts it twice
+            outer = not getattr(_nesting, "depth", 0)
+            _nesting.depth = getattr(_nesting, "depth", 0) + 1
             t0, c0 = time.time(), clock()
             try:
                 return original(self, *args, **kw)
             finally:
-                if _ckpt_events is not None:
+                _nesting.depth -= 1
+                if _ckpt_events is not None and outer:
                     _ckpt_events.append({"what": name, "at": t0, "s": clock() - c0})
 
         timed.bench_hook = True  # type: ignore[attr-defined]

@@ -73,6 +73,72 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "ck").iterdir()] == [info.path.name]
 
 
+def test_files_are_torch_save_files_without_the_crc(tmp_path: Path) -> None:
+    """The store writes torch.save's zip without its CRC32 of every record (as much CPU as the
+    sha256, and torch.load never checks it): the same records at the same offsets, the same
+    tensors back with weights_only, and a flipped byte is still caught, by the manifest's sha256."""
+    import zipfile
+
+    state = tiny_state(3)
+    store = CheckpointStore(tmp_path / "ck", config_hash="h")
+    path = store.save(3, state, {})
+    with open(tmp_path / "ref.pt", "wb") as f:  # a file object, as the store writes: same archive name
+        torch.save(state["model.pt"], f)
+    ours, ref = (zipfile.ZipFile(p).infolist() for p in (path / "model.pt", tmp_path / "ref.pt"))
+    assert [(i.filename, i.header_offset, i.file_size) for i in ours] == \
+        [(i.filename, i.header_offset, i.file_size) for i in ref]
+    assert {i.CRC for i in ours} == {0} and {i.CRC for i in ref} != {0}
+    assert_same(torch.load(path / "model.pt", weights_only=True), state["model.pt"])
+    data = bytearray((path / "model.pt").read_bytes())
+    data[len(data) // 2] ^= 1
+    (path / "model.pt").write_bytes(bytes(data))
+    assert "model.pt sha256 mismatch" in store.verify(store.list()[0])
+
+
+def test_crc32_switch_is_off_only_inside_our_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's CRC32 switch is process-wide: our saves turn it off until their first byte (torch
+    has read it by then) and put back the caller's value, False included, also when a save
+    fails; saves of ours that overlap share one window; a user's torch.save keeps its CRC."""
+    import io
+    import zipfile
+
+    from ddpjob.store import nocrc
+
+    ser = torch.serialization
+    seen = []
+    real_save = torch.save
+
+    def spy(obj, f, *a, **kw):
+        seen.append(ser.get_crc32_options())
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", spy)
+    store = CheckpointStore(tmp_path / "ck")
+    store.save(1, tiny_state(1), {})
+    assert seen == [False] * 3 and ser.get_crc32_options() is True
+    user = io.BytesIO()
+    real_save({"t": torch.ones(4)}, user)
+    assert 0 not in {i.CRC for i in zipfile.ZipFile(user).infolist()}
+
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):  # fails before any byte
+        nocrc.save({"f": lambda: 0}, io.BytesIO())
+    assert ser.get_crc32_options() is True
+
+    ser.set_crc32_options(False)  # the caller's own False stays
+    try:
+        nocrc.save({"t": torch.ones(2)}, io.BytesIO())
+        assert ser.get_crc32_options() is False
+    finally:
+        ser.set_crc32_options(True)
+
+    first, second = nocrc._Crc32Off(), nocrc._Crc32Off()  # overlapping saves (writer threads)
+    with first:
+        with second:
+            first.restore()
+            assert ser.get_crc32_options() is False  # second still inside its window
+        assert ser.get_crc32_options() is True
+
+
 def test_folder_names_sort_numerically(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, keep_last=5)
     save_steps(store, 9, 10, 100)
@@ -86,6 +152,31 @@ def test_keep_last_prunes_oldest(tmp_path: Path) -> None:
     save_steps(store, 1, 2, 3, 4, 5)
     assert [i.step for i in store.list()] == [5, 4]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000004", "step-000000005"]
+
+
+def test_a_save_makes_room_first_but_never_takes_the_newest(tmp_path: Path) -> None:
+    """The write of step N starts by deleting what N's commit would prune (its write reuses the
+    freed memory). Killed before that commit, keep_last - 1 remain and the newest is intact;
+    keep_last = 1 deletes nothing early; a process that committed nothing yet leaves it all
+    to the commit (it has not verified the newest one)."""
+    store = CheckpointStore(tmp_path / "a", keep_last=3)
+    save_steps(store, 1, 2, 3)
+    store.make_room(4)  # what save(4) does before writing; killed right after:
+    assert [i.step for i in store.list()] == [3, 2]
+    assert store.latest(log=lambda _: None).step == 3
+    save_steps(store, 4)
+    assert [i.step for i in store.list()] == [4, 3, 2]
+    fresh = CheckpointStore(tmp_path / "a", keep_last=3)  # e.g. after a restart
+    fresh.make_room(5)
+    assert [i.step for i in fresh.list()] == [4, 3, 2]
+    store.make_room(4)  # the same step again: its commit keeps the valid one and prunes nothing
+    assert [i.step for i in store.list()] == [4, 3, 2]
+    one = CheckpointStore(tmp_path / "one", keep_last=1)
+    save_steps(one, 1, 2)
+    one.make_room(3)
+    assert [i.step for i in one.list()] == [2]
+    save_steps(one, 3)
+    assert [i.step for i in one.list()] == [3]
 
 
 def test_keep_last_below_one_is_a_usage_error(tmp_path: Path) -> None:

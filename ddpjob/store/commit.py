@@ -9,6 +9,7 @@ and background writes live in snapshot.py, RNG state in rng.py, the save schedul
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -29,6 +30,7 @@ import torch
 from ddpjob import __version__
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.store import manifest
+from ddpjob.store.nocrc import save as _torch_save  # without the zip's CRC32: nocrc.py says why
 from ddpjob.store.snapshot import AsyncWrite, snapshot_tree
 
 _WIDTH = 9  # step-000001234: lexical order = numeric order (names are still parsed as numbers)
@@ -59,6 +61,31 @@ class CheckpointStore:
         # sha256 of the files this process wrote, hashed as the bytes went out (path -> size,
         # mtime_ns, hex): commit() need not read them back (90 MB for resnet18 + SGD state)
         self._digests: dict[Path, tuple[int, int, str]] = {}
+        self._committed: Path | None = None  # the newest checkpoint this process committed
+
+    def make_room(self, step: int) -> None:
+        """Rank 0, as the write of `step` begins: delete now the checkpoints its commit will
+        prune (keep_last), so that the write reuses their freed memory. On the benchmark VMs a
+        page freed a moment ago is cheap to write into and one free for longer often is not (it
+        looks like the host reclaiming free guest memory): writing 45 MB into the page cache
+        took 11-12 ms of CPU right after a deletion, 60-70 ms otherwise, and pruning at the
+        commit, 10 steps before the next write, is too early (bench P6: the steady-state
+        checkpoint every 10 steps cost ~145 ms that way, ~85 ms this way). What this gives up:
+        from here to the commit only keep_last - 1 checkpoints exist, so a crash (or a failed
+        write) in between loses the oldest one, which the commit would have deleted anyway.
+        Never the newest valid checkpoint: only when this process committed it (valid without
+        hashing), and never that one, so with keep_last = 1 nothing goes early. Best effort,
+        like pruning: a failure here only leaves the deletion to the commit."""
+        known = self._committed
+        try:
+            if known is None or not known.is_dir() or (self.root / f"step-{step:0{_WIDTH}d}").exists():
+                return  # (the same step saved again: its commit may keep the old one, prunes nothing)
+            sound = [i for i in self.list() if manifest.verify(i.path, i.step, hashes=False) is None]
+            for info in sound[self.keep_last - 1:]:  # after the commit: the new one + keep_last - 1
+                if info.path != known and info.step < step:
+                    self._delete(info.path)
+        except (OSError, DDPJobError):
+            pass
 
     # ---- collective save -------------------------------------------------------------------
     def staging_dir(self, step: int, attempt: str) -> Path:
@@ -73,26 +100,47 @@ class CheckpointStore:
             self._digests.pop(old, None)
         return path
 
-    def write(self, staging: Path, name: str, obj: Any) -> None:
+    def write(self, staging: Path, name: str, obj: Any, *, shared: bool = False) -> None:
+        """One file into `staging`. A failed write removes the staging folder, unless `shared`:
+        other ranks may still be writing into it, and the collective that follows every rank's
+        writes removes it (state.py); then only this file's partial .tmp goes."""
         _check_name(name)
         _check_loadable(obj, [name])
-        self._write_file(staging, name, obj)
+        self._write_file(staging, name, obj, abort=not shared)
 
     def write_async(self, staging: Path, files: dict[str, Any],
-                    then: Callable[[], None] | None = None) -> AsyncWrite:
+                    then: Callable[[BaseException | None], None] | None = None,
+                    make_room: int | None = None) -> AsyncWrite:
         """`files` must already be snapshots (see snapshot()); only the disk I/O runs in the
-        background, followed by `then` (a sharded checkpoint's write, store/sharded.py)."""
+        background, followed by `then(error)`: None, or what the writes raised (then must raise
+        it: it is called anyway so that a collective in it, such as the digests' gather, meets
+        the other ranks' even when this rank's write failed). With `then` a failed write leaves
+        the staging folder to it (as write(shared=True)); without, it removes the folder.
+        `make_room`: the step, to call make_room() first (rank 0), in the writer thread."""
         for name, obj in files.items():  # fail in the caller's thread, before anything is written
             _check_name(name)
             _check_loadable(obj, [name])
 
         def work() -> None:
-            for name, obj in files.items():
-                self._write_file(staging, name, obj)
+            error: BaseException | None = None
+            if make_room is not None:
+                self.make_room(make_room)
+            try:
+                for name, obj in files.items():
+                    self._write_file(staging, name, obj, abort=then is None)
+            except Exception as err:
+                error = err
             if then is not None:
-                then()
+                then(error)
+            elif error is not None:
+                raise error
 
         return AsyncWrite(work, staging)
+
+    def digests(self, staging: Path, names: list[str]) -> dict[str, tuple[int, int, str]]:
+        """(size, mtime_ns, sha256) of the named staged files, for those this process wrote
+        and hashed on their way out (for rank 0's add_digests)."""
+        return {n: self._digests[staging / n] for n in names if staging / n in self._digests}
 
     def add_digests(self, staging: Path, digests: dict[str, tuple[int, int, str]]) -> None:
         """(size, mtime_ns, sha256) of staged files other ranks wrote and hashed themselves (a
@@ -133,6 +181,7 @@ class CheckpointStore:
             self.abort(staging)
             raise _io_error(err, target, "commit the checkpoint") from None
         self._open.discard(staging)
+        self._committed = target
         try:
             self._prune(known_valid=target)
         except (OSError, DDPJobError):
@@ -142,6 +191,7 @@ class CheckpointStore:
     def save(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Single-process convenience: staging + write every file + commit."""
         staging = self.staging_dir(step, f"pid{os.getpid()}")
+        self.make_room(step)
         for name, obj in files.items():
             self.write(staging, name, obj)
         return self.commit(staging, step, meta)
@@ -259,13 +309,13 @@ class CheckpointStore:
             return {"size": st.st_size, "sha256": known[2]}
         return {"size": st.st_size, "sha256": manifest.sha256(path)}
 
-    def _write_file(self, staging: Path, name: str, obj: Any) -> None:
+    def _write_file(self, staging: Path, name: str, obj: Any, abort: bool = True) -> None:
         tmp = staging / f"{name}.tmp"
         recorder: _ErrnoRecorder | None = None
         try:
             with open(tmp, "wb") as f:
                 recorder = _ErrnoRecorder(f)
-                torch.save(obj, recorder)  # type: ignore[arg-type]
+                _torch_save(obj, recorder)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, staging / name)
@@ -273,7 +323,11 @@ class CheckpointStore:
             if sent is not None and st.st_size == sent.size:  # every byte went through the recorder
                 self._digests[staging / name] = (st.st_size, st.st_mtime_ns, sent.digest.hexdigest())
         except (OSError, RuntimeError) as err:
-            self.abort(staging)
+            if abort:
+                self.abort(staging)
+            else:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
             # torch.save turns the writer's OSError into a RuntimeError; the recorder kept the errno.
             os_err = err if isinstance(err, OSError) else (recorder.error if recorder else None)
             if os_err is None:

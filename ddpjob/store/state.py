@@ -3,8 +3,9 @@
 A state is a dict like torchtitan's: values with `state_dict`/`load_state_dict` (model, optimizer,
 LR scheduler, GradScaler, StepSampler, the user's own objects) and plain values (numbers,
 strings, tensors, lists and dicts of them). A checkpoint `step-N/` holds `<key>.pt` for each
-stateful value and `values.pt` for the plain ones, written by rank 0 (DDP keeps them equal on
-every rank), and `rank-<R>.pt` with every RNG of each rank. Loads use weights_only=True. With
+stateful value and `values.pt` for the plain ones, and `rank-<R>.pt` with every RNG of each rank.
+Rank 0 writes the models and the rest, ranks 1.. the optimizers (DDP keeps those equal on every
+rank: writers()); their sha256 reach rank 0 in one gather. Loads use weights_only=True. With
 `train.strategy = "fsdp"` the models and optimizers go through DCP instead (sharded.py): every
 rank writes its shards into the same staging folder, and the manifest covers them all.
 """
@@ -201,17 +202,32 @@ class StateStore:
         np.random.seed(s)
 
     # ---------------------------------------------------------------- saving
+    def writers(self, state: State, skip: list[str]) -> dict[str, int]:
+        """Which rank writes each `<key>.pt`: the optimizers round robin over ranks 1.., the rest
+        rank 0. Splitting the write halves the CPU a checkpoint takes from rank 0's training (on
+        the benchmark VM most of it is the kernel handing out page-cache pages, the sha256 and
+        the serialisation, all per byte). Only optimizers move: their state comes from the
+        all-reduced gradients, so every rank holds the same bits (DDP), whereas a model's
+        buffers (BatchNorm statistics) are each rank's own until DDP's next forward broadcasts
+        rank 0's, and a resume must load rank 0's to continue bit for bit. Decided from keys
+        and types only, so every rank draws the same plan without asking the others."""
+        plan = {key: 0 for key, obj in state.items() if key not in skip and _stateful(obj)}
+        if self.world_size > 1:
+            movable = sorted(k for k in plan if isinstance(state[k], torch.optim.Optimizer)
+                             and type(state[k]).__name__ != "ZeroRedundancyOptimizer")  # sharded state
+            for i, key in enumerate(movable):
+                plan[key] = 1 + i % (self.world_size - 1)
+        return plan
+
     def _files(self, state: State, skip: list[str]) -> dict[str, Any]:
+        """The files this rank writes: its RNG streams, the stateful keys writers() gives it and,
+        on rank 0, values.pt."""
         files: dict[str, Any] = {f"rank-{self.rank}.pt": rng.capture_rng_state()}
+        for key, rank in self.writers(state, skip).items():
+            if rank == self.rank:
+                files[f"{key}.pt"] = _target(state[key]).state_dict()
         if self.rank == 0:
-            values = {}
-            for key, obj in state.items():
-                if key in skip:
-                    continue  # through DCP
-                if _stateful(obj):
-                    files[f"{key}.pt"] = _target(obj).state_dict()
-                else:
-                    values[key] = obj
+            values = {k: v for k, v in state.items() if k not in skip and not _stateful(v)}
             if values:
                 files["values.pt"] = values
         return files
@@ -257,25 +273,56 @@ class StateStore:
         extra = self._meta(step, {**({"sharded": dcp_keys} if units else {}), **(meta or {})})
         in_dcp = sharded.state_dicts(units) if units else None
         if blocking or not self.async_save:
-            for name, obj in files.items():
-                self.store.write(staging, name, obj)
+            error = None
+            if self.rank == 0:
+                self.store.make_room(step)
+            try:
+                for name, obj in files.items():
+                    self.store.write(staging, name, obj, shared=True)
+            except Exception as err:  # told to the other ranks first: none of them waits for us
+                error = err
+            # every rank's .pt files are on disk before rank 0 commits (the gather is the barrier)
+            self._share(staging, list(files), error, self.control.group, background=False)
             if in_dcp is not None:
                 sharded.save(staging, in_dcp, self.control, self.rank, self._known(staging))
-            self.control.barrier("the checkpoint's write")  # every rank's files are on disk before rank 0 commits
             if self.rank == 0:
                 self.store.commit(staging, step, extra)
             self.control.barrier("the checkpoint's commit")  # nobody moves on (or exits) before it exists
             return
         snap = {name: CheckpointStore.snapshot(obj) for name, obj in files.items()}
-        then = None
-        if in_dcp is not None:
-            staged = sharded.stage(in_dcp, staging)  # the step blocks for this copy only
-            self.control.io_group()  # made here, on the main thread of every rank together
-            known = self._known(staging)
+        group = self.control.io_group()  # made here, on the main thread of every rank together
+        staged = sharded.stage(in_dcp, staging) if in_dcp is not None else None  # the step blocks for this copy only
+        known = self._known(staging)
 
-            def then() -> None:  # in the writer thread, after the .pt files: DCP's gathers on the io group
+        def then(error: BaseException | None) -> None:  # the writer thread, after the .pt files
+            self._share(staging, list(snap), error, group, background=True)
+            if staged is not None:  # DCP's gathers, on the io group too
                 sharded.save(staging, staged, self.control, self.rank, known, background=True)
-        self._pending = (self.store.write_async(staging, snap, then=then), staging, step, extra)
+        self._pending = (self.store.write_async(staging, snap, then=then, make_room=step if self.rank == 0 else None),
+                         staging, step, extra)
+
+    def _share(self, staging: Path, names: list[str], error: BaseException | None, group: Any, *,
+               background: bool) -> None:
+        """Collective, after each rank wrote its files (or failed to): rank 0 gets the sha256 each
+        rank took while writing (the commit need not read other ranks' files back), and every
+        rank learns whether any write failed, so that none commits or waits for a rank that
+        gave up. Raises this rank's own error, else one naming the rank that failed."""
+        mine: dict[str, tuple[int, int, str]] | str = self.store.digests(staging, names)
+        if error is not None:
+            mine = error.message if isinstance(error, DDPJobError) else f"{type(error).__name__}: {error}"
+        every = dist.all_gather_object(mine, what="the checkpoint's write", group=group, background=background)
+        failed = [(r, m) for r, m in enumerate(every) if isinstance(m, str)]
+        if failed:
+            self.store.abort(staging)  # every rank: whichever failed, the folder goes (never committed)
+        if error is not None:
+            raise error
+        if failed:
+            r, why = failed[0]
+            raise DDPJobError(f"rank {r} could not write its files of checkpoint {staging.name} ({why})",
+                              f"see rank {r}'s log; no checkpoint was committed, the older ones are untouched")
+        if self.rank == 0:
+            self.store.add_digests(staging, {n: d for part in every if isinstance(part, dict)
+                                             for n, d in part.items()})
 
     def _known(self, staging: Path) -> Callable[[dict[str, tuple[int, int, str]]], None]:
         return lambda digests: self.store.add_digests(staging, digests)
