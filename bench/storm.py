@@ -126,7 +126,8 @@ def storm(work: Path, run: Path, script: Path, size: StormSize,
             _wait(f"first step of attempt {k - 1}", lambda: _events(run, "first_step", restart=k - 1),
                   job, 600)
             first = time.monotonic()
-            due = first + size.every_s if last is None else max(last + size.every_s, first + size.min_run_s)
+            # the first one half a period in: the job must still be training after the last
+            due = first + size.every_s / 2 if last is None else max(last + size.every_s, first + size.min_run_s)
             time.sleep(max(0.0, due - time.monotonic()))
             if _events(run, "stop", reason="finished"):
                 raise RuntimeError(f"P11: the job finished before preemption {k}: give it more steps")
