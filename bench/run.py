@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # `python bench/run.py`: make `import bench` work
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness  # noqa: E402
-from bench.suite import BENCHMARKS, Bench, Row  # noqa: E402
+from bench.suite import BENCHMARKS, NO_DATA, ON_DEMAND, Bench, Row  # noqa: E402
 
 
 def _log(message: str) -> None:
@@ -41,14 +41,15 @@ def table(rows: list[Row]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("ids", nargs="*", metavar="ID",
-                    help=f"benchmarks to run ({', '.join(BENCHMARKS)}; default: all)")
+                    help=f"benchmarks to run ({', '.join(BENCHMARKS)}; default: all but "
+                    f"{', '.join(sorted(ON_DEMAND))}, which run only when named)")
     ap.add_argument("--tiny", action="store_true", help="seconds-long smoke run for CI: tiny model, "
                     "few steps; the numbers mean nothing")
     ap.add_argument("--trials", type=int, help="trials per arm (default 5, and 3 for P5-P7; --tiny 1)")
     ap.add_argument("--work", help="work folder: data, logs, run dirs (default: $TMPDIR/ddpjob-bench-UID)")
     ap.add_argument("--json", help="also write the rows (with details) to this file")
     args = ap.parse_args(argv)
-    ids = [i.upper() for i in args.ids] or list(BENCHMARKS)
+    ids = [i.upper() for i in args.ids] or [i for i in BENCHMARKS if i not in ON_DEMAND]
     unknown = [i for i in ids if i not in BENCHMARKS]
     if unknown:
         ap.error(f"unknown benchmark id(s) {', '.join(unknown)}, expected some of {', '.join(BENCHMARKS)}")
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = harness.work_dir(args.work)
     t0 = time.monotonic()
-    root = harness.dataset(base, sizes)
+    root = harness.dataset(base, sizes) if set(ids) - NO_DATA else base
     before = harness.machine()
     _log(f"bench: {before['cpu']}, {before['cores']} cores, torch {before['torch']}, load {before['load']}; "
          f"work dir {base}")

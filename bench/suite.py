@@ -499,5 +499,17 @@ def p8(b: Bench) -> list[Row]:
     return [Row("P8", "GPU: images/s, loader share of step time, bf16 vs fp32", "report", measured, passed)]
 
 
+def p11(b: Bench) -> list[Row]:
+    from bench import p11 as storm  # the SLURM driver: only imported when P11 is asked for
+
+    return storm.p11(b)
+
+
 BENCHMARKS: dict[str, Callable[[Bench], list[Row]]] = {
-    "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9, "P10": p10}
+    "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9, "P10": p10,
+    "P11": p11}
+# Run only when named: P11 needs the SLURM test cluster and ~15 minutes, so neither the default
+# set nor CI's `bench --tiny` (tests/test_bench.py) may start it.
+ON_DEMAND = frozenset({"P11"})
+# Ids that do not read the CIFAR-10-format data set (a first run would write 50,000 images).
+NO_DATA = frozenset({"P8", "P11"})
