@@ -7,7 +7,8 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from bench import slurmctl, storm
-from bench.storm_ledger import Figures, figures, loss_mismatches, read_jsonl, train_records
+from bench.storm_ledger import Figures, figures, loss_mismatches, train_records
+from ddpjob.rundir import read_jsonl
 from ddpjob.launch import phases as phases_mod
 
 if TYPE_CHECKING:

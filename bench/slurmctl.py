@@ -1,17 +1,20 @@
 """The few SLURM commands P11 needs: submit, ask a job's state, release a requeued job, cancel.
 
-bench/ is not allowed to import tests/ (slurmtools.py lives there), and ddpjob.launch.slurm
-speaks for users' jobs, not for a benchmark driver, so these are the bench's own thin wrappers
-over the real commands. Every query names one job id: the cluster is shared.
+bench/ is not allowed to import tests/ (slurmtools.py lives there), so these are the waits and
+retries a benchmark driver needs, over ddpjob's one runner of SLURM commands
+(ddpjob.launch.slurm: timeouts, a failed command told from an answer). Every query names one
+job id: the cluster is shared.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
+
+from ddpjob.launch import slurm
 
 # A requeueable job that was preempted goes back to PENDING: PREEMPTED is final only otherwise.
 FINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -30,48 +33,42 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], stdin: str | None = None, cwd: Path | None = None,
-         env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    for attempt in range(3):  # a busy slurmctld answers "Socket timed out": worth a retry
-        proc = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=60,
-                              cwd=cwd, env=env)
-        if proc.returncode == 0 or "timed out" not in proc.stderr or attempt == 2:
+def _run(args: list[str], cwd: Path | None = None, env: dict[str, str] | None = None,
+         check: bool = True) -> slurm.Result:
+    """ddpjob's one SLURM runner (timeouts, failed told from answered), asked again when a busy
+    slurmctld does not answer in time; raises SlurmError for a failure when `check`."""
+    for attempt in range(3):
+        res = slurm.run(args, timeout=60, env=env, cwd=cwd)
+        if res.ok or not re.search(r"timed out|no answer", res.error) or attempt == 2:
             break
         time.sleep(2)
-    if check and proc.returncode != 0:
-        raise SlurmError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc
+    if check and not res.ok:
+        raise SlurmError(res.error)
+    return res
 
 
 def up() -> bool:
-    try:
-        return subprocess.run(["sinfo", "-h"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return slurm.run(["sinfo", "-h"], timeout=20).ok
 
 
-def sbatch(script: Path | str, *args: str, cwd: Path, env: dict[str, str]) -> str:
-    """`sbatch --parsable`; `script` is a file, or the script's text (contains a newline)."""
-    text = script if isinstance(script, str) and "\n" in script else None
-    argv = ["sbatch", "--parsable", *args] + ([] if text is not None else [str(script)])
-    out = _run(argv, stdin=text, cwd=cwd, env=env).stdout.strip().split(";")[0]
-    if not out.isdigit():
+def sbatch(script: Path, *args: str, cwd: Path, env: dict[str, str]) -> str:
+    """`sbatch --parsable ARGS SCRIPT` -> the job id."""
+    out = _run(["sbatch", "--parsable", *args, str(script)], cwd=cwd, env=env).stdout.strip().split(";")[0]
+    if not slurm.JOB_ID.fullmatch(out):
         raise SlurmError(f"sbatch printed {out!r}, expected a job id")
     return out
 
 
 def state(job_id: str) -> str | None:
-    """JobState from slurmctld, or from accounting once slurmctld has forgotten the job."""
-    out = _run(["scontrol", "show", "job", "-o", job_id], check=False).stdout
-    for word in out.split():
-        if word.startswith("JobState="):
-            return word.split("=", 1)[1]
-    acct = _run(["sacct", "-n", "-X", "-P", "-o", "JobIDRaw,State", "-j", job_id], check=False).stdout
-    for line in acct.splitlines():
-        raw, _, st = line.partition("|")
-        if raw == job_id and st:
-            return st.split()[0]
-    return None
+    """JobState from slurmctld, or from accounting (the newest incarnation) once slurmctld has
+    forgotten the job."""
+    info = slurm.show_job(job_id)
+    if not isinstance(info, slurm.Failed) and info.get("JobState"):
+        return info["JobState"]
+    rows = slurm.sacct_states([job_id])
+    states = [] if isinstance(rows, slurm.Failed) else [r[1].split()[0] for r in rows
+                                                       if len(r) > 1 and r[0] == job_id and r[1]]
+    return states[-1] if states else None
 
 
 def wait_state(job_id: str, wanted: Iterable[str], timeout: float) -> str:
@@ -98,8 +95,8 @@ def wait_done(job_id: str, timeout: float) -> str:
 
 
 def _requeueable(job_id: str) -> bool:
-    out = _run(["scontrol", "show", "job", "-o", job_id], check=False).stdout
-    return "Requeue=1" in out
+    info = slurm.show_job(job_id)
+    return not isinstance(info, slurm.Failed) and info.get("Requeue") == "1"
 
 
 def release(job_id: str) -> None:
@@ -108,7 +105,7 @@ def release(job_id: str) -> None:
 
 
 def cancel(job_id: str) -> None:
-    _run(["scancel", job_id], check=False)
+    slurm.cancel(job_id)  # best effort: the job may be gone already
 
 
 def active(job_id: str) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import slurmctl
-from bench.storm_ledger import read_jsonl
+from ddpjob.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "smoke.toml"
@@ -117,6 +117,8 @@ def storm(work: Path, run: Path, script: Path, size: StormSize,
     env = slurmctl.clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     slurmctl.wait_free(timeout=600)
     job = slurmctl.sbatch(script, cwd=work, env=env)
+    high = work / "high.sh"  # the preempting job: both nodes, exclusive, one second
+    high.write_text("#!/bin/bash\nsleep 1\n")
     highs: list[str] = []
     held = 0.0
     try:
@@ -131,7 +133,7 @@ def storm(work: Path, run: Path, script: Path, size: StormSize,
             time.sleep(max(0.0, due - time.monotonic()))
             if _events(run, "stop", reason="finished"):
                 raise RuntimeError(f"P11: the job finished before preemption {k}: give it more steps")
-            highs.append(slurmctl.sbatch("#!/bin/bash\nsleep 1\n", "--partition=high", "--nodes=2",
+            highs.append(slurmctl.sbatch(high, "--partition=high", "--nodes=2",
                                          "--exclusive", "--time=2", "--job-name=p11-high",
                                          f"--output={work / 'high-%j.out'}", cwd=work, env=env))
             last = time.monotonic()

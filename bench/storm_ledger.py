@@ -17,24 +17,13 @@ Definitions (bench/README.md, P11, says the same):
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddpjob.launch import phases as phases_mod
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """JSON lines; a torn last line (a writer killed mid-line) is skipped."""
-    out: list[dict[str, Any]] = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+from ddpjob.rundir import read_jsonl
 
 
 def train_records(run_dir: Path) -> list[dict[str, Any]]:

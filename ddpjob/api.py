@@ -280,6 +280,7 @@ class Job:
         With train.stop_vote = "overlap" (default) the vote started after step s is read after
         step s+1, so no step waits for it: a stop request lands one step later.
         `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
+        from ddpjob.node import compilecache
         from ddpjob.node.sampler import StepSampler
 
         if self._step is None:
@@ -305,8 +306,6 @@ class Job:
             step += 1
             self._step = step
             if first_step:  # the recovery's last phase ends here (launch/phases.py)
-                from ddpjob.node import compilecache
-
                 graphs = compilecache.graphs()  # torch.compile's work is in this first step
                 rundir.record_event(self.run_dir, "first_step", step=step, job_id=self.job_id,
                                     restart=self.restart, **({"graphs": graphs} if graphs else {}))

@@ -42,6 +42,7 @@ from typing import Any
 
 import pytest
 
+from ddpjob import rundir
 from ranks import LAG, REPO, TESTS, Ranks, assert_bit_equal, final_state, write_job
 from test_elastic import assert_each_sample_once_per_epoch, sample_log
 
@@ -76,13 +77,7 @@ def ddpjob(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subproce
 
 def lines(path: Path) -> list[dict[str, Any]]:
     """JSON lines; a torn last line (the writer was killed) is skipped."""
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return rundir.read_jsonl(path)
 
 
 def events(run: Path, kind: str | None = None) -> list[dict[str, Any]]:
