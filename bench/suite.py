@@ -490,13 +490,9 @@ def _p7(b: Bench, compiled: bool) -> list[Row]:
 
 # ------------------------------------------------------------------------------------ P8
 def p8(b: Bench) -> list[Row]:
-    import torch
+    from bench import p8 as gpu  # one GPU, each arm its own process: see bench/p8.py
 
-    if torch.cuda.is_available():
-        measured, passed = "not measured: GPU present but the GPU benchmark is not implemented", None
-    else:
-        measured, passed = "not measured: no GPU lent", None
-    return [Row("P8", "GPU: images/s, loader share of step time, bf16 vs fp32", "report", measured, passed)]
+    return gpu.p8(b)
 
 
 def p11(b: Bench) -> list[Row]:

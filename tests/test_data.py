@@ -186,6 +186,24 @@ def test_order_is_a_function_of_seed_and_epoch():
     assert len(a) == 16 and len(a[0]) == 1 and a[0][0][0].shape == (4, 3, 32, 32)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("augment", [False, True])
+def test_the_gpu_paths_one_copy_gives_the_same_batches(monkeypatch, channels_last, augment):
+    """On a GPU a step's ids, crop offsets and flips travel in one pinned tensor and the flip is a
+    selection (tests/test_gpu.py compares on a real GPU); here the same arithmetic runs on
+    the CPU, with the pinned copy replaced by the tensor itself (pinning needs CUDA)."""
+    import ddpjob.train.data as data_mod
+
+    ds = random_set(48)
+    kw = dict(micro_batch=3, accumulation=2, rank=1, world_size=2, channels_last=channels_last, augment=augment)
+    one_copy = loader(ds, **kw)
+    one_copy._one_copy = True
+    monkeypatch.setattr(data_mod, "_pinned_to", lambda t, device: t.contiguous())
+    for epoch in (0, 1):
+        assert same(collect(one_copy, epoch), collect(loader(ds, **kw), epoch))
+    assert same(collect(one_copy, 1, 3), collect(loader(ds, **kw), 1, 3))
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("accum", [1, 2])
 def test_every_sample_once_per_epoch_across_ranks(world, accum):

@@ -148,6 +148,28 @@ def test_interrupted_local_run_resumes_bit_exactly(tmp_path: Path) -> None:
     assert _losses(tmp_path / "reference") == _losses(tmp_path / "interrupted")
 
 
+# ------------------------------------------------------------------ loader
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_loader_on_the_gpu_gives_the_cpu_loaders_batches(channels_last: bool) -> None:
+    """The GPU path copies each step's indices once, through pinned memory, and flips by
+    selection: the same pixels and labels as the CPU path, so a run resumed on other hardware
+    reads the same data."""
+    from ddpjob.train.data import ArrayDataset, TensorLoader
+
+    g = torch.Generator().manual_seed(0)
+    ds = ArrayDataset(torch.randint(0, 256, (96, 3, 32, 32), dtype=torch.uint8, generator=g),
+                      torch.arange(96) % 10, tuple(str(i) for i in range(10)))
+    kw = dict(micro_batch=8, accumulation=2, rank=1, world_size=2, seed=0, augment=True,
+              channels_last=channels_last)
+    gpu, cpu = TensorLoader(ds, device="cuda", **kw), TensorLoader(ds, **kw)
+    steps = 0
+    for a, b in zip(gpu.batches(1), cpu.batches(1)):
+        for (x, y), (u, v) in zip(a, b):
+            assert x.is_cuda and torch.equal(x.cpu(), u) and torch.equal(y.cpu(), v)
+        steps += 1
+    assert steps == cpu.steps_per_epoch == 3
+
+
 # ------------------------------------------------------------------ async checkpoint
 @pytest.mark.parametrize("model_name, bound_ms", [("resnet18", 100.0), ("resnet50", 250.0)])
 def test_async_snapshot_blocks_briefly(tmp_path: Path, model_name: str, bound_ms: float) -> None:
