@@ -21,6 +21,7 @@ import torch.nn as nn
 from ddpjob.config import JobConfig
 from ddpjob.node.dist import DistContext
 from ddpjob.train import data, models
+from ddpjob.train.tensorloader import TensorLoader
 
 from bench.marks import Marks
 
@@ -67,7 +68,7 @@ def bare_ddp(spec: dict[str, Any], ctx: DistContext) -> Trial:
     t, rank, world = cfg.train, ctx.env.rank, ctx.env.world_size
     total = t.max_steps
     train = data.load_cifar10(cfg.data.root, train=True)
-    loader = data.TensorLoader(train, micro_batch=t.batch_size, accumulation=1, rank=rank,
+    loader = TensorLoader(train, micro_batch=t.batch_size, accumulation=1, rank=rank,
                                world_size=world, seed=t.seed, augment=cfg.data.augment,
                                channels_last=t.channels_last)
     # The data already in tensors: every batch of the run, made before the clock starts.

@@ -1,4 +1,4 @@
-"""ddpjob.train.data: the CIFAR-10 reader, the synthetic set, TensorLoader, eval sharding, plugins."""
+"""ddpjob.train.data and .tensorloader: the CIFAR-10 reader, the synthetic set, TensorLoader, eval sharding, plugins."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ddpjob.train import data
-from ddpjob.train.data import (CIFAR10_MEAN, CIFAR10_STD, ArrayDataset, PluginLoader, TensorLoader,
+from ddpjob.train.tensorloader import TensorLoader
+from ddpjob.train.data import (CIFAR10_MEAN, CIFAR10_STD, ArrayDataset, PluginLoader,
                          build_datasets, eval_batches, load_cifar10, load_plugin, make_synthetic,
                          make_train_loader)
 from ddpjob.errors import DDPJobError, UsageError
@@ -192,13 +193,13 @@ def test_the_gpu_paths_one_copy_gives_the_same_batches(monkeypatch, channels_las
     """On a GPU a step's ids, crop offsets and flips travel in one pinned tensor and the flip is a
     selection (tests/test_gpu.py compares on a real GPU); here the same arithmetic runs on
     the CPU, with the pinned copy replaced by the tensor itself (pinning needs CUDA)."""
-    import ddpjob.train.data as data_mod
+    import ddpjob.train.tensorloader as loader_mod
 
     ds = random_set(48)
     kw = dict(micro_batch=3, accumulation=2, rank=1, world_size=2, channels_last=channels_last, augment=augment)
     one_copy = loader(ds, **kw)
     one_copy._one_copy = True
-    monkeypatch.setattr(data_mod, "_pinned_to", lambda t, device: t.contiguous())
+    monkeypatch.setattr(loader_mod, "_pinned_to", lambda t, device: t.contiguous())
     for epoch in (0, 1):
         assert same(collect(one_copy, epoch), collect(loader(ds, **kw), epoch))
     assert same(collect(one_copy, 1, 3), collect(loader(ds, **kw), 1, 3))
@@ -337,7 +338,7 @@ def test_eval_with_more_ranks_than_samples_and_plugin_sets():
 # ------------------------------------------------------------------------------ plugins
 def test_load_plugin_resolves_and_explains_failures():
     assert load_plugin("ddpjob.train.data:make_synthetic") is make_synthetic
-    assert load_plugin("ddpjob.train.data:TensorLoader.sample_ids") is TensorLoader.sample_ids
+    assert load_plugin("ddpjob.train.tensorloader:TensorLoader.sample_ids") is TensorLoader.sample_ids
     with pytest.raises(DDPJobError, match="cannot import no_such_pkg_xyz") as err:
         load_plugin("no_such_pkg_xyz.mod:fn")
     assert "PYTHONPATH" in err.value.line()

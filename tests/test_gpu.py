@@ -154,7 +154,8 @@ def test_the_loader_on_the_gpu_gives_the_cpu_loaders_batches(channels_last: bool
     """The GPU path copies each step's indices once, through pinned memory, and flips by
     selection: the same pixels and labels as the CPU path, so a run resumed on other hardware
     reads the same data."""
-    from ddpjob.train.data import ArrayDataset, TensorLoader
+    from ddpjob.train.data import ArrayDataset
+    from ddpjob.train.tensorloader import TensorLoader
 
     g = torch.Generator().manual_seed(0)
     ds = ArrayDataset(torch.randint(0, 256, (96, 3, 32, 32), dtype=torch.uint8, generator=g),

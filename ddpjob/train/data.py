@@ -1,7 +1,8 @@
 """Datasets and loaders: what the trainer iterates over.
 
 build_datasets -> (CIFAR-10 pickle reader | synthetic set | "pkg.mod:fn" plugin) -> TensorLoader
-(whole set on the device as uint8, airbench-style) or PluginLoader (DataLoader) -> lists of
+(tensorloader.py: the whole set on the device as uint8, airbench-style) or PluginLoader
+(DataLoader) -> lists of
 `accumulation` normalized micro-batches per optimizer step. For a given global batch size the
 data (order and augmentation) depends only on (seed, epoch, step), never on how it is split
 over ranks and accumulation, so a job resumes bit-exactly in data at another world size.
@@ -18,13 +19,16 @@ import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ddpjob.errors import DDPJobError, UsageError
+
+if TYPE_CHECKING:
+    from ddpjob.train.tensorloader import TensorLoader
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -206,8 +210,7 @@ def make_synthetic(n: int, seed: int, num_classes: int = 10, image_size: int = 3
     return ArrayDataset(images, labels, tuple(f"class{k}" for k in range(num_classes)))
 
 
-# ------------------------------------------------------------------------ on-device loader
-class _Normalizer:
+class Normalizer:
     """uint8 [B, C, H, W] -> (x/255 - mean)/std as `dtype`, in one float conversion.
 
     The per-channel constants are expanded to whole-image maps in storage order, so the
@@ -244,147 +247,6 @@ class _Normalizer:
         return x if self.dtype == torch.float32 else x.to(self.dtype)
 
 
-class TensorLoader:
-    """The whole set lives on `device` as uint8; a step is index arithmetic plus one gather.
-
-    Step s of epoch e uses the global batch perm(seed, e)[s*G:(s+1)*G], G = micro_batch *
-    world_size * accumulation, viewed as [accumulation, world_size, micro_batch]: micro-step k
-    of rank r is [k, r]. Crop offsets and flips are drawn for the whole global batch from a
-    generator seeded by (seed, e, s), so a sample is augmented identically at any world size.
-    """
-
-    def __init__(self, ds: ArrayDataset, *, micro_batch: int, accumulation: int, rank: int,
-                 world_size: int, seed: int, augment: bool, device: torch.device | str = "cpu",
-                 channels_last: bool = False, mean: Sequence[float] = CIFAR10_MEAN,
-                 std: Sequence[float] = CIFAR10_STD, dtype: torch.dtype = torch.float32) -> None:
-        if micro_batch < 1 or accumulation < 1 or not 0 <= rank < world_size:
-            raise UsageError(f"micro_batch={micro_batch}, accumulation={accumulation}, rank={rank}"
-                             f", world_size={world_size}: expected positive sizes, 0 <= rank < world")
-        self.micro_batch, self.accumulation = micro_batch, accumulation
-        self.rank, self.world_size, self.seed, self.augment = rank, world_size, seed, augment
-        self.global_batch = micro_batch * world_size * accumulation
-        self.steps_per_epoch = len(ds) // self.global_batch  # drop_last: equal steps on all ranks
-        if self.steps_per_epoch == 0:
-            raise DDPJobError(f"the training set has {len(ds)} samples, fewer than one global batch "
-                              f"of {self.global_batch} (batch_size {micro_batch} x world size "
-                              f"{world_size} x accumulation {accumulation})",
-                              "lower train.batch_size or the accumulation, or use more data")
-        self.device = torch.device(device)
-        self._one_copy = self.device.type == "cuda"  # a step's indices reach the GPU in one pinned copy
-        self.channels_last, self.dtype = channels_last, dtype
-        _, c, h, w = ds.images.shape
-        self._shape = (c, h, w)
-        images = F.pad(ds.images, (PAD,) * 4) if augment else ds.images  # pad once, on the host
-        if channels_last:  # store NHWC: batches come out channels_last with no permuting copy
-            images = images.permute(0, 2, 3, 1)
-        self._images = images.contiguous().to(self.device)  # the one host->device copy
-        self._labels = ds.labels.to(self.device)
-        self._normalize = _Normalizer(mean, std, c, self.device, dtype, channels_last)
-        hp, wp = h + 2 * PAD, w + 2 * PAD
-        self._sample_stride = c * hp * wp
-        # Every crop row is a run of pixels starting somewhere in the flat padded set (w values
-        # of one channel, or w*c interleaved values when NHWC). This overlapping view has one
-        # row per start, so a whole augmented batch is ONE index_select: a memcpy per row,
-        # ~10x faster on a CPU than advanced indexing or a per-element gather.
-        if channels_last:
-            run, self._pitch, self._px = w * c, wp * c, c
-            offsets = torch.arange(h) * wp * c
-        else:
-            run, self._pitch, self._px = w, wp, 1
-            offsets = ((torch.arange(c) * hp * wp).view(c, 1) + (torch.arange(h) * wp)).view(-1)
-        flat = self._images.view(-1)
-        self._runs = flat.as_strided((flat.numel() - run + 1, run), (1, 1))
-        self._row_offsets = offsets.view(1, -1).to(self.device)
-        self._perm_epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-    def _epoch_perm(self, epoch: int) -> torch.Tensor:
-        if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(_mix(self.seed, "perm", epoch))
-            self._perm, self._perm_epoch = torch.randperm(len(self._labels), generator=g), epoch
-        return self._perm
-
-    def _split(self, t: torch.Tensor) -> torch.Tensor:
-        """[G, ...] global-batch tensor -> [accumulation, micro_batch, ...] for this rank."""
-        return t.view(self.accumulation, self.world_size, self.micro_batch, *t.shape[1:])[:, self.rank]
-
-    def sample_ids(self, epoch: int, step: int) -> torch.Tensor:
-        """Global indices of the samples this rank uses at `step`, in micro-batch order."""
-        g = self.global_batch
-        return self._split(self._epoch_perm(epoch)[step * g:(step + 1) * g]).reshape(-1).clone()
-
-    def batches(self, epoch: int, start_step: int = 0) -> Iterator[list[Batch]]:
-        """For each optimizer step from `start_step`: `accumulation` (images, labels) pairs."""
-        perm, g = self._epoch_perm(epoch), self.global_batch
-        for step in range(start_step, self.steps_per_epoch):
-            ids = self._split(perm[step * g:(step + 1) * g])
-            if self.augment:  # all of this is host-side arithmetic on small CPU tensors
-                gen = torch.Generator().manual_seed(_mix(self.seed, "augment", epoch, step))
-                shift = self._split(torch.randint(0, 2 * PAD + 1, (g, 2), generator=gen))
-                flip = self._split(torch.randint(0, 2, (g,), generator=gen, dtype=torch.bool))
-                if self._one_copy:
-                    yield self._augmented_on_device(ids, shift, flip)
-                else:
-                    yield [self._augmented(ids[k], shift[k], flip[k]) for k in range(self.accumulation)]
-            elif self._one_copy:
-                ids = _pinned_to(ids, self.device)
-                yield [self._plain(ids[k]) for k in range(self.accumulation)]
-            else:
-                yield [self._plain(ids[k]) for k in range(self.accumulation)]
-
-    def _stored(self, u: torch.Tensor) -> torch.Tensor:
-        """Flat rows of a batch -> [B, C, H, W], or [B, H, W, C] when stored NHWC."""
-        c, h, w = self._shape
-        return u.view(-1, h, w, c) if self.channels_last else u.view(-1, c, h, w)
-
-    def _nchw(self, u: torch.Tensor) -> torch.Tensor:
-        """Stored layout -> logical [B, C, H, W] (a free permute: channels_last strides)."""
-        return u.permute(0, 3, 1, 2) if self.channels_last else u
-
-    def _plain(self, ids: torch.Tensor) -> Batch:
-        ids = ids.to(self.device, non_blocking=True)
-        u = self._nchw(self._stored(self._images.index_select(0, ids)))
-        return self._normalize(u), self._labels.index_select(0, ids)
-
-    def _augmented_on_device(self, ids: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor) -> list[Batch]:
-        """The step's micro-batches with ONE host->device copy: ids, crop offsets and flips
-        packed into one pinned tensor. A copy from pageable memory (or a `nonzero` on the
-        device) waits for the GPU, so the host could no longer queue work ahead of it: on an
-        H100 the per-step copies cost ResNet-18 at batch 128 about a fifth of its images/s.
-        The same pixels as `_augmented` (a flip by selection instead of index_copy_)."""
-        packed = _pinned_to(torch.cat([ids.unsqueeze(-1), shift, flip.unsqueeze(-1).long()], -1), self.device)
-        width_dim = 2 if self.channels_last else 3
-        out = []
-        for k in range(self.accumulation):
-            ids_k, dy, dx, flip_k = packed[k].unbind(1)
-            starts = ids_k * self._sample_stride + dy * self._pitch + dx * self._px
-            u = self._stored(self._runs.index_select(0, (starts.view(-1, 1) + self._row_offsets).view(-1)))
-            u = torch.where(flip_k.bool().view(-1, 1, 1, 1), u.flip(width_dim), u)
-            out.append((self._normalize(self._nchw(u)), self._labels.index_select(0, ids_k)))
-        return out
-
-    def _augmented(self, ids: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor) -> Batch:
-        starts = ids * self._sample_stride + shift[:, 0] * self._pitch + shift[:, 1] * self._px
-        starts = starts.to(self.device, non_blocking=True)
-        u = self._stored(self._runs.index_select(0, (starts.view(-1, 1) + self._row_offsets).view(-1)))
-        flipped = flip.nonzero().view(-1)  # a CPU tensor: no device sync
-        if len(flipped):
-            flipped = flipped.to(self.device, non_blocking=True)
-            width_dim = 2 if self.channels_last else 3
-            u.index_copy_(0, flipped, u.index_select(0, flipped).flip(width_dim))
-        u = self._nchw(u)
-        ids = ids.to(self.device, non_blocking=True)
-        return self._normalize(u), self._labels.index_select(0, ids)
-
-
-def _pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor onto a GPU without waiting for it: through page-locked memory,
-    whose asynchronous copy the caching host allocator keeps alive until it is done."""
-    return t.contiguous().pin_memory().to(device, non_blocking=True)
-
-
 def eval_batches(ds: Any, *, batch_size: int, rank: int, world_size: int,
                  device: torch.device | str, channels_last: bool = False,
                  mean: Sequence[float] = CIFAR10_MEAN, std: Sequence[float] = CIFAR10_STD,
@@ -400,7 +262,7 @@ def eval_batches(ds: Any, *, batch_size: int, rank: int, world_size: int,
     bounds = [lo + (hi - lo) * k // max(count, 1) for k in range(count + 1)] if same_count else \
         [min(lo + k * batch_size, hi) for k in range(count + 1)]
     if isinstance(ds, ArrayDataset):
-        normalize = _Normalizer(mean, std, ds.images.shape[1], device, dtype, channels_last)
+        normalize = Normalizer(mean, std, ds.images.shape[1], device, dtype, channels_last)
         for i, j in zip(bounds, bounds[1:]):
             u = ds.images[i:j].to(device, non_blocking=True)
             yield (normalize(u),
@@ -459,7 +321,7 @@ def _plugin_batch(x: torch.Tensor, y: torch.Tensor, device: torch.device, channe
                   mean: Sequence[float], std: Sequence[float], dtype: torch.dtype) -> Batch:
     x = x.to(device, non_blocking=True)
     if x.dtype == torch.uint8:  # raw pixels: normalize like the fast path
-        x = _Normalizer(mean, std, x.shape[1], device, dtype, channels_last)(x)
+        x = Normalizer(mean, std, x.shape[1], device, dtype, channels_last)(x)
     else:  # the plugin's transforms already produced float tensors
         x = x.to(dtype=dtype, memory_format=torch.channels_last if channels_last
                  else torch.contiguous_format)
@@ -523,6 +385,8 @@ class PluginLoader:
 def make_train_loader(ds: Any, *, num_workers: int = 0, **kwargs: Any) -> TensorLoader | PluginLoader:
     """TensorLoader for in-memory sets (cifar10, synthetic, ArrayDataset plugins), else PluginLoader."""
     if isinstance(ds, ArrayDataset):
+        from ddpjob.train.tensorloader import TensorLoader  # (it imports this module)
+
         return TensorLoader(ds, **kwargs)
     return PluginLoader(ds, num_workers=num_workers, **kwargs)
 
