@@ -1,6 +1,6 @@
 """`python -m ddpjob` is the same as the `ddpjob` console script."""
 
-from ddpjob.cli import main
+from ddpjob.cli import console
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -156,6 +157,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, type=_path("-o"), help="PNG file to write")
     p.set_defaults(func=_handler("ddpjob.launch.plot:cmd_plot"))
     return parser
+
+
+def console() -> NoReturn:
+    """The `ddpjob` command (and `python -m ddpjob`): main(), then the process ends with its
+    status. A rank that failed leaves its process group standing (node/dist.py: its peers may
+    still be inside a collective with it), and the interpreter's teardown then sometimes
+    aborts in torch's C++ destructors ("terminate called without an active exception"):
+    SIGABRT and a core instead of exit 1, in about one of six 2-rank gloo failures. Such a
+    process ends here, its output flushed, without that teardown (everything of ddpjob's is
+    closed by then: Job.close)."""
+    code = main()
+    dist = sys.modules.get("ddpjob.node.dist")  # never imported by the login-side commands
+    if dist is not None and getattr(dist, "left_standing", False):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken pipe: nothing more to say there
+                pass
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

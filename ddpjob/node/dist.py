@@ -31,6 +31,9 @@ from ddpjob.node.cluster import ClusterEnv
 
 # This process's hang watch (node/hang.py), while it is one rank of a group of several.
 _watch: hang.Watch | None = None
+# True once a failed rank left its process group standing (DistContext.destroy(None)): the
+# `ddpjob` command then ends the process without the interpreter's teardown (cli.console).
+left_standing = False
 
 
 @dataclass
@@ -53,7 +56,7 @@ class DistContext:
         collective for it, so neither a barrier (a non-zero rank's monitored_barrier waits for
         rank 0 for the whole process-group timeout) nor a teardown that waits for queued work;
         the process exits and srun --kill-on-bad-exit / the local launcher ends the peers."""
-        global _watch
+        global _watch, left_standing
         if not self.initialized or not self.owned or not dist.is_initialized():
             return
         if _watch is not None:
@@ -61,6 +64,7 @@ class DistContext:
             _watch = None
         if barrier_timeout_s is None:
             self.initialized = False
+            left_standing = True
             return
         try:
             if self.backend == "gloo":
