@@ -169,7 +169,7 @@ def console() -> NoReturn:
     closed by then: Job.close)."""
     code = main()
     dist = sys.modules.get("ddpjob.node.dist")  # never imported by the login-side commands
-    if dist is not None and getattr(dist, "left_standing", False):
+    if dist is not None and dist.left_standing:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

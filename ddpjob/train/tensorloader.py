@@ -129,24 +129,24 @@ class TensorLoader:
         out = []
         for k in range(self.accumulation):
             ids_k, dy, dx, flip_k = packed[k].unbind(1)
-            starts = ids_k * self._sample_stride + dy * self._pitch + dx * self._px
-            u = self._stored(self._runs.index_select(0, (starts.view(-1, 1) + self._row_offsets).view(-1)))
+            u = self._crop(ids_k, dy, dx)
             u = torch.where(flip_k.bool().view(-1, 1, 1, 1), u.flip(width_dim), u)
             out.append((self._normalize(self._nchw(u)), self._labels.index_select(0, ids_k)))
         return out
 
+    def _crop(self, ids: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor) -> torch.Tensor:
+        """The padded images `ids` cropped at (dy, dx): one gather of crop rows, stored layout."""
+        starts = ids * self._sample_stride + dy * self._pitch + dx * self._px
+        return self._stored(self._runs.index_select(0, (starts.view(-1, 1) + self._row_offsets).view(-1)))
+
     def _augmented(self, ids: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor) -> Batch:
-        starts = ids * self._sample_stride + shift[:, 0] * self._pitch + shift[:, 1] * self._px
-        starts = starts.to(self.device, non_blocking=True)
-        u = self._stored(self._runs.index_select(0, (starts.view(-1, 1) + self._row_offsets).view(-1)))
-        flipped = flip.nonzero().view(-1)  # a CPU tensor: no device sync
+        """The CPU path (everything already on the host): flips copied in place, only those drawn."""
+        u = self._crop(ids, shift[:, 0], shift[:, 1])
+        flipped = flip.nonzero().view(-1)
         if len(flipped):
-            flipped = flipped.to(self.device, non_blocking=True)
             width_dim = 2 if self.channels_last else 3
             u.index_copy_(0, flipped, u.index_select(0, flipped).flip(width_dim))
-        u = self._nchw(u)
-        ids = ids.to(self.device, non_blocking=True)
-        return self._normalize(u), self._labels.index_select(0, ids)
+        return self._normalize(self._nchw(u)), self._labels.index_select(0, ids)
 
 
 def _pinned_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
