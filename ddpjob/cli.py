@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -161,21 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def console() -> NoReturn:
     """The `ddpjob` command (and `python -m ddpjob`): main(), then the process ends with its
-    status. A rank that failed leaves its process group standing (node/dist.py: its peers may
-    still be inside a collective with it), and the interpreter's teardown then sometimes
-    aborts in torch's C++ destructors ("terminate called without an active exception"):
-    SIGABRT and a core instead of exit 1, in about one of six 2-rank gloo failures. Such a
-    process ends here, its output flushed, without that teardown (everything of ddpjob's is
-    closed by then: Job.close)."""
+    status; without the interpreter's teardown where a failed rank left its process group
+    standing (node/dist.py: end_without_teardown says why)."""
     code = main()
     dist = sys.modules.get("ddpjob.node.dist")  # never imported by the login-side commands
     if dist is not None and dist.left_standing:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a closed or broken pipe: nothing more to say there
-                pass
-        os._exit(code)
+        dist.end_without_teardown(code)
     sys.exit(code)
 
 

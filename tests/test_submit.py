@@ -110,6 +110,32 @@ def test_nodetask_pickles_and_translates_exit_codes(monkeypatch, tmp_path):
     assert calls == [str(tmp_path)] * 3
 
 
+@pytest.mark.parametrize("left_standing", [False, True])
+def test_a_failed_nodetask_with_its_group_standing_ends_after_submitit_without_the_teardown(
+        tmp_path, left_standing):
+    """Under submitit a failed rank's exception must still reach submitit (its result pickle,
+    its log line) and the process exit 1; once the rank left its process group standing, the
+    interpreter's teardown (which could abort in torch's destructors: SIGABRT instead of 1) is
+    skipped after all of that. An atexit hook registered first stands for that teardown."""
+    code = ("import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"
+            "from ddpjob.launch import submit; from ddpjob.node import dist, runner\n"
+            f"dist.left_standing = {left_standing}\n"
+            "def failed(run_dir, argv=None):\n    return 1\n"
+            "runner.run_node = failed\n"
+            "try:\n"
+            f"    submit.NodeTask({str(tmp_path)!r})()\n"
+            "except RuntimeError:\n"
+            "    print('submitit saw the failure', flush=True)\n"
+            "    raise\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "submitit saw the failure" in out.stdout
+    assert "RuntimeError: ddpjob run" in out.stderr and "exited with 1" in out.stderr
+    assert ("teardown ran" in out.stdout) is not left_standing
+
+
 def test_nodetask_checkpoint_resubmits_the_same_stateless_task(tmp_path):
     task = submit.NodeTask(tmp_path)
     delayed = task.checkpoint()

@@ -20,6 +20,7 @@ submitit's handler before ours is installed, `checkpoint()` hands submitit the s
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
 import itertools
@@ -60,7 +61,9 @@ class NodeTask:
         if code == EXIT_REQUEUE:
             # rank 0's Job decided and did the requeue (node/requeue.py): nothing to decide here
             raise SystemExit(EXIT_REQUEUE)  # checkpoint written, requeue asked: no result pickle
-        if self._retried_after_crash(code):
+        retried = self._retried_after_crash(code)
+        _end_without_teardown_if_left_standing(code if retried else 1)
+        if retried:
             raise SystemExit(code)  # brought back from the newest checkpoint: no result pickle
         raise RuntimeError(f"ddpjob run {self.run_dir} exited with {code}; see the rank logs "
                            f"(`ddpjob logs {self.run_dir} --rank R`)")
@@ -84,6 +87,19 @@ class NodeTask:
 
     def __repr__(self) -> str:
         return f"NodeTask({self.run_dir!r})"
+
+
+def _end_without_teardown_if_left_standing(status: int) -> None:
+    """A rank that failed alone left its process group standing (node/dist.py), and the
+    interpreter's teardown could then abort (SIGABRT and a core instead of `status`). Under
+    submitit the process must still go through submitit's own ending first (it writes the
+    result pickle, logs, and raises), so the teardown is skipped from an atexit hook: it runs
+    after all of that and before torch's destructors. `status` is what the process would exit
+    with anyway (1 for the exception submitit re-raises)."""
+    from ddpjob.node import dist
+
+    if dist.left_standing:
+        atexit.register(dist.end_without_teardown, status)
 
 
 # ------------------------------------------------------------------ sweeps

@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,22 @@ from ddpjob.node.cluster import ClusterEnv
 # This process's hang watch (node/hang.py), while it is one rank of a group of several.
 _watch: hang.Watch | None = None
 # True once a failed rank left its process group standing (DistContext.destroy(None)): the
-# `ddpjob` command then ends the process without the interpreter's teardown (cli.console).
+# process then ends through end_without_teardown (cli.console; NodeTask under submitit).
 left_standing = False
+
+
+def end_without_teardown(code: int) -> NoReturn:
+    """End this process with `code`, its output flushed, skipping the interpreter's teardown.
+    Why: with a process group left standing (a failed rank's peers may still be inside a
+    collective with it) that teardown sometimes aborts in torch's C++ destructors ("terminate
+    called without an active exception"): SIGABRT and a core instead of exit 1, in about one
+    of six 2-rank gloo failures. Everything of ddpjob's is closed by then (Job.close)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more to say there
+            pass
+    os._exit(code)
 
 
 @dataclass
