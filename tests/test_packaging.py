@@ -72,3 +72,31 @@ def test_installed_wheel_renders_from_its_own_files(wheel: Path, tmp_path: Path)
     assert script == golden.replace("/scratch/runs/example", str(work / "run")).replace(
         "/opt/venv/bin/python", os.path.abspath(sys.executable))
     assert (work / "run" / "config.json").is_file()
+
+
+def test_setup_says_in_one_line_when_the_disk_cannot_hold_torch(tmp_path: Path) -> None:
+    """tools/setup.sh on a filesystem too small for torch's wheels (a real 64 MiB tmpfs): one
+    error line naming the free space and the need, exit 1, before pip starts (which would fail
+    half-way with "No space left on device", as CI once did on a full disk)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs", str(disk)], check=True)
+    try:
+        (disk / "tools").mkdir()
+        shutil.copy2(REPO / "tools" / "setup.sh", disk / "tools" / "setup.sh")
+        for name in ("setup.cfg", "pyproject.toml"):
+            shutil.copy2(REPO / name, disk / name)
+        env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+        r = subprocess.run(["bash", str(disk / "tools" / "setup.sh")], capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert r.returncode == 1, r.stdout + r.stderr
+        errors = r.stderr.strip().splitlines()
+        assert len(errors) == 1, r.stderr
+        assert re.fullmatch(r"\[setup\] error: \d+ MiB free for .*/\.venv, torch 2\.14\.1 \+ torchvision "
+                            r"0\.29\.1 need about 6 GiB\. Hint: .*", errors[0]), errors[0]
+        assert "installing torch" not in r.stdout
+        assert not list((disk / ".venv").glob("lib/python*/site-packages/torch"))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
