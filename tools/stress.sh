@@ -2,6 +2,9 @@
 # The suite as CI runs it, on a fresh clone of HEAD, with both cores busy (`stress-ng --cpu 2`
 # beside it the whole time): how this project checks that no test races the clock.
 #   bash tools/stress.sh [NAME]    log: /tmp/NAME.log, pytest's temp dirs: /tmp/NAME-bt
+# The clone (its .venv alone is ~5.5 GB) and the temp dirs are removed at the end, the log kept;
+# KEEP=1 keeps them. Why: CI runs on this same machine after the session, and each clone left
+# behind holds ~6 GB of its disk (one CI run failed in pip: "No space left on device").
 # It holds /tmp/ddpjob-cluster.lock while it runs (CI=true restarts the SLURM test cluster with
 # --clean): wrap other cluster users or benchmarks in `flock /tmp/ddpjob-cluster.lock ...`.
 set -u
@@ -23,5 +26,7 @@ t0=$(date +%s)
 CI=true PYTEST_ADDOPTS="--basetemp=/tmp/$name-bt -p no:cacheprovider -rfE --durations=25" bash .ci/run
 rc=$?
 kill "$spid"; wait "$spid" 2>/dev/null
+cd /tmp
+[ "${KEEP:-0}" = 1 ] || rm -rf "/tmp/$name" "/tmp/$name-bt"
 echo "end $(date -u +%T) rc=$rc took $(( $(date +%s) - t0 )) s"
 exit "$rc"
