@@ -192,8 +192,9 @@ class Job:
             ", deterministic kernels (train.deterministic)" if cfg.train.deterministic
             else ", fastest kernels, cudnn.benchmark (train.deterministic = false: resumes not bit-exact)")
         console.print0(f"ddpjob run {run_dir}: {self.env.describe()}{kernels}")
+        self._uncaught: int | None = None  # the exit status of an uncaught error (scripts run alone)
         if standalone:
-            atexit.register(self.close)
+            atexit.register(self._at_exit)
             self._excepthook = sys.excepthook
             sys.excepthook = self._report_uncaught
 
@@ -212,6 +213,19 @@ class Job:
         explained = self.explain(exc)
         if isinstance(explained, DDPJobError):
             print(explained.line(), file=sys.stderr, flush=True)
+        self._uncaught = 130 if issubclass(kind, KeyboardInterrupt) else 1
+
+    def _at_exit(self) -> None:
+        """Scripts run alone. After an uncaught error this rank failed alone: its peers wait for
+        it inside some collective, not in close()'s exit barrier, which would hold this process
+        for the whole dist_timeout_s (300 s) so that torchrun or srun could not end the job
+        before then. So: no barrier, and no interpreter teardown with the group left standing
+        (dist.end_without_teardown), as `ddpjob run` does."""
+        self.close(failed=self._uncaught is not None)
+        from ddpjob.node import dist
+
+        if self._uncaught is not None and dist.left_standing:
+            dist.end_without_teardown(self._uncaught)
 
     # ------------------------------------------------------------------ model
     def wrap(self, model: Any, **ddp_kwargs: Any) -> Any:

@@ -5,7 +5,9 @@ DataLoader with a StepSampler, a stateful object of the user's own and a plain v
 [user] keys: steps, global_batch, workers, signal_at (rank:step, e.g. "1:7": that rank sends
 itself SIGUSR2 during that step: the stop is caused at that step, not by a timer), stall_at
 (rank:step[:after]: that rank stops making progress in that step, before its backward pass
-or, with ":after", after its optimizer step, and prints "stalled at <unix time>"), job (a job file for runs started alone).
+or, with ":after", after its optimizer step, and prints "stalled at <unix time>"), raise_at
+(rank:step: that rank raises ValueError in that step, before its backward pass, while its
+peers go on into DDP's all-reduce), job (a job file for runs started alone).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> None:
     who, _, when = str(u.get("signal_at", "")).partition(":")
     stall_rank, _, stall_step = str(u.get("stall_at", "")).partition(":")
     stall_step, _, stall_after = stall_step.partition(":")
+    raise_rank, _, raise_step = str(u.get("raise_at", "")).partition(":")
     for step in job.steps(state, steps):
         x, y, ids = next(batches)
         if who and int(who) == job.rank and int(when) == step and job.restart == 0:
@@ -79,6 +82,8 @@ def main() -> None:
         loss = nn.functional.mse_loss(model(x).squeeze(1), y)
         if stall_rank and int(stall_rank) == job.rank and int(stall_step) == step and not stall_after:
             stall()
+        if raise_rank and int(raise_rank) == job.rank and int(raise_step) == step:
+            raise ValueError(f"a bug in the user's code at step {step}")
         opt.zero_grad()
         loss.backward()
         opt.step()

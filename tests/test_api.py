@@ -5,6 +5,7 @@ a resume, and a result bit-identical to an uninterrupted run."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import LAG, REPO, TESTS, Ranks, assert_bit_equal, base_env, events, metrics, write_job
+from ranks import (LAG, REPO, TESTS, Ranks, assert_bit_equal, base_env, events, free_port, metrics,
+                   write_job)
 
 SCRIPT = TESTS / "api_script.py"
 
@@ -104,6 +106,27 @@ def test_samples_are_each_seen_once_per_epoch_across_the_stop(tmp_path: Path) ->
         ids = [i for (step, _), (_, got) in newest.items() if epoch * 16 < step <= (epoch + 1) * 16
                for i in got]
         assert sorted(ids) == list(range(256)), f"epoch {epoch}: repeats or gaps"
+
+
+def test_a_rank_that_raises_under_torchrun_ends_the_job_at_once(tmp_path: Path) -> None:
+    """The script on the API under a real torchrun (no `ddpjob run` around it); rank 1 raises in
+    step 3 while rank 0 goes on into DDP's gradient all-reduce. Rank 1 exits 1 at once (no exit
+    barrier: that held it for the whole dist_timeout_s while rank 0 waited in the all-reduce),
+    so torchrun ends rank 0 and the job fails with rank 1 as its root cause. dist_timeout_s is an
+    hour: nothing but that early exit ends the job within the test's timeout."""
+    job = write_job(tmp_path / "job.toml", train={"threads": 1, "dist_timeout_s": 3600},
+                    user={"steps": 20, "raise_at": "1:3"})
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                          str(SCRIPT), str(job)],
+                         cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "ValueError: a bug in the user's code at step 3" in out.stderr
+    cause = out.stderr[out.stderr.index("Root Cause"):]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: 1 ", cause), cause
+    assert "terminate called" not in out.stderr and "SIGABRT" not in out.stderr, out.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    assert not (run / "COMPLETED").exists()
 
 
 def test_bad_state_keys_are_refused_with_one_line(tmp_path: Path) -> None:
