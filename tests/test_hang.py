@@ -87,6 +87,25 @@ def test_a_stalled_rank_ends_the_job_with_its_name_host_and_stack(tmp_path: Path
     assert crash and "rank 1 (" in crash[0]["error"] and "did not arrive" in crash[0]["error"]
 
 
+def test_a_rank_that_raises_ends_its_peer_with_its_error_and_where_to_look(tmp_path: Path) -> None:
+    """Rank 1 raises in step 3 (a bug in the user's code) while rank 0 goes on into DDP's
+    all-reduce. Rank 1 ends at once, so rank 0's collective fails on the closed connection, and
+    its one line names rank 1's error and points at rank 1's log for the traceback (not at the
+    timeout). dist_timeout_s is an hour: nothing but that ends rank 0 within the test's wait."""
+    job = write_job(tmp_path / "job.toml",
+                    train={"entry": str(TESTS / "api_script.py"), "threads": 1, "dist_timeout_s": 3600},
+                    user={"steps": 20, "raise_at": "1:3"})
+    ranks = Ranks([str(job), "--run-dir", str(tmp_path / "run")], 2, tmp_path / "logs", job_id="raise")
+    codes = ranks.wait(300)
+    assert codes == [1, 1], ranks.output()
+    (line,) = [x for x in ranks.output(0).splitlines() if x.startswith("ddpjob: error:")]
+    assert f"rank 1 ({_host()}) failed: ValueError: a bug in the user's code at step 3" in line, line
+    assert line.endswith("Hint: rank 1's log holds its traceback; every rank's log holds every "
+                         "thread's stack at that moment."), line
+    rank1 = ranks.output(1)
+    assert "Traceback" in rank1 and "ValueError: a bug in the user's code at step 3" in rank1
+
+
 def _host() -> str:
     import socket
 

@@ -131,10 +131,14 @@ class Watch:
                 f"rank {self.rank} on {self.host}: {here} failed after {waited:.0f} s ({cause}), and "
                 "rank 0's store no longer answers: rank 0 has ended or its node is gone",
                 "look at rank 0's log for why it ended; every rank's stack is in its log")
+        failed = sorted(r.rank for r in reports.values() if r.failed and r.rank != self.rank)
+        # A peer that raised is the cause: its traceback is the place to look, not the timeout.
+        hint = (f"rank {failed[0]}'s log holds its traceback; every rank's log holds every "
+                "thread's stack at that moment" if failed else
+                "each rank's log holds every thread's stack at that moment; if a step can "
+                "legitimately take this long, raise train.dist_timeout_s")
         return DDPJobError(f"rank {self.rank} on {self.host}: {here} failed after {waited:.0f} s "
-                           f"({cause}); {describe(what, self.step, reports, self._hosts())}",
-                           "each rank's log holds every thread's stack at that moment; if a step "
-                           "can legitimately take this long, raise train.dist_timeout_s")
+                           f"({cause}); {describe(what, self.step, reports, self._hosts())}", hint)
 
     def explain(self, exc: BaseException) -> BaseException:
         """For an exception that ends this rank outside ddpjob's collectives: a collective that
