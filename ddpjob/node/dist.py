@@ -33,7 +33,8 @@ from ddpjob.node.cluster import ClusterEnv
 # This process's hang watch (node/hang.py), while it is one rank of a group of several.
 _watch: hang.Watch | None = None
 # True once a failed rank left its process group standing (DistContext.destroy(None)): the
-# process then ends through end_without_teardown (cli.console; NodeTask under submitit).
+# process then ends through end_without_teardown (cli.console; NodeTask under submitit; a
+# script run alone: Job._at_exit).
 left_standing = False
 
 
