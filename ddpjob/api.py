@@ -220,12 +220,12 @@ class Job:
         it inside some collective, not in close()'s exit barrier, which would hold this process
         for the whole dist_timeout_s (300 s) so that torchrun or srun could not end the job
         before then. So: no barrier, and no interpreter teardown with the group left standing
-        (dist.end_without_teardown), as `ddpjob run` does."""
+        (dist.end_if_left_standing), as `ddpjob run` does."""
         self.close(failed=self._uncaught is not None)
-        from ddpjob.node import dist
+        if self._uncaught is not None:
+            from ddpjob.node import dist
 
-        if self._uncaught is not None and dist.left_standing:
-            dist.end_without_teardown(self._uncaught)
+            dist.end_if_left_standing(self._uncaught)
 
     # ------------------------------------------------------------------ model
     def wrap(self, model: Any, **ddp_kwargs: Any) -> Any:

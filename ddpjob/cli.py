@@ -161,11 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 def console() -> NoReturn:
     """The `ddpjob` command (and `python -m ddpjob`): main(), then the process ends with its
     status; without the interpreter's teardown where a failed rank left its process group
-    standing (node/dist.py: end_without_teardown says why)."""
+    standing (node/dist.py: end_if_left_standing says why)."""
     code = main()
     dist = sys.modules.get("ddpjob.node.dist")  # never imported by the login-side commands
-    if dist is not None and dist.left_standing:
-        dist.end_without_teardown(code)
+    if dist is not None:
+        dist.end_if_left_standing(code)
     sys.exit(code)
 
 

@@ -33,7 +33,7 @@ then
     log "torch $TORCH and torchvision $TORCHVISION already installed"
 else
     # The x86_64 wheels are CUDA builds: ~5.5 GB in the venv. Say so in one line before pip
-    # fails half-way with "[Errno 28] No space left on device".
+    # fails half-way with "[Errno 28] No space left on device". 7 GiB: 1 GiB of room on top.
     free_kb=$(df -Pk "$VENV" | awk 'NR == 2 {print $4}')
     if [ "${free_kb:-0}" -lt $((7 * 1024 * 1024)) ]; then
         printf '[setup] error: %s MiB free for %s, torch %s + torchvision %s need about 6 GiB. Hint: free some space (an old clone'"'"'s .venv, /tmp) and rerun.\n' \

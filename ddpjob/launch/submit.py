@@ -62,7 +62,12 @@ class NodeTask:
             # rank 0's Job decided and did the requeue (node/requeue.py): nothing to decide here
             raise SystemExit(EXIT_REQUEUE)  # checkpoint written, requeue asked: no result pickle
         retried = self._retried_after_crash(code)
-        _end_without_teardown_if_left_standing(code if retried else 1)
+        # A rank that failed alone may have left its process group standing, whose teardown can
+        # abort (node/dist.py). submitit must still write its result pickle and re-raise first:
+        # atexit runs after that, with the status the process ends with (1 for the exception).
+        from ddpjob.node import dist
+
+        atexit.register(dist.end_if_left_standing, code if retried else 1)
         if retried:
             raise SystemExit(code)  # brought back from the newest checkpoint: no result pickle
         raise RuntimeError(f"ddpjob run {self.run_dir} exited with {code}; see the rank logs "
@@ -87,19 +92,6 @@ class NodeTask:
 
     def __repr__(self) -> str:
         return f"NodeTask({self.run_dir!r})"
-
-
-def _end_without_teardown_if_left_standing(status: int) -> None:
-    """A rank that failed alone left its process group standing (node/dist.py), and the
-    interpreter's teardown could then abort (SIGABRT and a core instead of `status`). Under
-    submitit the process must still go through submitit's own ending first (it writes the
-    result pickle, logs, and raises), so the teardown is skipped from an atexit hook: it runs
-    after all of that and before torch's destructors. `status` is what the process would exit
-    with anyway (1 for the exception submitit re-raises)."""
-    from ddpjob.node import dist
-
-    if dist.left_standing:
-        atexit.register(dist.end_without_teardown, status)
 
 
 # ------------------------------------------------------------------ sweeps

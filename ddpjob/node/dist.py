@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,17 +33,20 @@ from ddpjob.node.cluster import ClusterEnv
 # This process's hang watch (node/hang.py), while it is one rank of a group of several.
 _watch: hang.Watch | None = None
 # True once a failed rank left its process group standing (DistContext.destroy(None)): the
-# process then ends through end_without_teardown (cli.console; NodeTask under submitit; a
+# process then ends through end_if_left_standing (cli.console; NodeTask under submitit; a
 # script run alone: Job._at_exit).
 left_standing = False
 
 
-def end_without_teardown(code: int) -> NoReturn:
-    """End this process with `code`, its output flushed, skipping the interpreter's teardown.
-    Why: with a process group left standing (a failed rank's peers may still be inside a
-    collective with it) that teardown sometimes aborts in torch's C++ destructors ("terminate
-    called without an active exception"): SIGABRT and a core instead of exit 1, in about one
-    of six 2-rank gloo failures. Everything of ddpjob's is closed by then (Job.close)."""
+def end_if_left_standing(code: int) -> None:
+    """Where this rank failed and left its process group standing, end the process now with
+    `code`, its output flushed, skipping the interpreter's teardown; else return. Why: with the
+    group standing (the failed rank's peers may still be inside a collective with it) that
+    teardown sometimes aborts in torch's C++ destructors ("terminate called without an active
+    exception"): SIGABRT and a core instead of exit 1, in about one of six 2-rank gloo
+    failures. Everything of ddpjob's is closed by then (Job.close)."""
+    if not left_standing:
+        return
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -131,10 +131,10 @@ class Watch:
                 f"rank {self.rank} on {self.host}: {here} failed after {waited:.0f} s ({cause}), and "
                 "rank 0's store no longer answers: rank 0 has ended or its node is gone",
                 "look at rank 0's log for why it ended; every rank's stack is in its log")
-        failed = sorted(r.rank for r in reports.values() if r.failed and r.rank != self.rank)
+        failed = min((r.rank for r in reports.values() if r.failed and r.rank != self.rank), default=None)
         # A peer that raised is the cause: its traceback is the place to look, not the timeout.
-        hint = (f"rank {failed[0]}'s log holds its traceback; every rank's log holds every "
-                "thread's stack at that moment" if failed else
+        hint = (f"rank {failed}'s log holds its traceback; every rank's log holds every "
+                "thread's stack at that moment" if failed is not None else
                 "each rank's log holds every thread's stack at that moment; if a step can "
                 "legitimately take this long, raise train.dist_timeout_s")
         return DDPJobError(f"rank {self.rank} on {self.host}: {here} failed after {waited:.0f} s "
