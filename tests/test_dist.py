@@ -186,6 +186,7 @@ HOOK_WORKER = textwrap.dedent("""
     d.register_comm_hook(ddp, ordered=ordered, compression=compression)
     ddp(torch.randn(8, 64, generator=torch.Generator().manual_seed(env.rank))).square().sum().backward()
     print("RESULT " + json.dumps({"rank": env.rank, "grad": model.weight.grad.flatten().tolist()}), flush=True)
+    del ddp  # its reducer holds the group: freed first, gloo's threads are joined in destroy (test_trainer)
     ctx.destroy()
 """)
 
