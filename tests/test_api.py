@@ -129,6 +129,71 @@ def test_a_rank_that_raises_under_torchrun_ends_the_job_at_once(tmp_path: Path) 
     assert not (run / "COMPLETED").exists()
 
 
+SLOW_HOOK_SCRIPT = """
+import sys, time
+import torch, torch.distributed as dist
+import ddpjob
+
+job = ddpjob.init(sys.argv[1] if len(sys.argv) > 1 else None)  # under ddpjob run: its job file
+model = job.wrap(torch.nn.Linear(8, 4))
+calls = 0
+
+
+class Flush:  # what a user's hook may hold: a write that still runs when the script ends
+    def __del__(self) -> None:
+        time.sleep(2)
+        print(f"rank {job.rank}: hook flushed", flush=True)
+
+
+def hook(state, bucket):  # DDP runs `then` callbacks (and frees them) in gloo's worker threads
+    global calls
+    calls += 1
+    keep = Flush() if calls == 3 else None
+    buf = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: (keep, f.value()[0])[1])
+
+
+model.register_comm_hook(None, hook)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+state = {"model": model, "optimizer": opt}
+job.resume(state)
+for step in job.steps(state, 3):
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+job.finish(model)
+print(f"rank {job.rank}: script done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "ddpjob"])
+def test_the_groups_threads_end_before_the_interpreter(tmp_path: Path, launcher: str) -> None:
+    """A Python comm hook's last callback is freed by a gloo worker thread that is still busy
+    (2 s) when the script ends. The run's end (close) frees the process groups, which waits for
+    that thread: every rank prints its hook's line and exits 0. Before, the groups (held by
+    DDP) outlived close and the thread met the interpreter's finalization: the rank ended
+    without the line (the process was gone) or with SIGABRT ("terminate called without an
+    active exception") when the finalization was slow."""
+    script = tmp_path / "slow_hook.py"
+    script.write_text(SLOW_HOOK_SCRIPT)
+    job = write_job(tmp_path / "job.toml", slurm={"tasks_per_node": 2},
+                    train={"threads": 1, "entry": str(script)})
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), str(script), str(job)]
+    else:
+        cmd = [sys.executable, "-m", "ddpjob", "submit", str(job), "--backend", "local", "--wait"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    if launcher == "ddpjob":
+        (run,) = (tmp_path / "runs").iterdir()
+        text += "".join(p.read_text() for p in sorted(run.glob("**/*.log")))
+    assert out.returncode == 0, text
+    for rank in (0, 1):
+        assert f"rank {rank}: script done" in text and f"rank {rank}: hook flushed" in text, text
+    assert "terminate called" not in text, text
+
+
 def test_bad_state_keys_are_refused_with_one_line(tmp_path: Path) -> None:
     script = tmp_path / "bad.py"
     script.write_text("import ddpjob, torch\njob = ddpjob.init()\n"

@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -339,6 +339,26 @@ class Control:
         if self.active:
             with guard(what):
                 dist.barrier(group=self.group)
+
+    def release(self) -> None:
+        """Let go of the groups (after destroy(): see release_groups)."""
+        self.active, self.group, self._io = False, None, None
+
+
+def release_groups(ddp_models: Iterable[Any], control: Control) -> None:
+    """After a clean destroy() at the end of a run: drop what still holds the destroyed groups
+    (each DDP model's reducer, logger and group; the Control channel), so that they are freed
+    and their worker threads joined while the interpreter lives. Why: destroy_process_group
+    only unregisters a group that something still holds, and its gloo threads then live on
+    into the interpreter's finalization, where one that takes the GIL (dropping the callback of
+    a Python comm hook: bf16 compression, the rank-ordered sum, a user's own) is ended by
+    CPython inside C++ code: std::terminate, SIGABRT after a run that succeeded. Freeing a
+    group joins its threads with the GIL released (torch's destructor for groups), so a
+    callback still running finishes first. The models are of no use by then: their group is
+    gone."""
+    for ddp in ddp_models:
+        ddp.reducer = ddp.logger = ddp.process_group = None
+    control.release()
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> torch.Tensor:
