@@ -23,7 +23,6 @@ import gc
 import json
 import sys
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,7 +185,6 @@ class Job:
         self._samples: Any = None
         self._tb: Any = None  # metrics.TensorBoard on rank 0 with train.tensorboard, from resume()
         self._closed = False
-        self._wrapped: list[weakref.ref[Any]] = []  # the DDP models of wrap()
         self.vote_s = 0.0
         self._load_s: float | None = None  # resume()'s, for the recovery's phases (launch/phases.py)
         # On GPUs the kernel choice decides both speed and whether a resume is bit-exact: say it.
@@ -256,7 +254,7 @@ class Job:
             ddp_kwargs.setdefault("device_ids", [self.device.index])
         ddp_kwargs.setdefault("gradient_as_bucket_view", True)
         ddp = DDP(model, **ddp_kwargs)
-        self._wrapped.append(weakref.ref(ddp))  # released by close() (dist.release_groups)
+        self._ctx.hold(ddp)  # it lets go of the group at the end (DistContext._release)
         t = self.config.train
         dist.register_comm_hook(ddp, ordered=t.deterministic_reduce and self.world_size > 2,
                                 compression=t.grad_compression)
@@ -504,11 +502,6 @@ class Job:
             self._stop.uninstall()  # ddpjob run installed its own and removes it itself
         # After a failure the peers are stuck in some collective, not in our exit barrier.
         self._ctx.destroy(barrier_timeout_s=None if failed else 30.0)
-        if not failed:
-            from ddpjob.node import dist
-
-            dist.release_groups([m for m in (ref() for ref in self._wrapped) if m is not None],
-                                self._control)
         if self.is_rank0 and self.stopped_at is not None:  # the end of the recovery's exit phase
             rundir.record_event(self.run_dir, "exit", step=self.stopped_at, job_id=self.job_id,
                                 restart=self.restart)

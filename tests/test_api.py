@@ -108,6 +108,12 @@ def test_samples_are_each_seen_once_per_epoch_across_the_stop(tmp_path: Path) ->
         assert sorted(ids) == list(range(256)), f"epoch {epoch}: repeats or gaps"
 
 
+def _torchrun(script: Path, job: Path) -> list[str]:
+    """A real torchrun of `script` on 2 local ranks (no `ddpjob run` around it)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), str(script), str(job)]
+
+
 def test_a_rank_that_raises_under_torchrun_ends_the_job_at_once(tmp_path: Path) -> None:
     """The script on the API under a real torchrun (no `ddpjob run` around it); rank 1 raises in
     step 3 while rank 0 goes on into DDP's gradient all-reduce. Rank 1 exits 1 at once (no exit
@@ -116,10 +122,8 @@ def test_a_rank_that_raises_under_torchrun_ends_the_job_at_once(tmp_path: Path) 
     hour: nothing but that early exit ends the job within the test's timeout."""
     job = write_job(tmp_path / "job.toml", train={"threads": 1, "dist_timeout_s": 3600},
                     user={"steps": 20, "raise_at": "1:3"})
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          str(SCRIPT), str(job)],
-                         cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(_torchrun(SCRIPT, job), cwd=tmp_path, env=base_env(), capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "ValueError: a bug in the user's code at step 3" in out.stderr
     cause = out.stderr[out.stderr.index("Root Cause"):]
@@ -179,8 +183,7 @@ def test_the_groups_threads_end_before_the_interpreter(tmp_path: Path, launcher:
     job = write_job(tmp_path / "job.toml", slurm={"tasks_per_node": 2},
                     train={"threads": 1, "entry": str(script)})
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), str(script), str(job)]
+        cmd = _torchrun(script, job)
     else:
         cmd = [sys.executable, "-m", "ddpjob", "submit", str(job), "--backend", "local", "--wait"]
     out = subprocess.run(cmd, cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=300)

@@ -16,9 +16,10 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -63,10 +64,17 @@ class DistContext:
     initialized: bool
     timeout_s: float = 300.0
     owned: bool = True  # False: the group existed before (a benchmark pool): leave it standing
+    # What holds the groups past destroy_process_group: DDP models, the Control channel (weak).
+    _holders: list[weakref.ref[Any]] = field(default_factory=list, repr=False)
 
     @property
     def is_rank0(self) -> bool:
         return self.env.is_rank0
+
+    def hold(self, holder: Any) -> None:
+        """`holder` (a DDP model, a Control) keeps references to this job's groups: a clean
+        destroy() makes it let go of them (see _release)."""
+        self._holders.append(weakref.ref(holder))
 
     def destroy(self, barrier_timeout_s: float | None = 30.0) -> None:
         """Best-effort barrier (so no rank tears down while another still sends), then
@@ -97,7 +105,26 @@ class DistContext:
             dist.destroy_process_group()
         except Exception:  # already torn down by a failed collective: nothing to free
             pass
+        self._release()
         self.initialized = False
+
+    def _release(self) -> None:
+        """After a clean destroy_process_group: make the holders drop the groups, so that they
+        are freed and their worker threads joined while the interpreter lives. Why: destroy only
+        unregisters a group that something still holds (DDP's reducer, logger and group; the
+        Control channel), and its gloo threads then live on into the interpreter's finalization,
+        where one that takes the GIL (dropping the callback of a Python comm hook: bf16
+        compression, the rank-ordered sum, a user's own) is ended by CPython inside C++ code:
+        std::terminate, SIGABRT after a run that succeeded. Freeing a group joins its threads
+        with the GIL released (torch's destructor for groups), so a callback still running
+        finishes first. The DDP models are of no use by then: their group is gone."""
+        for ref in self._holders:
+            holder = ref()
+            if isinstance(holder, Control):
+                holder.release()
+            elif holder is not None:
+                holder.reducer = holder.logger = holder.process_group = None
+        self._holders.clear()
 
 
 def choose_backend(env: ClusterEnv, backend: str = "auto") -> str:
@@ -304,6 +331,7 @@ class Control:
         self._io: Any = None
         if ctx.initialized:
             self.group = dist.new_group(backend="gloo")
+            ctx.hold(self)
 
     def io_group(self) -> Any:
         """A third gloo group, for sharded checkpoints only (DCP's planning gathers and its final
@@ -341,24 +369,8 @@ class Control:
                 dist.barrier(group=self.group)
 
     def release(self) -> None:
-        """Let go of the groups (after destroy(): see release_groups)."""
+        """Let go of the groups (after a clean destroy: DistContext._release)."""
         self.active, self.group, self._io = False, None, None
-
-
-def release_groups(ddp_models: Iterable[Any], control: Control) -> None:
-    """After a clean destroy() at the end of a run: drop what still holds the destroyed groups
-    (each DDP model's reducer, logger and group; the Control channel), so that they are freed
-    and their worker threads joined while the interpreter lives. Why: destroy_process_group
-    only unregisters a group that something still holds, and its gloo threads then live on
-    into the interpreter's finalization, where one that takes the GIL (dropping the callback of
-    a Python comm hook: bf16 compression, the rank-ordered sum, a user's own) is ended by
-    CPython inside C++ code: std::terminate, SIGABRT after a run that succeeded. Freeing a
-    group joins its threads with the GIL released (torch's destructor for groups), so a
-    callback still running finishes first. The models are of no use by then: their group is
-    gone."""
-    for ddp in ddp_models:
-        ddp.reducer = ddp.logger = ddp.process_group = None
-    control.release()
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> torch.Tensor:
