@@ -1,15 +1,27 @@
-"""P8, one GPU: images/s, the loader's share of the step and seconds per epoch of
-jobs/cifar10_resnet18.toml as shipped and with one setting changed (fp32, compile,
-cudnn.benchmark, the seeds' network), beside the seeds' recipe on the same GPU and data.
+"""P8, one GPU: ddpjob's recipe against the seeds' at equal batch, the precision `amp = "auto"`
+picks, torch.compile's modes and an async checkpoint every 10 steps (issue 25).
 
-Each arm is its own process, run one after another: two processes side by side (P1-P7's
-lockstep) would share the one GPU. ddpjob's arms are `ddpjob run` itself, one rank, with
+Every ddpjob arm is `ddpjob run jobs/cifar10_resnet18.toml` itself, one rank, with
 `train.log_every` = one epoch, so metrics.jsonl's record at the end of epoch 2 is that epoch's
-window exactly (img_s, data_ms = host time waiting in next(batches), step_ms; the window ends
-in the loss's .item(), which waits for the GPU). Epoch 1 holds the warm-up (cuDNN's algorithm
-search, compilation, the loader's start) and is left out. The seeds' arm (`python -m bench.p8
-seeds`) is the seeds' loop timed the same way. `python -m bench.p8 loaders` times each data
-pipeline alone over one epoch.
+window exactly (img_s, data_ms = host time waiting in next(batches), step_ms; the window ends in
+the loss's .item(), which waits for the GPU). Epoch 1 holds the warm-up (kernel choice, CUDA
+graph recording, the loader's start) and is left out. The seeds' arm (`python -m bench.p8 seeds`)
+is the seeds' loop timed the same way. Each arm is its own process, one after another: two side by
+side would share the one GPU.
+
+The plan:
+1. **Cold compiles**, all at once (compiling is host work on many cores): each compile mode at
+   batch 128 on the seeds' network, into a cache of its own. Their start-up (launch to the end of
+   the first step) is the cold start of a compiled run; measured side by side, it is an upper bound.
+2. **Trials**, the arms interleaved (arm 1..n, then again), so a slow spell of the host hits all
+   alike: at batch 128 and 512, the seeds' recipe (fp32, PIL, 8 workers) and ddpjob's default
+   recipe on the seeds' network (the job file with `cifar_stem = false`; `amp = "auto"`), the same
+   in the precision auto did not pick, each compile mode again with its cached graphs (a resumed
+   start), and the default with an async checkpoint every 10 steps.
+3. **The job as shipped** (CIFAR stem) for a few steps, for the precision auto picks there.
+
+`--budget-s` (a lent GPU's time is short): an arm that would end past it is not started and its
+row says so. Each finished arm is appended to WORK/P8/arms.jsonl at once.
 """
 
 from __future__ import annotations
@@ -17,11 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from bench import harness
 
@@ -30,110 +45,348 @@ if TYPE_CHECKING:
 
 EPOCHS = 2  # figures from the second
 SEEDS_WORKERS = 8  # the seeds' DataLoader(num_workers=8)
-BATCH = 128  # per GPU, as jobs/cifar10_resnet18.toml
-# (label, per-GPU batch, overrides of jobs/cifar10_resnet18.toml); the first is the job as shipped
-JOB_ARMS: list[tuple[str, int, list[str]]] = [
-    ("job as shipped (bf16, CIFAR stem, deterministic kernels)", BATCH, []),
-    ("fp32 (train.amp = \"off\")", BATCH, ['train.amp="off"']),
-    ("bf16 + train.compile", BATCH, ["train.compile=true"]),
-    ("cudnn.benchmark (train.deterministic = false)", BATCH, ["train.deterministic=false"]),
-    ("the seeds' network (train.cifar_stem = false)", BATCH, ["train.cifar_stem=false"]),
-    # a batch large enough that the GPU, not the host's kernel launches, sets the pace
-    ("job as shipped", 4 * BATCH, []),
-    ("fp32 (train.amp = \"off\")", 4 * BATCH, ['train.amp="off"']),
-]
-SEEDS_NETWORK = 4  # the arm the seeds' recipe is compared with: the same network and batch
+BATCHES = (128, 512)  # per GPU: launch-bound, and large enough that the GPU sets the pace
+SEEDS_NET = ("train.cifar_stem=false",)  # torchvision's ResNet-18 as the seeds build it
+AMP = {"bf16": 'train.amp="bf16"', "fp32": 'train.amp="off"'}
+COMPILED = (("reduce-overhead", "bf16"), ("reduce-overhead", "fp32"), ("max-autotune-no-cudagraphs", "bf16"))
+PROBE_STEPS = 20  # the shipped job's arm: enough for auto's measurement and a first step
+# a first guess of an arm's seconds, until the same arm has run once (the budget's check)
+GUESS_S = {"seeds": 30.0, "job": 35.0, "cold": 240.0}
+_AUTO = re.compile(r"amp auto: (bf16|fp32) \(a training step measured ([0-9.]+) ms in bf16, ([0-9.]+) ms in fp32")
 
 
-def _env() -> dict[str, str]:
+@dataclass(frozen=True)
+class Arm:
+    key: str  # run dir and log name
+    label: str
+    batch: int  # per GPU, before --tiny's scaling
+    overrides: tuple[str, ...] = ()
+    seeds: bool = False  # the seeds' loop (fp32) instead of `ddpjob run`
+    cache: str = ""  # torch.compile's cache, shared by a mode's cold and warm arm
+    steps: int = 0  # > 0: only this many steps (no epoch window)
+
+
+def default_arm(batch: int) -> Arm:
+    return Arm(f"default-{batch}", f"ddpjob default (amp auto), batch {batch}", batch, SEEDS_NET)
+
+
+def precision_arm(batch: int, amp: str) -> Arm:
+    return Arm(f"{amp}-{batch}", f"ddpjob {amp}, batch {batch}", batch, SEEDS_NET + (AMP[amp],))
+
+
+def seeds_arm(batch: int) -> Arm:
+    return Arm(f"seeds-{batch}", f"the seeds' recipe (fp32, PIL, {SEEDS_WORKERS} workers), batch {batch}",
+               batch, seeds=True)
+
+
+def compiled_arm(mode: str, amp: str, phase: str) -> Arm:
+    return Arm(f"compile-{mode}-{amp}-{phase.split()[0]}", f"compile {mode}, {amp}, {phase}", 128,
+               SEEDS_NET + ("train.compile=true", f'train.compile_mode="{mode}"', AMP[amp]),
+               cache=f"{mode}-{amp}")
+
+
+CHECKPOINTED = Arm("ckpt10-128", "ddpjob default, async checkpoint every 10 steps, batch 128", 128,
+                   SEEDS_NET + ("checkpoint.every_steps=10", "checkpoint.keep_last=2"))
+SHIPPED = Arm("shipped-auto", f"the job as shipped (CIFAR stem, amp auto), {PROBE_STEPS} steps", 128,
+              steps=PROBE_STEPS)
+
+
+# ------------------------------------------------------------------------------ running an arm
+def _env(cache: Path | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
     env["PYTHONPATH"] = os.pathsep.join([str(harness.ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
+    if cache is not None:  # an exported cache wins over RUN_DIR/cache (ddpjob/node/compilecache.py)
+        env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"] = str(cache / "inductor"), str(cache / "triton")
+        env["TORCH_LOGS"] = "perf_hints"  # the log says why a CUDA graph was not recorded
     return env
 
 
-def _call(args: list[str], log: Path, timeout: float = 900) -> None:
-    with open(log, "w") as out:
-        proc = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, cwd=harness.ROOT, env=_env(),
-                              timeout=timeout)
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"{' '.join(args[:4])} exited {proc.returncode}: {tail}")
-
-
 def _batch(b: Bench, batch: int) -> int:
-    return batch if not b.sizes.tiny else b.sizes.batch * batch // BATCH
+    return batch if not b.sizes.tiny else b.sizes.batch * batch // 128
 
 
-def _common(b: Bench, batch: int) -> list[str]:
-    """The overrides every ddpjob arm shares."""
-    spe = b.sizes.n_train // batch
-    common = [f"data.root={json.dumps(str(b.root))}", f"train.epochs={EPOCHS}", "train.max_steps=0",
-              f"train.log_every={spe}", f"train.batch_size={batch}", "checkpoint.every_minutes=0",
-              "checkpoint.every_steps=0", "slurm.tasks_per_node=1", "slurm.gpus_per_node=1"]
-    if b.sizes.tiny:
-        common.append(f"train.model={json.dumps(b.sizes.model)}")
-    return common
+class Launch:
+    """One arm's process, started now; `result()` waits for it and reads its figures."""
+
+    def __init__(self, b: Bench, arm: Arm, *, cold: bool = False) -> None:
+        self.b, self.arm, self.cold = b, arm, cold
+        folder = b.base / "P8"
+        self.run_dir, self.log = folder / arm.key, folder / f"{arm.key}.log"
+        self.out = folder / f"{arm.key}.json"
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        cache = folder / "cache" / arm.cache if arm.cache else None
+        if cache is not None and cold:
+            shutil.rmtree(cache, ignore_errors=True)
+        batch = _batch(b, arm.batch)
+        if arm.seeds:
+            args = [sys.executable, "-m", "bench.p8", "seeds", str(b.root), str(batch), str(self.out)]
+        else:
+            args = [sys.executable, "-m", "ddpjob", "run", str(harness.JOB), "--run-dir", str(self.run_dir)]
+            for o in self._overrides(batch):
+                args += ["--set", o]
+        self.started, self.t0 = time.time(), time.monotonic()
+        self._file: IO[str] = open(self.log, "w")
+        self.proc = subprocess.Popen(args, stdout=self._file, stderr=subprocess.STDOUT, cwd=harness.ROOT,
+                                     env=_env(cache))
+
+    def _overrides(self, batch: int) -> list[str]:
+        b, arm = self.b, self.arm
+        spe = b.sizes.n_train // batch
+        common = [f"data.root={json.dumps(str(b.root))}", f"train.batch_size={batch}",
+                  "checkpoint.every_minutes=0", "checkpoint.every_steps=0", "slurm.tasks_per_node=1",
+                  "slurm.gpus_per_node=1"]
+        if arm.steps:
+            common += [f"train.max_steps={arm.steps}", f"train.log_every={arm.steps}", "train.eval_every=0"]
+        else:
+            common += [f"train.epochs={EPOCHS}", "train.max_steps=0", f"train.log_every={spe}"]
+        if b.sizes.tiny:
+            common.append(f"train.model={json.dumps(b.sizes.model)}")
+        return common + list(arm.overrides)
+
+    def result(self, timeout: float = 1200) -> dict[str, Any]:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self._file.close()
+        wall = time.monotonic() - self.t0
+        text = self.log.read_text(errors="replace")
+        if code != 0:
+            raise RuntimeError(f"P8 {self.arm.key} exited {code}: {text[-2000:]}")
+        if self.arm.seeds:
+            return {**json.loads(self.out.read_text()), "wall_s": wall}
+        return {**self._job_figures(), **_auto_choice(text), "wall_s": wall,
+                "cudagraph_skips": text.count("skipping cudagraphs")}
+
+    def _job_figures(self) -> dict[str, Any]:
+        from ddpjob.rundir import events, read_jsonl
+
+        batch = _batch(self.b, self.arm.batch)
+        last = self.arm.steps or EPOCHS * (self.b.sizes.n_train // batch)
+        records = read_jsonl(self.run_dir / "metrics.jsonl")
+        rec = [r for r in records if r.get("step") == last and "img_s" in r]
+        if not rec:
+            raise RuntimeError(f"P8 {self.arm.key}: no metrics record at step {last} in {self.run_dir}")
+        r = rec[-1]
+        first = [e for e in events(self.run_dir) if e["event"] == "first_step"]
+        acc = [x["eval_acc"] for x in records if "eval_acc" in x]
+        return {"img_s": r["img_s"], "data_ms": r["data_ms"], "step_ms": r["step_ms"],
+                "epoch_s": r["step_ms"] * (self.b.sizes.n_train // batch) / 1000,
+                "first_step_s": first[0]["time"] - self.started if first else None,
+                "graphs": first[0].get("graphs") if first else None,
+                "accuracy": acc[-1] if acc else None}
 
 
-def job_arm(b: Bench, name: str, batch: int, overrides: list[str]) -> dict[str, float]:
-    """`ddpjob run` of the job file on one GPU; epoch 2's window from metrics.jsonl."""
-    from ddpjob.rundir import read_jsonl
-
-    common = _common(b, batch)
-    run_dir = b.base / "P8" / name
-    if run_dir.exists():
-        import shutil
-        shutil.rmtree(run_dir)
-    args = [sys.executable, "-m", "ddpjob", "run", str(harness.JOB), "--run-dir", str(run_dir)]
-    for o in common + overrides:
-        args += ["--set", o]
-    started = time.monotonic()
-    _call(args, b.base / "P8" / f"{name}.log")
-    wall = time.monotonic() - started
-    spe = b.sizes.n_train // batch
-    rec = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("step") == EPOCHS * spe and "img_s" in r]
-    if not rec:
-        raise RuntimeError(f"P8 {name}: no metrics record at step {EPOCHS * spe} in {run_dir}")
-    r = rec[-1]
-    acc = [x["eval_acc"] for x in read_jsonl(run_dir / "metrics.jsonl") if "eval_acc" in x]
-    return {"img_s": r["img_s"], "data_ms": r["data_ms"], "step_ms": r["step_ms"],
-            "epoch_s": r["step_ms"] * spe / 1000, "wall_s": wall, "accuracy": acc[-1] if acc else float("nan")}
+def _auto_choice(log: str) -> dict[str, Any]:
+    """What amp = "auto" chose, and its measurement, from the rank's log."""
+    found = _AUTO.search(log)
+    if not found:
+        return {}
+    return {"auto": found.group(1), "probe_bf16_ms": float(found.group(2)), "probe_fp32_ms": float(found.group(3))}
 
 
+class Runs:
+    """Each arm's figures by key and trial, appended to WORK/P8/arms.jsonl as they come; arms the
+    budget left out are listed."""
+
+    def __init__(self, b: Bench) -> None:
+        self.b = b
+        self.figures: dict[str, list[dict[str, Any]]] = {}
+        self.skipped: list[str] = []
+        self.seconds: dict[str, float] = {}
+        self.file = b.base / "P8" / "arms.jsonl"
+        self.file.unlink(missing_ok=True)
+
+    def fits(self, arm: Arm, kind: str) -> bool:
+        guess = self.seconds.get(arm.key, GUESS_S[kind])
+        if time.monotonic() + guess <= self.b.deadline:
+            return True
+        self.skipped.append(arm.key)
+        self.b.log(f"  P8: {arm.key} left out: the budget ends in "
+                   f"{self.b.deadline - time.monotonic():.0f} s, the arm takes ~{guess:.0f} s")
+        return False
+
+    def add(self, arm: Arm, trial: int, fig: dict[str, Any]) -> None:
+        self.figures.setdefault(arm.key, []).append(fig)
+        self.seconds[arm.key] = fig["wall_s"]
+        with open(self.file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"arm": arm.key, "label": arm.label, "trial": trial, **fig}) + "\n")
+
+    def run(self, arm: Arm, trial: int) -> None:
+        if self.fits(arm, "seeds" if arm.seeds else "job"):
+            self.b.log(f"  P8 trial {trial + 1}: {arm.label} ...")
+            self.add(arm, trial, Launch(self.b, arm).result())
+
+
+# ------------------------------------------------------------------------------ the plan
+def p8(b: Bench) -> list[Row]:
+    import torch
+
+    from bench.suite import Row
+
+    if not torch.cuda.is_available():
+        return [Row("P8", "GPU: the recipes, precision, compile modes, checkpoint cost", "report",
+                    "not measured: no CUDA GPU on this machine", None)]
+    b.root = harness.dataset(b.base, b.sizes)  # generated CIFAR-10-format files, not downloaded
+    (b.base / "P8").mkdir(parents=True, exist_ok=True)
+    runs = Runs(b)
+
+    # 1. cold compiles, side by side
+    colds = [compiled_arm(m, a, "cold start") for m, a in COMPILED]
+    if not b.sizes.tiny and runs.fits(colds[0], "cold"):
+        # at most half the budget: the trials are what the budget is for
+        limit = min(1200.0, (b.deadline - time.monotonic()) / 2)
+        b.log(f"  P8: {len(colds)} cold compiles at once (at most {limit:.0f} s) ...")
+        launches = [Launch(b, arm, cold=True) for arm in colds]
+        ends = time.monotonic() + limit
+        for launch in launches:
+            try:
+                runs.add(launch.arm, 0, launch.result(timeout=max(1.0, ends - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                launch.proc.kill()
+                launch.proc.wait()
+                runs.skipped.append(f"{launch.arm.key} (not done after {limit:.0f} s)")
+
+    _wait_for_quiet(b)
+    # 2. the trials
+    other: dict[int, Arm] = {}  # per batch: the precision auto did not pick, once it is known
+    for trial in range(b.sizes.slow_trials):
+        for batch in BATCHES:
+            runs.run(seeds_arm(batch), trial)
+            runs.run(default_arm(batch), trial)
+            chosen = [f.get("auto") for f in runs.figures.get(default_arm(batch).key, [])]
+            if chosen and chosen[0]:
+                other.setdefault(batch, precision_arm(batch, "fp32" if chosen[0] == "bf16" else "bf16"))
+            if batch in other:
+                runs.run(other[batch], trial)
+        if not b.sizes.tiny:
+            for mode, amp in COMPILED:
+                if compiled_arm(mode, amp, "cold start").key in runs.figures:
+                    runs.run(compiled_arm(mode, amp, "cached graphs"), trial)
+        runs.run(CHECKPOINTED, trial)
+    # 3. what auto picks for the network the job file ships (a short run: its log line)
+    runs.run(SHIPPED, 0)
+    return rows(b, runs, other, torch.cuda.get_device_name(0))
+
+
+def _wait_for_quiet(b: Bench) -> None:
+    """Nothing is timed while b.hold exists (other GPU work beside the cold compiles)."""
+    if b.hold is None or not b.hold.exists():
+        return
+    b.log(f"  P8: waiting until {b.hold} is gone ...")
+    limit = time.monotonic() + 600
+    while b.hold.exists() and time.monotonic() < limit:
+        time.sleep(1)
+
+
+# ------------------------------------------------------------------------------ the table
+def _text(fs: list[dict[str, Any]]) -> str:
+    """Medians over the trials; the images/s range when there are several."""
+    ips = [f["img_s"] for f in fs]
+    spread = f" ({min(ips):.0f}-{max(ips):.0f})" if len(fs) > 1 else ""
+    share = harness.median([100 * f["data_ms"] / f["step_ms"] for f in fs])
+    return (f"{harness.median(ips):.0f}{spread} img/s; loader {share:.1f}% of the step; "
+            f"{harness.median([f['epoch_s'] for f in fs]):.2f} s/epoch")
+
+
+def _ratio(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[float, list[float]]:
+    """Median of the trials' ratios of images/s (trial i of A against trial i of B)."""
+    ratios = [x["img_s"] / y["img_s"] for x, y in zip(a, b)]
+    return harness.median(ratios), [round(r, 3) for r in ratios]
+
+
+def rows(b: Bench, runs: Runs, other: dict[int, Arm], gpu: str) -> list[Row]:
+    from bench.suite import Row
+
+    f = runs.figures
+    out: list[Row] = []
+
+    def report(measure: str, text: str, details: dict[str, Any] | None = None) -> None:
+        out.append(Row("P8", f"{gpu}: {measure}", "report", text, None, details or {}))
+
+    for batch in BATCHES:
+        n = _batch(b, batch)
+        default, seeds = f.get(default_arm(batch).key, []), f.get(seeds_arm(batch).key, [])
+        for arm in (seeds_arm(batch), default_arm(batch)) + ((other[batch],) if batch in other else ()):
+            if arm.key in f:
+                report(f"batch {n}, epoch 2 of {EPOCHS}: {arm.label}", _text(f[arm.key]),
+                       {"img_s": [round(x["img_s"]) for x in f[arm.key]],
+                        "accuracy_after_2_epochs": [x.get("accuracy") for x in f[arm.key]]})
+        if default and seeds:
+            ratio, each = _ratio(default, seeds)
+            out.append(Row("P8", f"{gpu}: P2 at batch {n}, the seeds' network: ddpjob's default recipe "
+                           f"(amp auto: {default[0].get('auto', '?')}, GPU loader) / the seeds' recipe, "
+                           "images/s", ">= 1.5x" if batch == 512 else "report", f"{ratio:.2f}x",
+                           ratio >= 1.5 if batch == 512 else None,
+                           {"trial_ratios": each, "probe_ms": {k: default[0].get(k) for k in
+                                                               ("probe_bf16_ms", "probe_fp32_ms")}}))
+        if default and batch in other and other[batch].key in f:
+            ratio, each = _ratio(default, f[other[batch].key])
+            report(f"batch {n}: amp auto's pick ({default[0].get('auto')}) / the other precision, images/s",
+                   f"{ratio:.2f}x", {"trial_ratios": each})
+    eager = {amp: f.get(k, []) for amp, k in
+             (("bf16", precision_arm(128, "bf16").key), ("fp32", precision_arm(128, "fp32").key))}
+    auto128 = f.get(default_arm(128).key, [])
+    if auto128 and auto128[0].get("auto") in eager:
+        eager[auto128[0]["auto"]] = auto128  # the default arm is the eager arm of its precision
+    for mode, amp in COMPILED:
+        cold, warm = (f.get(compiled_arm(mode, amp, p).key, []) for p in ("cold start", "cached graphs"))
+        if not warm:
+            continue
+        details: dict[str, Any] = {
+            "cold_start_s": round(cold[0]["first_step_s"], 1) if cold else None,
+            "cached_start_s": [round(x["first_step_s"], 1) for x in warm],
+            "eager_start_s": [round(x["first_step_s"], 1) for x in eager[amp]],
+            "graphs": {"cold": cold[0].get("graphs") if cold else None, "cached": warm[0].get("graphs")},
+            "cudagraph_skips": warm[0].get("cudagraph_skips")}
+        text = _text(warm)
+        if eager[amp]:
+            ratio, each = _ratio(warm, eager[amp])
+            text = f"{ratio:.2f}x eager {amp}; {text}"
+            details["trial_ratios"] = each
+        report(f"batch {_batch(b, 128)}, compile {mode} ({amp}) / eager ({amp})", text, details)
+    if CHECKPOINTED.key in f and auto128:
+        ratio, each = _ratio(f[CHECKPOINTED.key], auto128)
+        report("batch 128: async checkpoint every 10 steps / none, images/s", f"{ratio:.3f}x",
+               {"trial_ratios": each})
+    if SHIPPED.key in f:
+        s = f[SHIPPED.key][0]
+        report("the job as shipped (CIFAR stem, batch 128): amp auto's pick",
+               f"{s.get('auto', '?')} (a step: {s.get('probe_bf16_ms')} ms in bf16, {s.get('probe_fp32_ms')} ms in fp32)")
+    if runs.skipped:
+        report("arms the budget left out", ", ".join(runs.skipped))
+    return out
+
+
+# ------------------------------------------------------------------------------ the seeds' loop
 def _device() -> Any:
     import torch
 
-    # the CPU only so that the modes can be tried where no GPU is
+    # the CPU only so that the loop can be tried where no GPU is
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _seed_loader(root: str, batch: int, workers: int, seed: int) -> tuple[Any, Any]:
-    """The seeds' pipeline: torchvision CIFAR10 + PIL transforms, DataLoader(num_workers=8) with a
-    DistributedSampler (world 1), no pinned memory."""
+def seeds_main(root: str, batch: int, out: Path) -> None:
+    """The seeds' loop (001's resnet_ddp.py on one GPU): torchvision ResNet-18, torchvision CIFAR10
+    with PIL transforms in a DataLoader(num_workers=8) and a DistributedSampler (world 1), no
+    pinned memory, SGD lr 0.1 momentum 0.9 weight decay 1e-5, cross-entropy, fp32, `.to(device)`
+    per batch."""
+    import torch
+    import torch.nn as nn
+    import torchvision
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     from bench.recipes import _pil_dataset
 
-    ds = _pil_dataset(root)
-    sampler: DistributedSampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=seed)
-    # drop_last: every step a full batch, as ddpjob's arms (the seeds keep a last short batch)
-    return DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=workers, drop_last=True,
-                      persistent_workers=workers > 0), sampler
-
-
-def seeds_main(root: str, batch: int, amp: str, out: Path) -> None:
-    """The seeds' loop (001's resnet_ddp.py on one GPU): torchvision ResNet-18, SGD lr 0.1 momentum
-    0.9 weight decay 1e-5, cross-entropy, `.to(device)` per batch; `amp` bf16 = autocast as 000."""
-    import torch
-    import torch.nn as nn
-    import torchvision
-
     device = _device()
     torch.manual_seed(0)
-    loader, sampler = _seed_loader(root, batch, SEEDS_WORKERS, 0)
+    ds = _pil_dataset(root)
+    sampler: DistributedSampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0)
+    # drop_last: every step a full batch, as ddpjob's arms (the seeds keep a last short batch)
+    loader = DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=SEEDS_WORKERS, drop_last=True,
+                        persistent_workers=True)
     model = torchvision.models.resnet18(num_classes=10).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-5)
     criterion = nn.CrossEntropyLoss()
@@ -150,8 +403,7 @@ def seeds_main(root: str, batch: int, amp: str, out: Path) -> None:
                 break
             data += time.perf_counter() - t0
             x, y = x.to(device), y.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp == "bf16"):
-                loss = criterion(model(x), y)
+            loss = criterion(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -163,116 +415,12 @@ def seeds_main(root: str, batch: int, amp: str, out: Path) -> None:
     out.write_text(json.dumps(windows[-1]))
 
 
-def loaders_main(root: str, batch: int, out: Path) -> None:
-    """Each pipeline alone over one epoch into the GPU: ddpjob's loader (the data set on the GPU,
-    augmentation there) and the seeds' (PIL in 8 workers, then `.to(device)`)."""
-    import torch
-
-    from ddpjob.train import data
-
-    device = _device()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    result = {}
-    loader = data.make_train_loader(data.load_cifar10(root, train=True), micro_batch=batch, accumulation=1,
-                                    rank=0, world_size=1, seed=0, augment=True, device=device,
-                                    channels_last=True)
-    for epoch in range(2):  # the second epoch timed
-        sync()
-        t0, n = time.perf_counter(), 0
-        for micro in loader.batches(epoch):
-            n += sum(len(mb[0]) for mb in micro)
-        sync()
-        result["ddpjob"] = n / (time.perf_counter() - t0)
-    seeds, sampler = _seed_loader(root, batch, SEEDS_WORKERS, 0)
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        t0, n = time.perf_counter(), 0
-        for x, y in seeds:
-            x, y = x.to(device), y.to(device)
-            n += len(x)
-        sync()
-        result["seeds"] = n / (time.perf_counter() - t0)
-    out.write_text(json.dumps(result))
-
-
-def _text(fs: list[dict[str, float]]) -> str:
-    """Medians over the trials; the images/s range when there are several."""
-    ips = [f["img_s"] for f in fs]
-    spread = f" ({min(ips):.0f}-{max(ips):.0f})" if len(fs) > 1 else ""
-    share = harness.median([100 * f["data_ms"] / f["step_ms"] for f in fs])
-    epoch = harness.median([f["epoch_s"] for f in fs])
-    return f"{harness.median(ips):.0f}{spread} img/s; loader {share:.1f}% of the step; {epoch:.2f} s/epoch"
-
-
-def _seeds_arm(b: Bench, amp: str, batch: int) -> dict[str, float]:
-    out = b.base / "P8" / f"seeds-{amp}.json"
-    _call([sys.executable, "-m", "bench.p8", "seeds", str(b.root), str(batch), amp, str(out)],
-          b.base / "P8" / f"seeds-{amp}.log")
-    return dict(json.loads(out.read_text()))
-
-
-def p8(b: Bench) -> list[Row]:
-    """Trials interleave the arms (arm 1..n, then again), so a slow spell of the host hits all
-    arms alike; at batch 128 the host's kernel launches set the pace and figures move by a
-    fifth between trials."""
-    import torch
-
-    from bench.suite import Row
-
-    name = "GPU: images/s, loader share of step time, bf16 vs fp32"
-    if not torch.cuda.is_available():
-        return [Row("P8", name, "report", "not measured: no CUDA GPU on this machine", None)]
-    gpu = torch.cuda.get_device_name(0)
-    b.root = harness.dataset(b.base, b.sizes)  # generated CIFAR-10-format files, not downloaded
-    (b.base / "P8").mkdir(parents=True, exist_ok=True)
-    batch, trials = _batch(b, BATCH), b.sizes.slow_trials
-    seeds_labels = [f"the seeds' recipe ({'fp32' if amp == 'off' else 'bf16 autocast'}, PIL, "
-                    f"{SEEDS_WORKERS} workers)" for amp in ("off", "bf16")]
-    figures: list[list[dict[str, float]]] = [[] for _ in range(len(JOB_ARMS) + 2)]
-    for trial in range(trials):
-        for i, (label, arm_batch, overrides) in enumerate(JOB_ARMS):
-            b.log(f"  P8 trial {trial + 1}/{trials}: {label}, batch {arm_batch} ...")
-            figures[i].append(job_arm(b, f"job{i}", _batch(b, arm_batch), overrides))
-        for k, amp in enumerate(("off", "bf16")):
-            b.log(f"  P8 trial {trial + 1}/{trials}: {seeds_labels[k]} ...")
-            figures[len(JOB_ARMS) + k].append(_seeds_arm(b, amp, batch))
-    rows: list[Row] = []
-    for i, (label, arm_batch, _) in enumerate(JOB_ARMS):
-        rows.append(Row("P8", f"{gpu}, batch {_batch(b, arm_batch)}, epoch 2 of {EPOCHS}: {label}", "report",
-                        _text(figures[i]), None,
-                        {"accuracy_after_2_epochs": [f["accuracy"] for f in figures[i]],
-                         "img_s": [f["img_s"] for f in figures[i]]}))
-    for k, label in enumerate(seeds_labels):
-        fs = figures[len(JOB_ARMS) + k]
-        rows.append(Row("P8", f"{gpu}, batch {batch}, epoch 2 of {EPOCHS}: {label}", "report", _text(fs), None,
-                        {"img_s": [round(f["img_s"], 1) for f in fs]}))
-    ratios = [a["img_s"] / s["img_s"] for a, s in zip(figures[SEEDS_NETWORK], figures[len(JOB_ARMS)])]
-    rows.append(Row("P8", "the seeds' network: ddpjob (bf16, GPU loader) / the seeds' recipe (fp32), images/s, "
-                    "median of the trials' ratios", "report", f"{harness.median(ratios):.2f}x", None,
-                    {"trial_ratios": [round(r, 3) for r in ratios]}))
-    out = b.base / "P8" / "loaders.json"
-    _call([sys.executable, "-m", "bench.p8", "loaders", str(b.root), str(batch), str(out)],
-          b.base / "P8" / "loaders.log")
-    alone = json.loads(out.read_text())
-    rows.append(Row("P8", "loader alone into the GPU, images/s: ddpjob's / the seeds' (8 workers)", "report",
-                    f"{alone['ddpjob']:.0f} / {alone['seeds']:.0f}", None))
-    return rows
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m bench.p8")
     sub = ap.add_subparsers(dest="mode", required=True)
     s = sub.add_parser("seeds")
     s.add_argument("root")
     s.add_argument("batch", type=int)
-    s.add_argument("amp", choices=["off", "bf16"])
     s.add_argument("out", type=Path)
-    lo = sub.add_parser("loaders")
-    lo.add_argument("root")
-    lo.add_argument("batch", type=int)
-    lo.add_argument("out", type=Path)
     a = ap.parse_args()
-    if a.mode == "seeds":
-        seeds_main(a.root, a.batch, a.amp, a.out)
-    else:
-        loaders_main(a.root, a.batch, a.out)
+    seeds_main(a.root, a.batch, a.out)

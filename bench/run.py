@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, help="trials per arm (default 5, and 3 for P5-P7; --tiny 1)")
     ap.add_argument("--work", help="work folder: data, logs, run dirs (default: $TMPDIR/ddpjob-bench-UID)")
     ap.add_argument("--json", help="also write the rows (with details) to this file")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="P8: start no arm that could not finish this many seconds after the start "
+                    "(a lent GPU's time is short); 0 = no limit")
+    ap.add_argument("--hold", help="P8: before the timed trials, wait (at most 10 minutes) while this "
+                    "file exists: whatever else used the GPU beside the cold compiles (tools/gpu.sh's "
+                    "tests) must be done before anything is timed")
     args = ap.parse_args(argv)
     ids = [i.upper() for i in args.ids] or [i for i in BENCHMARKS if i not in ON_DEMAND]
     unknown = [i for i in ids if i not in BENCHMARKS]
@@ -63,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     before = harness.machine()
     _log(f"bench: {before['cpu']}, {before['cores']} cores, torch {before['torch']}, load {before['load']}; "
          f"work dir {base}")
-    bench = Bench(sizes, base, root, log=_log)
+    bench = Bench(sizes, base, root, log=_log,
+                  deadline=t0 + args.budget_s if args.budget_s > 0 else float("inf"),
+                  hold=Path(args.hold) if args.hold else None)
     rows: list[Row] = []
     crashed = False
     try:

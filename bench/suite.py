@@ -40,6 +40,8 @@ class Bench:
     base: Path  # work dir: data, workers' logs, run dirs
     root: Path  # the CIFAR-10-format data root
     log: Callable[[str], None] = print
+    deadline: float = float("inf")  # time.monotonic() past which P8 starts no further arm
+    hold: Path | None = None  # P8 times nothing while this file exists
     pools: pool.Pools = field(init=False)
 
     def __post_init__(self) -> None:

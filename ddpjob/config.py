@@ -98,6 +98,10 @@ class TrainConfig:
     sync_batchnorm: bool = False
     channels_last: bool = True
     compile: bool = False
+    # what torch.compile optimises for (train.compile = true): "default"; "reduce-overhead" records
+    # the step as CUDA graphs (one launch per graph instead of one per kernel: for launch-bound
+    # steps on GPUs); "max-autotune-no-cudagraphs" times kernel variants while compiling
+    compile_mode: str = "default"
     grad_clip: float = 0.0  # max grad norm; 0 = off
     label_smoothing: float = 0.0
     seed: int = 0
@@ -174,12 +178,14 @@ class JobConfig:
         d.pop("slurm")
         d.pop("name")
         d.pop("checkpoint")
-        # deterministic / deterministic_reduce choose how the same sums are computed, not what is
-        # trained: either may change for a resume (e.g. off for speed), which then continues the
-        # run close to, not bit-equal to, the uninterrupted one, as an elastic resume does.
+        # deterministic / deterministic_reduce / compile_mode choose how the same sums are
+        # computed, not what is trained: each may change for a resume (e.g. off for speed), which
+        # then continues the run close to, not bit-equal to, the uninterrupted one, as an elastic
+        # resume does.
         for k in ("epochs", "max_steps", "eval_every", "log_every", "threads", "backend",
                   "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce",
-                  "deterministic", "log_sample_ids", "tensorboard", "stop_vote", "grad_compression"):
+                  "deterministic", "log_sample_ids", "tensorboard", "stop_vote", "grad_compression",
+                  "compile_mode"):
             d["train"].pop(k)
         if d["train"].get("strategy") == "ddp":
             # the default leaves the hash as it was before the key existed: runs started by an

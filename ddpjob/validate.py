@@ -28,6 +28,8 @@ _MEM_RE = re.compile(r"[0-9]{1,12}[KMGT]?", re.ASCII)
 _ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
 _ENTRY_FUNC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 MAX_TIME_S = 365 * 86400
+# torch.compile's modes (train.compile_mode); bench P8 measures them on a GPU
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 # Upper bounds (inclusive) for every size: far above any real job, far below anything that
 # could exhaust memory on the login node or overflow a C int on the nodes.
 LIMITS: dict[str, int] = {
@@ -168,7 +170,8 @@ def _train_data(cfg: JobConfig) -> None:
     for key, options in (("optimizer", ("sgd", "adamw")), ("schedule", ("cosine", "step", "constant")),
                          ("amp", ("auto", "bf16", "fp16", "off")), ("backend", ("auto", "nccl", "gloo")),
                          ("stop_vote", ("overlap", "sync")), ("grad_compression", ("none", "bf16")),
-                         ("strategy", ("ddp", "fsdp"))):
+                         ("strategy", ("ddp", "fsdp")),
+                         ("compile_mode", COMPILE_MODES)):
         v = getattr(t, key)
         _check(v in options, f"train.{key} is {v!r}, expected one of {', '.join(options)}",
                f"e.g. {key} = \"{options[0]}\"")

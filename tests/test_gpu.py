@@ -1,8 +1,9 @@
-"""What only a CUDA machine can check (issue 14, item 3), without SLURM: the NCCL process group and
+"""What only a CUDA machine can check (issues 14 and 25), without SLURM: the NCCL process group and
 `ddpjob selftest`'s bandwidth, bf16 and fp16 + GradScaler training, SyncBatchNorm against
 full-batch BatchNorm, an interrupted and resumed `ddpjob submit --backend local` run that is
-torch.equal to an uninterrupted one (train.deterministic = true, the default), and how long an
-async checkpoint of ResNet-18 / ResNet-50 blocks the loop.
+torch.equal to an uninterrupted one (train.deterministic = true, the default), the same with the
+step compiled into CUDA graphs (compile_mode = "reduce-overhead") and with the precision that
+`amp = "auto"` measured, and how long an async checkpoint of ResNet-18 / ResNet-50 blocks the loop.
 
 Without CUDA the whole module skips. It is not marked `cluster`, so under CI=true
 (tests/conftest.py) the skip stays a skip. Parts that need two GPUs skip on one. Stops are
@@ -118,10 +119,81 @@ def test_syncbn_on_two_gpus_equals_full_batch_bn(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ bit-exact resume
 def _submit_local(job: Path, run_dir: Path, **env: str) -> None:
+    full = {k: v for k, v in base_env(env).items()  # only the compile caches a test names
+            if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") or k in env}
     out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job), "--backend", "local", "--wait",
                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600,
-                         cwd=REPO, env=base_env(env))
+                         cwd=REPO, env=full)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    model_a, opt_a = final_state(a)
+    model_b, opt_b = final_state(b)
+    assert_bit_equal(model_a, model_b, "model")
+    assert_bit_equal(opt_a["state"], opt_b["state"], "optimizer")
+    assert _losses(a) == _losses(b)
+
+
+def _stopped_once(run_dir: Path, at: int) -> None:
+    """One stop at step `at` (example_hooks' DDPJOB_TEST_STOP_AT), then the run to its end."""
+    stops = [e for e in events(run_dir) if e["event"] == "stop" and "rank" not in e]
+    assert [(e["reason"], e["step"]) for e in stops] == [("time_limit", at), ("finished", 24)], stops
+
+
+STOP_AT = 9  # job.steps() hands out index 9: the stop lands at 9 + 1 + LAG
+HOOKED = dict(batch_size=32, max_steps=24, lr=0.05, warmup_steps=3, log_every=1, eval_every=0,
+              channels_last=True, seed=2)
+
+
+def _hooked_job(tmp_path: Path, name: str, **train: object) -> Path:
+    """The built-in trainer run as a script through tests/example_hooks.py, which stops it at a
+    step of its own choosing (no forward-call hook: a compiled forward must not hold test code)."""
+    script = tmp_path / "train.py"
+    script.write_text("from ddpjob.train.trainer import main\n\nmain()\n")
+    return write_job(tmp_path / f"{name}.toml", train=dict(entry="example_hooks:main", args=[str(script)],
+                                                          model="resnet8", **HOOKED, **train),
+                     data=DATA, checkpoint=dict(every_steps=50, keep_last=2),
+                     slurm=dict(tasks_per_node=WORLD, gpus_per_node=WORLD, max_requeues=2))
+
+
+def test_a_run_compiled_into_cuda_graphs_resumes_bit_exactly(tmp_path: Path) -> None:
+    """compile_mode = "reduce-overhead": the step replays CUDA graphs (BatchNorm's statistics are
+    updated inside them). Stopped and resumed, it equals an uninterrupted run that loads the same
+    compiled graphs (the cache named by TORCHINDUCTOR_CACHE_DIR, so only one run compiles)."""
+    cache = tmp_path / "inductor"
+    job = _hooked_job(tmp_path, "graphs", compile=True, compile_mode="reduce-overhead", amp="bf16")
+    _submit_local(job, tmp_path / "interrupted", DDPJOB_TEST_STOP_AT=str(STOP_AT),
+                  TORCHINDUCTOR_CACHE_DIR=str(cache), TORCH_LOGS="perf_hints")  # says why graphs are skipped
+    _stopped_once(tmp_path / "interrupted", STOP_AT + 1 + LAG)
+    firsts = [e.get("graphs") for e in events(tmp_path / "interrupted") if e["event"] == "first_step"]
+    assert len(firsts) == 2 and firsts[1] == {"cached": firsts[0]["compiled"], "compiled": 0}, firsts
+    log = (tmp_path / "interrupted" / "logs" / "rank-0.log").read_text()
+    assert "skipping cudagraphs" not in log, log[-3000:]  # the step really runs as CUDA graphs
+    _submit_local(job, tmp_path / "reference", TORCHINDUCTOR_CACHE_DIR=str(cache))
+    _assert_same_run(tmp_path / "reference", tmp_path / "interrupted")
+
+
+def test_amp_auto_is_measured_once_and_kept_by_the_resume(tmp_path: Path) -> None:
+    """amp = "auto" times a step in bf16 and in fp32 when the run begins and keeps its pick in
+    the checkpoint: the resumed attempt does not measure again, and the run equals an
+    uninterrupted one that names the picked precision."""
+    run = tmp_path / "auto"
+    _submit_local(_hooked_job(tmp_path, "auto", amp="auto"), run, DDPJOB_TEST_STOP_AT=str(STOP_AT))
+    _stopped_once(run, STOP_AT + 1 + LAG)
+    log = (run / "logs" / "rank-0.log").read_text()
+    measured = re.findall(r"amp auto: (bf16|fp32) \(a training step measured ([0-9.]+) ms in bf16, "
+                          r"([0-9.]+) ms in fp32", log)
+    assert len(measured) == 1, log[-4000:]  # the first attempt only
+    picked, bf16_ms, fp32_ms = measured[0]
+    assert float(bf16_ms) > 0 and float(fp32_ms) > 0
+    assert picked == ("fp32" if float(bf16_ms) > 1.1 * float(fp32_ms) else "bf16")
+    assert log.count(f"amp auto: {picked} (as chosen when the run began (checkpoint))") == 1, log[-4000:]
+    print(f"\namp auto on {torch.cuda.get_device_name(0)} (resnet8, batch 32): {picked} "
+          f"(bf16 {bf16_ms} ms, fp32 {fp32_ms} ms)")
+    ref = tmp_path / "fixed"
+    _submit_local(_hooked_job(tmp_path, "fixed", amp="bf16" if picked == "bf16" else "off"), ref)
+    _assert_same_run(ref, run)
 
 
 def test_interrupted_local_run_resumes_bit_exactly(tmp_path: Path) -> None:

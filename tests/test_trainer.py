@@ -195,3 +195,51 @@ def test_async_periodic_checkpoints_are_committed_and_change_nothing(tmp_path: P
     assert all(torch.equal(a[k], b[k]) for k in a)
     six = torch.load(tmp_path / "async" / "checkpoints" / "step-000000006" / "rank-0.pt", weights_only=True)
     assert set(six) >= {"torch", "numpy", "python"}  # this rank's RNG streams at step 6
+
+
+# ------------------------------------------------------------------ amp = "auto" on a GPU
+class _FakeGPUJob:
+    """What resolve_auto_amp reads of a Job, on a 'cuda' device that no kernel ever runs on."""
+
+    def __init__(self, amp: str, strategy: str = "ddp") -> None:
+        cfg = config.JobConfig()
+        self.config = config.JobConfig(train=type(cfg.train)(amp=amp, strategy=strategy))
+        self.device, self.world_size, self.reduced = torch.device("cuda", 0), 2, 0
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        self.reduced += 1
+        return t.mul_(self.world_size)  # both ranks measured the same
+
+
+@pytest.mark.parametrize("bf16_ms, fp32_ms, picked", [(10.0, 8.0, "off"), (10.0, 9.5, "bf16"),
+                                                       (5.0, 9.0, "bf16")])
+def test_amp_auto_takes_fp32_only_when_it_is_clearly_faster(monkeypatch: pytest.MonkeyPatch, bf16_ms: float,
+                                                            fp32_ms: float, picked: str) -> None:
+    monkeypatch.setattr(trainer, "_time_precisions",
+                        lambda cfg, device, loader: torch.tensor([bf16_ms, fp32_ms], dtype=torch.float64))
+    job, progress = _FakeGPUJob("auto"), trainer.Progress()
+    dtype, note = trainer.resolve_auto_amp(job, progress, torch.bfloat16, None, resumed=False)  # type: ignore[arg-type]
+    assert progress.amp == picked and job.reduced == 1  # one collective: every rank the same pick
+    assert dtype == (torch.bfloat16 if picked == "bf16" else None)
+    assert note.startswith(f"amp auto: {'bf16' if picked == 'bf16' else 'fp32'} (a training step measured "
+                           f"{bf16_ms:.1f} ms in bf16, {fp32_ms:.1f} ms in fp32"), note
+    # the pick is state: a resume reads it from the checkpoint and measures nothing
+    again = trainer.Progress()
+    again.load_state_dict(progress.state_dict())
+    monkeypatch.setattr(trainer, "_time_precisions", lambda *a: pytest.fail("measured again on resume"))
+    job = _FakeGPUJob("auto")
+    assert trainer.resolve_auto_amp(job, again, torch.bfloat16, None, resumed=True)[0] == dtype  # type: ignore[arg-type]
+    assert job.reduced == 0
+
+
+def test_amp_auto_leaves_fixed_precisions_old_checkpoints_and_fsdp_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trainer, "_time_precisions", lambda *a: pytest.fail("nothing to measure"))
+    for amp in ("bf16", "off", "fp16"):
+        assert trainer.resolve_auto_amp(_FakeGPUJob(amp), trainer.Progress(), torch.float16, None,  # type: ignore[arg-type]
+                                        resumed=False) == (torch.float16, "")
+    assert trainer.resolve_auto_amp(_FakeGPUJob("auto", "fsdp"), trainer.Progress(), torch.bfloat16, None,  # type: ignore[arg-type]
+                                    resumed=False) == (torch.bfloat16, "")
+    old = trainer.Progress()
+    old.load_state_dict({"global_batch": 256, "best_acc": 0.5})  # written before Progress.amp existed
+    dtype, note = trainer.resolve_auto_amp(_FakeGPUJob("auto"), old, torch.bfloat16, None, resumed=True)  # type: ignore[arg-type]
+    assert (dtype, old.amp) == (torch.bfloat16, "bf16") and "predates" in note

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -49,6 +50,9 @@ class Progress:
     batch that defines "step N" at any world size, and the evaluation record."""
 
     global_batch: int = 0
+    # what train.amp = "auto" chose when the run began ("bf16" or "off"): kept, so a resumed run
+    # computes in the same precision whatever a new measurement would say
+    amp: str | None = None
     best_acc: float | None = None
     last_eval_acc: float | None = None
     last_eval_step: int | None = None
@@ -87,7 +91,8 @@ def fit(job: Job) -> FitResult:
         # In place and inside DDP: DDP's forward calls the compiled module. torch.compile of the
         # DDP wrapper breaks its graph in DDP's forward (torch 2.14: Logger.set_runtime_stats_and_log)
         # and then compiled nothing at all on 2 ranks; and the state_dict keeps its names.
-        raw.compile()
+        raw.compile(mode=t.compile_mode)
+    graphs = t.compile and device.type == "cuda" and t.compile_mode in CUDA_GRAPH_MODES
     model = job.wrap(raw)  # DDP (+ rank-ordered reduction for >2 ranks), or sharded in place (fsdp)
     optimizer = build_optimizer(raw, cfg)  # after wrap: fully_shard replaces the parameters
     train_set, test_set = data.build_datasets(cfg.data.dataset, cfg.data.root, t.seed,
@@ -122,6 +127,7 @@ def fit(job: Job) -> FitResult:
         train_set, num_workers=cfg.data.num_workers, micro_batch=t.batch_size,
         accumulation=accumulation, rank=job.rank, world_size=job.world_size, seed=t.seed,
         augment=cfg.data.augment, device=device, channels_last=t.channels_last)
+    amp_dtype, amp_note = resolve_auto_amp(job, progress, amp_dtype, loader, resumed=start > 0)
     spe = loader.steps_per_epoch
     total = t.max_steps or t.epochs * spe
     warmup = t.warmup_steps or round(t.warmup_epochs * spe)
@@ -140,6 +146,8 @@ def fit(job: Job) -> FitResult:
     bar.message(f"training {t.model} on {cfg.data.dataset}: {job.world_size} rank(s) x batch "
                 f"{t.batch_size} x accumulation {accumulation} = global batch {loader.global_batch}, "
                 f"{spe} steps/epoch, steps {start}..{total}, amp {_dtype_name(amp_dtype)}")
+    if amp_note:
+        bar.message(amp_note)
     if bar_note:
         bar.message(bar_note)
     batches = None
@@ -152,6 +160,8 @@ def fit(job: Job) -> FitResult:
             lr = lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            if graphs:  # a new step: the CUDA graphs may reuse the last step's output memory
+                torch.compiler.cudagraph_mark_step_begin()
             loss = train_step(model, optimizer, scaler, micro_batches, loss_fn=loss_fn,
                               amp_dtype=amp_dtype, grad_clip=t.grad_clip)
             done = step + 1
@@ -166,8 +176,11 @@ def fit(job: Job) -> FitResult:
                 bar.update(done, epoch, logged["loss"], lr, timing)
             if eval_due(done) or done == total:
                 job.broadcast_buffers(raw)  # rank 0's BatchNorm statistics: one model evaluated
-                acc, eval_loss = evaluate(raw, test_set, job, batch_size=max(t.batch_size, 256),
-                                          amp_dtype=amp_dtype, channels_last=t.channels_last)
+                # eager under CUDA graphs: eval mode and the short last batch would each compile
+                # and record graphs of their own, for a pass that runs once an epoch
+                with torch.compiler.set_stance("force_eager") if graphs else contextlib.nullcontext():
+                    acc, eval_loss = evaluate(raw, test_set, job, batch_size=max(t.batch_size, 256),
+                                              amp_dtype=amp_dtype, channels_last=t.channels_last)
                 progress.record_eval(done, acc)
                 job.log(done, epoch=(done - 1) // spe, eval_acc=acc, eval_loss=eval_loss)
                 bar.message(f"eval step {done}: accuracy {acc:.4f} loss {eval_loss:.4f}")
@@ -244,6 +257,71 @@ def evaluate(model: nn.Module, test_set: Any, job: Job, *, batch_size: int,
 
 
 # ------------------------------------------------------------------------- building blocks
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # compile modes that record CUDA graphs
+AUTO_FP32_MARGIN = 1.10  # amp = "auto" takes fp32 only when it is at least this much faster
+
+
+def resolve_auto_amp(job: Job, progress: Progress, amp_dtype: torch.dtype | None, loader: Any, *,
+                     resumed: bool) -> tuple[torch.dtype | None, str]:
+    """train.amp = "auto" on a GPU that has bf16: bf16 or fp32, whichever trains this model at
+    this batch faster on this GPU (a launch-bound step can run faster in fp32, whose convolutions
+    take TF32 tensor cores and launch no casting kernels). Decided once, when the run begins, and
+    kept in the checkpoint (Progress.amp, as a train.amp value): a resume computes in the same
+    precision, on any GPU. Returns the dtype and a line for the log ("" when nothing was chosen)."""
+    cfg = job.config
+    t = cfg.train
+    if t.amp != "auto" or job.device.type != "cuda" or amp_dtype is None or t.strategy != "ddp":
+        return amp_dtype, ""  # fixed by the job file, no bf16 on this device, or FSDP's own policy
+    if progress.amp is not None:
+        note = "as chosen when the run began (checkpoint)"
+    elif resumed:  # a checkpoint from before the choice was measured: auto meant bf16 then
+        progress.amp, note = "bf16", "the checkpoint predates the measured choice"
+    else:
+        ms = _time_precisions(cfg, job.device, loader)
+        job.all_reduce(ms)  # every rank decides on the same sums: one precision for all
+        bf16_ms, fp32_ms = (v / job.world_size for v in ms.tolist())
+        progress.amp = "off" if bf16_ms > AUTO_FP32_MARGIN * fp32_ms else "bf16"
+        note = (f"a training step measured {bf16_ms:.1f} ms in bf16, {fp32_ms:.1f} ms in fp32; fp32 "
+                f"needs to be {AUTO_FP32_MARGIN:.2f}x faster")
+    dtype = amp_dtype_for(progress.amp, job.device)
+    return dtype, f"amp auto: {'fp32' if dtype is None else 'bf16'} ({note})"
+
+
+def _time_precisions(cfg: JobConfig, device: torch.device, loader: Any) -> torch.Tensor:
+    """Milliseconds per forward + backward in bf16 and in fp32, on a fresh copy of the model (the
+    trained one keeps its BatchNorm statistics and compiles nothing extra) and the run's first
+    micro-batch; turns alternate so that a change of clock hits both. All RNG states are kept."""
+    t = cfg.train
+    fmt = torch.channels_last if t.channels_last else torch.contiguous_format
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        copy = models.build_model(t.model, t.num_classes, cifar_stem=t.cifar_stem,
+                                  freeze_backbone=t.freeze_backbone).to(device)
+        copy.to(memory_format=fmt)  # as the trained model
+        x, y = next(iter(loader.batches(0)))[0]
+        loss_fn = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
+        spent = {torch.bfloat16: 0.0, None: 0.0}
+
+        def step(dtype: torch.dtype | None) -> None:
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = loss_fn(copy(x), y)
+            loss.backward()
+            copy.zero_grad(set_to_none=True)
+
+        for dtype in (torch.bfloat16, None, torch.bfloat16, None):  # warm-up: kernels, workspaces
+            step(dtype)
+        for _ in range(3):
+            for dtype in (torch.bfloat16, None):
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    step(dtype)
+                torch.cuda.synchronize(device)
+                spent[dtype] += time.perf_counter() - t0
+        del copy
+    return torch.tensor([1000 * spent[torch.bfloat16] / 15, 1000 * spent[None] / 15],
+                        dtype=torch.float64, device=device)
+
+
 def amp_dtype_for(amp: str, device: torch.device) -> torch.dtype | None:
     """auto = bf16 where the hardware does bf16 natively (CUDA >= Ampere, CPUs with
     AVX512-BF16/AMX), else full precision; fp16 always means autocast + GradScaler."""
