@@ -108,6 +108,9 @@ def job_config(root: Path, sizes: Sizes, world: int, *overrides: str) -> str:
             # a timestamp (and the mean loss over ranks) every step: the figures are medians
             # of step times, which shrug off the other processes of a shared machine
             "train.log_every=1", "train.threads=1", "train.backend=\"gloo\"",
+            # the job file compiles (a GPU's win, bench P8); on these CPUs compiling gains nothing
+            # (P2's compiled row says so) and takes minutes: the rows that want it say so
+            "train.compile=false",
             f"slurm.tasks_per_node={world}", "slurm.gpus_per_node=0", "slurm.cpus_per_task=1"]
     return config.resolve(JOB, [*base, *overrides]).to_json()
 

@@ -10,14 +10,17 @@ is the seeds' loop timed the same way. Each arm is its own process, one after an
 side would share the one GPU.
 
 The plan:
-1. **Cold compiles**, all at once (compiling is host work on many cores): each compile mode at
-   batch 128 on the seeds' network, into a cache of its own. Their start-up (launch to the end of
-   the first step) is the cold start of a compiled run; measured side by side, it is an upper bound.
+1. **Cold compiles**, all at once (compiling is host work on many cores): ddpjob's default (the
+   job file compiles, `compile_mode = "auto"`: CUDA graphs) at batch 128 and 512 and
+   max-autotune-no-cudagraphs at 128, on the seeds' network, each into a cache of its own. Their
+   start-up (launch to the end of the first step) is the cold start of a compiled run; measured
+   side by side, it is an upper bound.
 2. **Trials**, the arms interleaved (arm 1..n, then again), so a slow spell of the host hits all
-   alike: at batch 128 and 512, the seeds' recipe (fp32, PIL, 8 workers) and ddpjob's default
-   recipe on the seeds' network (the job file with `cifar_stem = false`; `amp = "auto"`), the same
-   in the precision auto did not pick, each compile mode again with its cached graphs (a resumed
-   start), and the default with an async checkpoint every 10 steps.
+   alike: at batch 128 and 512, the seeds' recipe (fp32, PIL, 8 workers), ddpjob's default
+   recipe on the seeds' network (the job file with `cifar_stem = false`: compiled, `amp = "auto"`)
+   with its cached graphs (a resumed start), the same eager (`compile = false`), and eager in the
+   precision auto did not pick; max-autotune-no-cudagraphs from its cache; the default with an
+   async checkpoint every 10 steps.
 3. **The job as shipped** (CIFAR stem) for a few steps, for the precision auto picks there.
 
 `--budget-s` (a lent GPU's time is short): an arm that would end past it is not started and its
@@ -48,7 +51,8 @@ SEEDS_WORKERS = 8  # the seeds' DataLoader(num_workers=8)
 BATCHES = (128, 512)  # per GPU: launch-bound, and large enough that the GPU sets the pace
 SEEDS_NET = ("train.cifar_stem=false",)  # torchvision's ResNet-18 as the seeds build it
 AMP = {"bf16": 'train.amp="bf16"', "fp32": 'train.amp="off"'}
-COMPILED = (("reduce-overhead", "bf16"), ("reduce-overhead", "fp32"), ("max-autotune-no-cudagraphs", "bf16"))
+EAGER = ("train.compile=false",)
+AUTOTUNED = "max-autotune-no-cudagraphs"  # compiled without CUDA graphs, kernels timed: at 128 only
 PROBE_STEPS = 20  # the shipped job's arm: enough for auto's measurement and a first step
 # a first guess of an arm's seconds, until the same arm has run once (the budget's check)
 GUESS_S = {"seeds": 30.0, "job": 35.0, "cold": 240.0}
@@ -66,12 +70,18 @@ class Arm:
     steps: int = 0  # > 0: only this many steps (no epoch window)
 
 
-def default_arm(batch: int) -> Arm:
-    return Arm(f"default-{batch}", f"ddpjob default (amp auto), batch {batch}", batch, SEEDS_NET)
+def default_arm(batch: int, phase: str = "cached graphs") -> Arm:
+    """The job file on the seeds' network: compiled into CUDA graphs (compile_mode auto), amp auto."""
+    return Arm(f"default-{batch}-{phase.split()[0]}", f"ddpjob default (compiled, amp auto), batch {batch}, "
+               f"{phase}", batch, SEEDS_NET, cache=f"default-{batch}")
+
+
+def eager_arm(batch: int) -> Arm:
+    return Arm(f"eager-{batch}", f"ddpjob eager (amp auto), batch {batch}", batch, SEEDS_NET + EAGER)
 
 
 def precision_arm(batch: int, amp: str) -> Arm:
-    return Arm(f"{amp}-{batch}", f"ddpjob {amp}, batch {batch}", batch, SEEDS_NET + (AMP[amp],))
+    return Arm(f"eager-{amp}-{batch}", f"ddpjob eager {amp}, batch {batch}", batch, SEEDS_NET + EAGER + (AMP[amp],))
 
 
 def seeds_arm(batch: int) -> Arm:
@@ -79,16 +89,15 @@ def seeds_arm(batch: int) -> Arm:
                batch, seeds=True)
 
 
-def compiled_arm(mode: str, amp: str, phase: str) -> Arm:
-    return Arm(f"compile-{mode}-{amp}-{phase.split()[0]}", f"compile {mode}, {amp}, {phase}", 128,
-               SEEDS_NET + ("train.compile=true", f'train.compile_mode="{mode}"', AMP[amp]),
-               cache=f"{mode}-{amp}")
+def autotuned_arm(phase: str) -> Arm:
+    return Arm(f"autotuned-128-{phase.split()[0]}", f"compile {AUTOTUNED} (amp auto), batch 128, {phase}", 128,
+               SEEDS_NET + (f'train.compile_mode="{AUTOTUNED}"',), cache="autotuned-128")
 
 
 CHECKPOINTED = Arm("ckpt10-128", "ddpjob default, async checkpoint every 10 steps, batch 128", 128,
-                   SEEDS_NET + ("checkpoint.every_steps=10", "checkpoint.keep_last=2"))
-SHIPPED = Arm("shipped-auto", f"the job as shipped (CIFAR stem, amp auto), {PROBE_STEPS} steps", 128,
-              steps=PROBE_STEPS)
+                   SEEDS_NET + ("checkpoint.every_steps=10", "checkpoint.keep_last=2"), cache="default-128")
+SHIPPED = Arm("shipped-auto", f"the job as shipped (CIFAR stem, amp auto; eager), {PROBE_STEPS} steps", 128,
+              EAGER, steps=PROBE_STEPS)
 
 
 # ------------------------------------------------------------------------------ running an arm
@@ -233,7 +242,7 @@ def p8(b: Bench) -> list[Row]:
     runs = Runs(b)
 
     # 1. cold compiles, side by side
-    colds = [compiled_arm(m, a, "cold start") for m, a in COMPILED]
+    colds = [default_arm(batch, "cold start") for batch in BATCHES] + [autotuned_arm("cold start")]
     if not b.sizes.tiny and runs.fits(colds[0], "cold"):
         # at most half the budget: the trials are what the budget is for
         limit = min(1200.0, (b.deadline - time.monotonic()) / 2)
@@ -254,17 +263,18 @@ def p8(b: Bench) -> list[Row]:
     for trial in range(b.sizes.slow_trials):
         for batch in BATCHES:
             runs.run(seeds_arm(batch), trial)
-            runs.run(default_arm(batch), trial)
-            chosen = [f.get("auto") for f in runs.figures.get(default_arm(batch).key, [])]
+            if default_arm(batch, "cold start").key in runs.figures:  # its graphs are cached
+                runs.run(default_arm(batch), trial)
+            runs.run(eager_arm(batch), trial)
+            chosen = [f.get("auto") for f in runs.figures.get(eager_arm(batch).key, [])]
             if chosen and chosen[0]:
                 other.setdefault(batch, precision_arm(batch, "fp32" if chosen[0] == "bf16" else "bf16"))
             if batch in other:
                 runs.run(other[batch], trial)
-        if not b.sizes.tiny:
-            for mode, amp in COMPILED:
-                if compiled_arm(mode, amp, "cold start").key in runs.figures:
-                    runs.run(compiled_arm(mode, amp, "cached graphs"), trial)
-        runs.run(CHECKPOINTED, trial)
+        if autotuned_arm("cold start").key in runs.figures:
+            runs.run(autotuned_arm("cached graphs"), trial)
+        if default_arm(128, "cold start").key in runs.figures:
+            runs.run(CHECKPOINTED, trial)
     # 3. what auto picks for the network the job file ships (a short run: its log line)
     runs.run(SHIPPED, 0)
     return rows(b, runs, other, torch.cuda.get_device_name(0))
@@ -305,49 +315,45 @@ def rows(b: Bench, runs: Runs, other: dict[int, Arm], gpu: str) -> list[Row]:
     def report(measure: str, text: str, details: dict[str, Any] | None = None) -> None:
         out.append(Row("P8", f"{gpu}: {measure}", "report", text, None, details or {}))
 
+    def starts(fs: list[dict[str, Any]]) -> list[float]:
+        return [round(x["first_step_s"], 1) for x in fs if x.get("first_step_s") is not None]
+
     for batch in BATCHES:
         n = _batch(b, batch)
-        default, seeds = f.get(default_arm(batch).key, []), f.get(seeds_arm(batch).key, [])
-        for arm in (seeds_arm(batch), default_arm(batch)) + ((other[batch],) if batch in other else ()):
+        seeds, default, eager = (f.get(arm.key, []) for arm in (seeds_arm(batch), default_arm(batch), eager_arm(batch)))
+        for arm in (seeds_arm(batch), default_arm(batch), eager_arm(batch)) + ((other[batch],) if batch in other else ()):
             if arm.key in f:
                 report(f"batch {n}, epoch 2 of {EPOCHS}: {arm.label}", _text(f[arm.key]),
-                       {"img_s": [round(x["img_s"]) for x in f[arm.key]],
+                       {"img_s": [round(x["img_s"]) for x in f[arm.key]], "auto": [x.get("auto") for x in f[arm.key]],
                         "accuracy_after_2_epochs": [x.get("accuracy") for x in f[arm.key]]})
-        if default and seeds:
-            ratio, each = _ratio(default, seeds)
-            out.append(Row("P8", f"{gpu}: P2 at batch {n}, the seeds' network: ddpjob's default recipe "
-                           f"(amp auto: {default[0].get('auto', '?')}, GPU loader) / the seeds' recipe, "
-                           "images/s", ">= 1.5x" if batch == 512 else "report", f"{ratio:.2f}x",
-                           ratio >= 1.5 if batch == 512 else None,
-                           {"trial_ratios": each, "probe_ms": {k: default[0].get(k) for k in
-                                                               ("probe_bf16_ms", "probe_fp32_ms")}}))
-        if default and batch in other and other[batch].key in f:
-            ratio, each = _ratio(default, f[other[batch].key])
-            report(f"batch {n}: amp auto's pick ({default[0].get('auto')}) / the other precision, images/s",
-                   f"{ratio:.2f}x", {"trial_ratios": each})
-    eager = {amp: f.get(k, []) for amp, k in
-             (("bf16", precision_arm(128, "bf16").key), ("fp32", precision_arm(128, "fp32").key))}
-    auto128 = f.get(default_arm(128).key, [])
-    if auto128 and auto128[0].get("auto") in eager:
-        eager[auto128[0]["auto"]] = auto128  # the default arm is the eager arm of its precision
-    for mode, amp in COMPILED:
-        cold, warm = (f.get(compiled_arm(mode, amp, p).key, []) for p in ("cold start", "cached graphs"))
-        if not warm:
-            continue
-        details: dict[str, Any] = {
-            "cold_start_s": round(cold[0]["first_step_s"], 1) if cold else None,
-            "cached_start_s": [round(x["first_step_s"], 1) for x in warm],
-            "eager_start_s": [round(x["first_step_s"], 1) for x in eager[amp]],
-            "graphs": {"cold": cold[0].get("graphs") if cold else None, "cached": warm[0].get("graphs")},
-            "cudagraph_skips": warm[0].get("cudagraph_skips")}
-        text = _text(warm)
-        if eager[amp]:
-            ratio, each = _ratio(warm, eager[amp])
-            text = f"{ratio:.2f}x eager {amp}; {text}"
-            details["trial_ratios"] = each
-        report(f"batch {_batch(b, 128)}, compile {mode} ({amp}) / eager ({amp})", text, details)
-    if CHECKPOINTED.key in f and auto128:
-        ratio, each = _ratio(f[CHECKPOINTED.key], auto128)
+        for arms, what in ((default, "default recipe (compiled, amp auto)"), (eager, "recipe eager (amp auto)")):
+            if arms and seeds:
+                ratio, each = _ratio(arms, seeds)
+                default_row = arms is default
+                out.append(Row("P8", f"{gpu}: P2 at batch {n}, the seeds' network: ddpjob's {what}, GPU loader / "
+                               "the seeds' recipe, images/s", ">= 1.5x" if default_row and batch == 512 else "report",
+                               f"{ratio:.2f}x", ratio >= 1.5 if default_row and batch == 512 else None,
+                               {"trial_ratios": each}))
+        if default and eager:
+            ratio, each = _ratio(default, eager)
+            cold = f.get(default_arm(batch, "cold start").key, [])
+            report(f"batch {n}: compiled into CUDA graphs (the default) / eager, images/s", f"{ratio:.2f}x",
+                   {"trial_ratios": each, "cold_start_s": starts(cold), "cached_start_s": starts(default),
+                    "eager_start_s": starts(eager), "graphs": [x.get("graphs") for x in cold + default],
+                    "cudagraph_skips": [x.get("cudagraph_skips") for x in cold + default]})
+        if eager and batch in other and other[batch].key in f:
+            ratio, each = _ratio(eager, f[other[batch].key])
+            report(f"batch {n}, eager: amp auto's pick / the other precision, images/s", f"{ratio:.2f}x",
+                   {"trial_ratios": each, "picks": [x.get("auto") for x in eager],
+                    "probe_ms": [(x.get("probe_bf16_ms"), x.get("probe_fp32_ms")) for x in eager]})
+    eager128, tuned = f.get(eager_arm(128).key, []), f.get(autotuned_arm("cached graphs").key, [])
+    if tuned and eager128:
+        ratio, each = _ratio(tuned, eager128)
+        report(f"batch {_batch(b, 128)}: compiled {AUTOTUNED} / eager, images/s", f"{ratio:.2f}x",
+               {"trial_ratios": each, "cold_start_s": starts(f.get(autotuned_arm("cold start").key, [])),
+                "cached_start_s": starts(tuned)})
+    if CHECKPOINTED.key in f and default_arm(128).key in f:
+        ratio, each = _ratio(f[CHECKPOINTED.key], f[default_arm(128).key])
         report("batch 128: async checkpoint every 10 steps / none, images/s", f"{ratio:.3f}x",
                {"trial_ratios": each})
     if SHIPPED.key in f:

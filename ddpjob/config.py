@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 from ddpjob.errors import UsageError
 from ddpjob.validate import SIGNALS, parse_time_s, validate  # noqa: F401 (re-exported)
@@ -36,6 +36,19 @@ def _key(f: dataclasses.Field) -> str:  # TOML key of a field ("async" is a Pyth
 
 
 CONTAINER_RUNTIMES = ("pyxis", "apptainer", "singularity")  # launch/container.py
+
+# The resume identity, declared by every field: a checkpoint resumes only under a config whose
+# Match fields are all equal (JobConfig.hash). tests/test_config.py fails for a field that
+# declares nothing.
+T = TypeVar("T")
+MATCH, FREE, MATCH_IF_SET = "resume: match", "resume: free", "resume: match unless default"
+Match = Annotated[T, MATCH]  # what is trained: model, data, optimisation, the entry
+# how, how long, where: may change at a resume (which then continues the run close to, not
+# always bit-equal to, the uninterrupted one, as an elastic resume does)
+Free = Annotated[T, FREE]
+# Match, for a field added after runs existed: its default leaves the hash as it was before it,
+# so those runs still resume; another value is another training
+MatchIfSet = Annotated[T, MATCH_IF_SET]
 
 
 @dataclass(frozen=True)
@@ -74,71 +87,72 @@ class SlurmConfig:
 class TrainConfig:
     """Model, optimisation and the training loop (`[train]`)."""
 
-    model: str = "resnet18"  # torchvision name, built-in (cnn_tiny, resnet8) or "pkg.mod:fn"
-    num_classes: int = 10
-    cifar_stem: bool = True  # 3x3 stride-1 first conv, no max-pool (32x32 images)
-    pretrained: str = ""  # local weights file
-    freeze_backbone: bool = False
-    epochs: int = 1
-    max_steps: int = 0  # > 0: stop after this many optimizer steps (wins over epochs)
-    batch_size: int = 128  # per rank, per micro-step
-    global_batch_size: int = 0  # > 0: accumulation = global / (batch_size * world_size)
-    accumulation_steps: int = 1
-    optimizer: str = "sgd"  # sgd | adamw
-    lr: float = 0.1
-    momentum: float = 0.9
-    nesterov: bool = True
-    weight_decay: float = 5e-4
-    warmup_steps: int = 0
-    warmup_epochs: float = 0.0
-    schedule: str = "cosine"  # cosine | step | constant
-    lr_step_epochs: int = 30  # schedule = step
-    lr_gamma: float = 0.1
-    amp: str = "auto"  # auto (bf16 where supported) | bf16 | fp16 | off
-    sync_batchnorm: bool = False
-    channels_last: bool = True
-    compile: bool = False
-    # what torch.compile optimises for (train.compile = true): "default"; "reduce-overhead" records
-    # the step as CUDA graphs (one launch per graph instead of one per kernel: for launch-bound
-    # steps on GPUs); "max-autotune-no-cudagraphs" times kernel variants while compiling
-    compile_mode: str = "default"
-    grad_clip: float = 0.0  # max grad norm; 0 = off
-    label_smoothing: float = 0.0
-    seed: int = 0
-    eval_every: int = 0  # optimizer steps; 0 = end of each epoch (and always at the end)
-    log_every: int = 10
-    tensorboard: bool = False  # rank 0 also writes job.log() records to RUN_DIR/tb/ (extra: tensorboard)
-    backend: str = "auto"  # process group: auto | nccl | gloo
-    threads: int = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
-    dist_timeout_s: int = 300
-    deterministic_reduce: bool = True  # >2 ranks: sum gradients in rank order (bit-exact resume)
-    grad_compression: str = "none"  # none | bf16: DDP's gradient all-reduce sends bfloat16 (half the bytes)
+    model: Match[str] = "resnet18"  # torchvision name, built-in (cnn_tiny, resnet8) or "pkg.mod:fn"
+    num_classes: Match[int] = 10
+    cifar_stem: Match[bool] = True  # 3x3 stride-1 first conv, no max-pool (32x32 images)
+    pretrained: Match[str] = ""  # local weights file
+    freeze_backbone: Match[bool] = False
+    epochs: Free[int] = 1
+    max_steps: Free[int] = 0  # > 0: stop after this many optimizer steps (wins over epochs)
+    batch_size: Free[int] = 128  # per rank, per micro-step
+    global_batch_size: Match[int] = 0  # > 0: accumulation = global / (batch_size * world_size)
+    accumulation_steps: Free[int] = 1
+    optimizer: Match[str] = "sgd"  # sgd | adamw
+    lr: Match[float] = 0.1
+    momentum: Match[float] = 0.9
+    nesterov: Match[bool] = True
+    weight_decay: Match[float] = 5e-4
+    warmup_steps: Match[int] = 0
+    warmup_epochs: Match[float] = 0.0
+    schedule: Match[str] = "cosine"  # cosine | step | constant
+    lr_step_epochs: Match[int] = 30  # schedule = step
+    lr_gamma: Match[float] = 0.1
+    amp: Match[str] = "auto"  # auto (bf16 where supported) | bf16 | fp16 | off
+    sync_batchnorm: Match[bool] = False
+    channels_last: Match[bool] = True
+    compile: Match[bool] = False
+    # torch.compile's mode (train.compile = true): "auto" = "reduce-overhead" on GPUs (the step
+    # recorded as CUDA graphs: one launch per graph instead of one per kernel; 1.9-2.3x a
+    # launch-bound ResNet-18 step on an H200, bench P8) and "default" on CPUs; or any of those, or
+    # "max-autotune-no-cudagraphs" / "max-autotune" (kernel variants timed while compiling)
+    compile_mode: Free[str] = "auto"
+    grad_clip: Match[float] = 0.0  # max grad norm; 0 = off
+    label_smoothing: Match[float] = 0.0
+    seed: Match[int] = 0
+    eval_every: Free[int] = 0  # optimizer steps; 0 = end of each epoch (and always at the end)
+    log_every: Free[int] = 10
+    tensorboard: Free[bool] = False  # rank 0 also writes job.log() records to RUN_DIR/tb/ (extra: tensorboard)
+    backend: Free[str] = "auto"  # process group: auto | nccl | gloo
+    threads: Free[int] = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
+    dist_timeout_s: Free[int] = 300
+    deterministic_reduce: Free[bool] = True  # >2 ranks: sum gradients in rank order (bit-exact resume)
+    grad_compression: Free[str] = "none"  # none | bf16: DDP's gradient all-reduce sends bfloat16 (half the bytes)
     # GPUs: deterministic cuDNN/cuBLAS kernels, no cuDNN autotuning (bit-exact resume; maybe slower
     # convolutions); an operation without a deterministic kernel stops the run with one line.
     # false: cudnn.benchmark on. CPU: no measurable cost (node/determinism.py)
-    deterministic: bool = True
+    deterministic: Free[bool] = True
     # ddp: every rank holds the whole model (DistributedDataParallel); fsdp: parameters, gradients
     # and optimizer state sharded over the ranks (FSDP2 fully_shard), checkpoints through DCP
-    strategy: str = "ddp"
+    strategy: MatchIfSet[str] = "ddp"
     # overlap: the stop vote after step s travels while step s+1 runs and is read after it (a
     # stop lands one step later, nothing on the critical path); sync: read at once (one blocking
     # all-reduce per step, the stop one step sooner: for steps of minutes under a short GraceTime)
-    stop_vote: str = "overlap"
-    log_sample_ids: bool = False  # each rank logs its samples per step to RUN_DIR/samples/ (tests)
-    entry: str = ""  # "" = the built-in trainer; "path/to/script.py" or "package.module:function"
-    args: tuple[str, ...] = ()  # sys.argv[1:] of the entry
+    stop_vote: Free[str] = "overlap"
+    log_sample_ids: Free[bool] = False  # each rank logs its samples per step to RUN_DIR/samples/ (tests)
+    entry: Match[str] = ""  # "" = the built-in trainer; "path/to/script.py" or "package.module:function"
+    args: Match[tuple[str, ...]] = ()  # sys.argv[1:] of the entry
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Dataset (`[data]`)."""
 
-    dataset: str = "synthetic"  # cifar10 | synthetic | "pkg.mod:fn" returning a Dataset
-    root: str = "data"
-    augment: bool = True
-    num_workers: int = 0  # plugin datasets only (cifar10/synthetic live on the device)
-    synthetic_train: int = 4096
-    synthetic_test: int = 1024
+    dataset: Match[str] = "synthetic"  # cifar10 | synthetic | "pkg.mod:fn" returning a Dataset
+    root: Free[str] = "data"
+    augment: Match[bool] = True
+    num_workers: Free[int] = 0  # plugin datasets only (cifar10/synthetic live on the device)
+    synthetic_train: Match[int] = 4096
+    synthetic_test: Match[int] = 1024
 
 
 @dataclass(frozen=True)
@@ -158,13 +172,13 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class JobConfig:
-    name: str = "ddpjob"
-    slurm: SlurmConfig = field(default_factory=SlurmConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    name: Free[str] = "ddpjob"
+    slurm: Free[SlurmConfig] = field(default_factory=SlurmConfig)  # resources: elastic resume
+    train: Match[TrainConfig] = field(default_factory=TrainConfig)  # as each of its fields says
+    data: Match[DataConfig] = field(default_factory=DataConfig)  # as each of its fields says
+    checkpoint: Free[CheckpointConfig] = field(default_factory=CheckpointConfig)
     # The job file's free-form [user] table: the entry script's own settings (job.user).
-    user: Mapping[str, Any] = field(default_factory=dict)
+    user: Match[Mapping[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {_key(f): _to_plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -173,28 +187,29 @@ class JobConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def hash(self) -> str:
-        """What must match for a checkpoint to be resumed (resources may change: elastic resume)."""
-        d = self.to_dict()
-        d.pop("slurm")
-        d.pop("name")
-        d.pop("checkpoint")
-        # deterministic / deterministic_reduce / compile_mode choose how the same sums are
-        # computed, not what is trained: each may change for a resume (e.g. off for speed), which
-        # then continues the run close to, not bit-equal to, the uninterrupted one, as an elastic
-        # resume does.
-        for k in ("epochs", "max_steps", "eval_every", "log_every", "threads", "backend",
-                  "dist_timeout_s", "batch_size", "accumulation_steps", "deterministic_reduce",
-                  "deterministic", "log_sample_ids", "tensorboard", "stop_vote", "grad_compression",
-                  "compile_mode"):
-            d["train"].pop(k)
-        if d["train"].get("strategy") == "ddp":
-            # the default leaves the hash as it was before the key existed: runs started by an
-            # older ddpjob still resume. fsdp stays in it: its checkpoints (DCP shards) are
-            # another layout, a run changing strategy is another training.
-            d["train"].pop("strategy")
-        for k in ("root", "num_workers"):
-            d["data"].pop(k)
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        """What must match for a checkpoint to be resumed: the Match fields (resources may change:
+        elastic resume). A section declared Match contributes its own fields' declarations."""
+        return hashlib.sha256(json.dumps(_identity(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resume_rule(cls: type, name: str) -> str | None:
+    """MATCH, FREE or MATCH_IF_SET, as field `name` of `cls` declares it; None if it declares nothing."""
+    hint = typing.get_type_hints(cls, include_extras=True)[name]
+    rules = [m for m in getattr(hint, "__metadata__", ()) if m in (MATCH, FREE, MATCH_IF_SET)]
+    return rules[0] if rules else None
+
+
+def _identity(obj: Any) -> dict[str, Any]:
+    """The fields of `obj` that a resume must match, as plain values."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        rule, value = resume_rule(type(obj), f.name), getattr(obj, f.name)
+        if rule == FREE or (rule == MATCH_IF_SET and value == f.default):
+            continue
+        if rule is None:
+            raise AssertionError(f"{type(obj).__name__}.{f.name} declares no resume rule")
+        out[_key(f)] = _identity(value) if dataclasses.is_dataclass(value) else _to_plain(value)
+    return out
 
 
 SECTIONS: dict[str, type] = {

@@ -29,7 +29,7 @@ _ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
 _ENTRY_FUNC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 MAX_TIME_S = 365 * 86400
 # torch.compile's modes (train.compile_mode); bench P8 measures them on a GPU
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 # Upper bounds (inclusive) for every size: far above any real job, far below anything that
 # could exhaust memory on the login node or overflow a C int on the nodes.
 LIMITS: dict[str, int] = {

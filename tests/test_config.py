@@ -179,3 +179,71 @@ def test_job_file_errors(tmp_path: Path) -> None:
     run.mkdir()
     (run / "config.json").write_text(json.dumps(config.JobConfig().to_dict()))
     assert config.read_run_config(run) == config.JobConfig()
+
+
+# ------------------------------------------------------------------ the resume identity
+def _undeclared(*classes: type) -> list[str]:
+    return [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)
+            if config.resume_rule(cls, f.name) is None]
+
+
+def test_every_field_declares_whether_a_resume_must_match_it() -> None:
+    """JobConfig's sections and the fields of the sections it hashes (train, data) each say Match,
+    Free or MatchIfSet: a new field cannot slip into (or out of) the resume identity unnoticed."""
+    assert _undeclared(config.JobConfig, config.TrainConfig, config.DataConfig) == []
+
+    @dataclasses.dataclass(frozen=True)
+    class Grown(config.DataConfig):
+        shuffle_buffer: int = 0  # a new key that says nothing
+
+    assert _undeclared(Grown) == ["Grown.shuffle_buffer"]
+    with pytest.raises(AssertionError, match="shuffle_buffer declares no resume rule"):
+        dataclasses.replace(config.JobConfig(), data=Grown()).hash()
+
+
+def test_free_fields_leave_the_hash_alone_and_match_fields_change_it() -> None:
+    base = config.JobConfig()
+    for section, key, value in (("train", "max_steps", 7), ("train", "deterministic", False),
+                                ("train", "compile_mode", "default"), ("data", "root", "/elsewhere"),
+                                ("slurm", "nodes", 4), ("checkpoint", "every_steps", 3)):
+        changed = dataclasses.replace(base, **{section: dataclasses.replace(getattr(base, section), **{key: value})})
+        assert changed.hash() == base.hash(), f"{section}.{key}"
+    for section, key, value in (("train", "lr", 0.2), ("train", "model", "resnet8"), ("data", "augment", False),
+                                ("train", "strategy", "fsdp")):
+        changed = dataclasses.replace(base, **{section: dataclasses.replace(getattr(base, section), **{key: value})})
+        assert changed.hash() != base.hash(), f"{section}.{key}"
+    assert dataclasses.replace(base, user={"width": 2}).hash() != base.hash()
+
+
+RESUME_02 = REPO / "tests" / "golden" / "resume-0.2"  # written by ddpjob 0.2 (ebbfe03): config.json + step 3
+
+
+def test_a_config_written_by_0_2_hashes_as_its_checkpoint_says() -> None:
+    cfg = config.from_json((RESUME_02 / "config.json").read_text())
+    manifest = json.loads((RESUME_02 / "checkpoints" / "step-000000003" / "manifest.json").read_text())
+    assert manifest["versions"]["ddpjob"] == "0.2.0"
+    assert cfg.hash() == manifest["config_hash"]
+
+
+def test_a_run_dir_written_by_0_2_resumes(tmp_path: Path) -> None:
+    """The committed run dir (smoke.toml for 6 steps, stopped after its checkpoint at step 3)
+    resumes under today's code: from step 3, to the end."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(RESUME_02, run)
+    for p in [run, *run.rglob("*")]:  # a run dir others can write is refused (rundir.py)
+        p.chmod(0o700 if p.is_dir() else 0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                       "MASTER_", "DDPJOB_", "TORCHELASTIC"))}
+    # the code is not 0.2's any more: the flag that accepts that (a new code hash) is the user's
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "run", str(run), "--allow-code-change"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e.get("resumed_step") for e in events if e["event"] == "start"] == [3]
+    assert [e["step"] for e in events if e["event"] == "stop"] == [6]
+    assert (run / "COMPLETED").exists()

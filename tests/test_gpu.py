@@ -187,7 +187,8 @@ def test_amp_auto_is_measured_once_and_kept_by_the_resume(tmp_path: Path) -> Non
     assert len(measured) == 1, log[-4000:]  # the first attempt only
     picked, bf16_ms, fp32_ms = measured[0]
     assert float(bf16_ms) > 0 and float(fp32_ms) > 0
-    assert picked == ("fp32" if float(bf16_ms) > 1.1 * float(fp32_ms) else "bf16")
+    if abs(float(bf16_ms) - 1.1 * float(fp32_ms)) > 0.2:  # the log's 0.1 ms rounding cannot flip it
+        assert picked == ("fp32" if float(bf16_ms) > 1.1 * float(fp32_ms) else "bf16")
     assert log.count(f"amp auto: {picked} (as chosen when the run began (checkpoint))") == 1, log[-4000:]
     print(f"\namp auto on {torch.cuda.get_device_name(0)} (resnet8, batch 32): {picked} "
           f"(bf16 {bf16_ms} ms, fp32 {fp32_ms} ms)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -91,8 +92,8 @@ def fit(job: Job) -> FitResult:
         # In place and inside DDP: DDP's forward calls the compiled module. torch.compile of the
         # DDP wrapper breaks its graph in DDP's forward (torch 2.14: Logger.set_runtime_stats_and_log)
         # and then compiled nothing at all on 2 ranks; and the state_dict keeps its names.
-        raw.compile(mode=t.compile_mode)
-    graphs = t.compile and device.type == "cuda" and t.compile_mode in CUDA_GRAPH_MODES
+        raw.compile(mode=compile_mode_for(t.compile_mode, device))
+    graphs = t.compile and device.type == "cuda" and compile_mode_for(t.compile_mode, device) in CUDA_GRAPH_MODES
     model = job.wrap(raw)  # DDP (+ rank-ordered reduction for >2 ranks), or sharded in place (fsdp)
     optimizer = build_optimizer(raw, cfg)  # after wrap: fully_shard replaces the parameters
     train_set, test_set = data.build_datasets(cfg.data.dataset, cfg.data.root, t.seed,
@@ -258,6 +259,14 @@ def evaluate(model: nn.Module, test_set: Any, job: Job, *, batch_size: int,
 
 # ------------------------------------------------------------------------- building blocks
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # compile modes that record CUDA graphs
+
+
+def compile_mode_for(mode: str, device: torch.device) -> str:
+    """train.compile_mode = "auto": CUDA graphs on a GPU, where a step of a few hundred small
+    kernels waits on their launches (bench P8); torch's default on a CPU, which has no graphs."""
+    if mode != "auto":
+        return mode
+    return "reduce-overhead" if device.type == "cuda" else "default"
 AUTO_FP32_MARGIN = 1.10  # amp = "auto" takes fp32 only when it is at least this much faster
 
 
@@ -290,7 +299,8 @@ def resolve_auto_amp(job: Job, progress: Progress, amp_dtype: torch.dtype | None
 def _time_precisions(cfg: JobConfig, device: torch.device, loader: Any) -> torch.Tensor:
     """Milliseconds per forward + backward in bf16 and in fp32, on a fresh copy of the model (the
     trained one keeps its BatchNorm statistics and compiles nothing extra) and the run's first
-    micro-batch; turns alternate so that a change of clock hits both. All RNG states are kept."""
+    micro-batch: the median of 5 turns of 5 steps each, the turns alternating so that a busy
+    moment of the host (which launches the kernels) hits both. All RNG states are kept."""
     t = cfg.train
     fmt = torch.channels_last if t.channels_last else torch.contiguous_format
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -299,7 +309,7 @@ def _time_precisions(cfg: JobConfig, device: torch.device, loader: Any) -> torch
         copy.to(memory_format=fmt)  # as the trained model
         x, y = next(iter(loader.batches(0)))[0]
         loss_fn = nn.CrossEntropyLoss(label_smoothing=t.label_smoothing)
-        spent = {torch.bfloat16: 0.0, None: 0.0}
+        turns: dict[torch.dtype | None, list[float]] = {torch.bfloat16: [], None: []}
 
         def step(dtype: torch.dtype | None) -> None:
             with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -309,16 +319,16 @@ def _time_precisions(cfg: JobConfig, device: torch.device, loader: Any) -> torch
 
         for dtype in (torch.bfloat16, None, torch.bfloat16, None):  # warm-up: kernels, workspaces
             step(dtype)
-        for _ in range(3):
+        for _ in range(5):
             for dtype in (torch.bfloat16, None):
                 torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 for _ in range(5):
                     step(dtype)
                 torch.cuda.synchronize(device)
-                spent[dtype] += time.perf_counter() - t0
+                turns[dtype].append(200 * (time.perf_counter() - t0))  # ms per step
         del copy
-    return torch.tensor([1000 * spent[torch.bfloat16] / 15, 1000 * spent[None] / 15],
+    return torch.tensor([statistics.median(turns[torch.bfloat16]), statistics.median(turns[None])],
                         dtype=torch.float64, device=device)
 
 
