@@ -77,11 +77,18 @@ def test_other_signal_and_no_requeue_reach_the_script():
 def test_sbatch_text_is_valid_bash_and_quotes_hostile_paths(tmp_path):
     folder = tmp_path / "it's a $(touch pwned) `x`; run" / "logs"
     cfg = cfg_with(nodes=2, tasks_per_node=2, setup=["echo 'setup ran'"])
-    text = submit.sbatch_text(cfg, folder, array=3)
+    points = [folder.parent / str(i) for i in range(3)]
+    text = submit.sbatch_text(cfg, folder, points)
     script = tmp_path / "s.sh"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     lines = text.splitlines()
+    # each array task puts its own point's frozen code first (SWEEP/<index>/code/python)
+    export = next(ln for ln in lines if ln.startswith("export PYTHONPATH="))
+    seen = subprocess.run(["bash", "-c", f'SLURM_ARRAY_TASK_ID=2; PYTHONPATH=/site; {export}; printf %s "$PYTHONPATH"'],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert seen.stdout == f"{points[2]}/code/python:/site", seen
+    assert not (tmp_path / "pwned").exists()
     for expected in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --requeue",
                      "#SBATCH --open-mode=append", "#SBATCH --signal=USR2@120", "#SBATCH --array=0-2%3",
                      "echo 'setup ran'"):

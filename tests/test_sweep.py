@@ -120,3 +120,42 @@ def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
     finally:  # (conftest's cleanup looks jobs up by plain id: cancel the array here)
         proc.kill()
         subprocess.run(["scancel", base], capture_output=True, timeout=30)
+
+
+@pytest.mark.cluster
+def test_slurm_sweep_points_import_their_own_frozen_code(slurm_cluster, tmp_path):
+    """Each array task of a submitit sweep imports ddpjob (and its entry) from its own point's
+    frozen copy, SWEEP/<index>/code, and the code hash its checkpoint records is that copy's.
+    (It used to put SWEEP/code/python, which does not exist, first: the points ran the live code.)"""
+    import json
+
+    import slurmtools
+
+    entry = tmp_path / "where.py"
+    entry.write_text("import ddpjob\nprint('ddpjob imported from', ddpjob.__file__, flush=True)\n"
+                     "from ddpjob.train.trainer import main\nmain()\n")
+    sweep = tmp_path / "sweep"
+    out = ddpjob("submit", SMOKE, "--backend", "slurm", "--run-dir", str(sweep), "--sweep", "train.lr=0.1,0.05",
+                 "--set", "train.max_steps=2", "--set", "train.eval_every=0", "--set", f"train.entry={json.dumps(str(entry))}",
+                 cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    base = rundir.read_json(sweep / "sweep.json")["job_id"]
+    slurmtools.submitted.append(base)
+    try:
+        for i in range(2):
+            deadline = time.monotonic() + 300
+            while rundir.completed(sweep / str(i)) is None:
+                assert time.monotonic() < deadline, f"point {i} did not complete"
+                time.sleep(1)
+        logs = {p.name: p.read_text() for p in (sweep / "logs").glob("*_log.out")}
+        for i in range(2):
+            frozen = (sweep / str(i) / "code" / "python").resolve()
+            mine = [t for name, t in logs.items() if name.startswith(f"{base}_{i}_")]
+            assert len(mine) == 2, sorted(logs)  # both ranks of the point
+            for text in mine:
+                assert f"ddpjob imported from {frozen}/ddpjob/__init__.py" in text, text[-2000:]
+            code = rundir.read_json(sweep / str(i) / "code.json")["hash"]
+            manifests = list((sweep / str(i) / "checkpoints").glob("step-*/manifest.json"))
+            assert manifests and all(json.loads(m.read_text())["code_hash"] == code for m in manifests)
+    finally:
+        subprocess.run(["scancel", base], capture_output=True, timeout=30)

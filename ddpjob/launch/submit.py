@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from ddpjob import config, console, rundir, scriptsafe
@@ -157,11 +158,14 @@ def expand_sweep(specs: list[str]) -> list[SweepPoint]:
 
 
 # ------------------------------------------------------------------ SLURM via submitit
-def slurm_parameters(cfg: JobConfig, folder: Path | None = None) -> dict[str, Any]:
+def slurm_parameters(cfg: JobConfig, folder: Path | None = None, *,
+                     run_dirs: Sequence[Path] = ()) -> dict[str, Any]:
     """SlurmExecutor.update_parameters(...) for a job: the pure mapping from [slurm].
 
-    `folder` is submitit's log (and pickle) folder, RUN_DIR/logs: given, the script first
-    refuses to start if it or the run dir is writable by others (see _guard_lines)."""
+    `folder` is submitit's log (and pickle) folder, RUN_DIR/logs (a sweep's: SWEEP/logs): given,
+    the script first refuses to start if it or the run dir is writable by others, and puts the
+    run dir's frozen code first on PYTHONPATH (see _guard_lines); `run_dirs` are the runs the
+    script serves (default: folder's parent; a sweep's points: one job array)."""
     s = cfg.slurm
     scriptsafe.job_strings(cfg)  # the same checks as the template path (render.py)
     secs = config.parse_time_s(s.time)
@@ -181,7 +185,7 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None) -> dict[str, An
     # submitit writes setup lines right after the #SBATCH block, where sbatch still reads
     # directives: the guard's first line is a command, which ends that scan (and the
     # scriptsafe checks refuse setup lines starting with '#' anyway).
-    params["setup"] = [*_guard_lines(cfg, folder), *scriptsafe.setup_lines(s.setup)]
+    params["setup"] = [*_guard_lines(cfg, folder, run_dirs), *scriptsafe.setup_lines(s.setup)]
     if s.gpus_per_node > 0:
         params["gpus_per_node"] = s.gpus_per_node
     for key in ("mem", "partition", "account", "qos", "constraint"):
@@ -199,7 +203,7 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None) -> dict[str, An
     return params
 
 
-def _guard_lines(cfg: JobConfig, folder: Path | None) -> list[str]:
+def _guard_lines(cfg: JobConfig, folder: Path | None, run_dirs: Sequence[Path] = ()) -> list[str]:
     """Shell lines that open submitit's script body (before srun).
 
     Why the permission guard: submitit unpickles RUN_DIR/logs/*_submitted.pkl at every start,
@@ -210,14 +214,20 @@ def _guard_lines(cfg: JobConfig, folder: Path | None) -> list[str]:
     still writing their checkpoint. Trapped, bash waits for srun (the template does the same).
     Why the task count: submitit's bare `srun` takes it from SLURM_NTASKS, which after an elastic
     shrink of the pending job (scontrol update NumNodes=1 ...) still holds the submission's count;
-    recompute it from the allocation, as the template's --ntasks does."""
+    recompute it from the allocation, as the template's --ntasks does. Why the array index: each
+    of a sweep's points froze its code into its own run dir, SWEEP/<array index> (SweepPoint.id),
+    and its job array has one script for them all."""
     s = cfg.slurm
     lines = ["trap 'echo \"ddpjob: batch shell got a stop signal; waiting for the ranks\" >&2' "
              "TERM INT HUP",
              f"DDPJOB_NTASKS=$(( ${{SLURM_JOB_NUM_NODES:-{int(s.nodes)}}} * {int(s.tasks_per_node)} ))",
              "export SLURM_NTASKS=$DDPJOB_NTASKS SLURM_NPROCS=$DDPJOB_NTASKS"]
     if folder is not None:  # the code frozen at submission comes first (launch/freeze.py)
-        code = shlex.quote(str(freeze.python_path(folder.parent)))
+        if len(run_dirs) > 1:  # SLURM sets the index: digits only, quoted all the same
+            point = freeze.python_path(Path("POINT")).relative_to("POINT")
+            code = f"{shlex.quote(str(folder.parent))}/\"$SLURM_ARRAY_TASK_ID\"/{shlex.quote(str(point))}"
+        else:
+            code = shlex.quote(str(freeze.python_path(run_dirs[0] if run_dirs else folder.parent)))
         lines.append(f"export PYTHONPATH={code}${{PYTHONPATH:+:$PYTHONPATH}} PYTHONSAFEPATH=1")
     if folder is not None:
         dirs = " ".join(shlex.quote(str(d)) for d in (folder.parent, folder))
@@ -242,13 +252,14 @@ def submitit_command(cfg: JobConfig, folder: Path) -> str:
     return f"{_python(cfg, folder)} -u -m submitit.core._submit {shlex.quote(str(folder))}"
 
 
-def sbatch_text(cfg: JobConfig, folder: Path, array: int | None = None) -> str:
+def sbatch_text(cfg: JobConfig, folder: Path, run_dirs: Sequence[Path] = ()) -> str:
     """The script submitit would submit, without submitting (for --dry-run)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     scriptsafe.run_dir(str(folder), submitit=True)
-    return _make_sbatch_string(command=submitit_command(cfg, folder), folder=folder, map_count=array,
-                               **slurm_parameters(cfg, folder))
+    return _make_sbatch_string(command=submitit_command(cfg, folder), folder=folder,
+                               map_count=len(run_dirs) if len(run_dirs) > 1 else None,
+                               **slurm_parameters(cfg, folder, run_dirs=run_dirs))
 
 
 def preflight_slurm(cfg: JobConfig) -> None:
@@ -293,7 +304,7 @@ def submit_slurm(cfgs: list[JobConfig], run_dirs: list[Path], log_folder: Path,
     ex = submitit.SlurmExecutor(folder=log_folder, max_num_timeout=cfg.slurm.max_requeues,
                                 python=_python(cfg, log_folder))
     scriptsafe.run_dir(str(log_folder), submitit=True)
-    ex.update_parameters(**slurm_parameters(cfg, log_folder))
+    ex.update_parameters(**slurm_parameters(cfg, log_folder, run_dirs=run_dirs))
     try:
         # submitit echoes sbatch's stderr on failure; we report it in our one line instead.
         with contextlib.redirect_stderr(io.StringIO()):
@@ -376,7 +387,7 @@ def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, job: 
     cfg = cfgs[0]
     where = Path(run_dir or Path("runs") / f"{cfg.name}{'-sweep' if points else ''}-<time>").absolute()
     if backend == "slurm":  # the script first: a refused value prints nothing but its error
-        text = sbatch_text(cfg, where / rundir.LOGS, len(points) if len(points) > 1 else None)
+        text = sbatch_text(cfg, where / rundir.LOGS, [where / p.id for p in points])
         console.info(f"# sbatch script submitit would submit for {job} (nothing submitted)")
         console.info(text)
     else:
