@@ -354,7 +354,7 @@ def rows(b: Bench, runs: Runs, other: dict[int, Arm], gpu: str) -> list[Row]:
                 "cached_start_s": starts(tuned)})
     if CHECKPOINTED.key in f and default_arm(128).key in f:
         ratio, each = _ratio(f[CHECKPOINTED.key], f[default_arm(128).key])
-        report("batch 128: async checkpoint every 10 steps / none, images/s", f"{ratio:.3f}x",
+        report(f"batch {_batch(b, 128)}: async checkpoint every 10 steps / none, images/s", f"{ratio:.3f}x",
                {"trial_ratios": each})
     if SHIPPED.key in f:
         s = f[SHIPPED.key][0]

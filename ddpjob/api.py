@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, rundir
+from ddpjob import config, console, exitcodes, rundir
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REQUEUE = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REQUEUE = exitcodes.OK, exitcodes.ERROR, exitcodes.USAGE, exitcodes.REQUEUE
 
 
 class StopForRequeue(SystemExit):
@@ -65,6 +65,7 @@ class Launch:
     argv: Sequence[str] | None = None
     stop: Any = None
     allow_code_change: bool = False  # `ddpjob run --allow-code-change`
+    from_scratch: bool = False  # `ddpjob run --from-scratch`
 
 
 _launch: Launch | None = None
@@ -177,6 +178,7 @@ class Job:
                                  init_from=c.init_from, init_keys=c.init_keys,
                                  code=lambda: _code_hash(cfg, run_dir),
                                  allow_code_change=bool(_launch and _launch.allow_code_change),
+                                 from_scratch=bool(_launch and _launch.from_scratch),
                                  sharded=cfg.train.strategy == "fsdp")
         self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
         self._deadline = preemption.DeadlineWatch(_end_time(self.env))
@@ -297,6 +299,7 @@ class Job:
         `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
         from ddpjob.node import compilecache
         from ddpjob.node.sampler import StepSampler
+        from ddpjob.rank.decide import StepDecider
 
         if self._step is None:
             self.resume(state)
@@ -311,68 +314,45 @@ class Job:
         first_step = self.is_rank0  # rank 0 records when the first step of this attempt ends
         self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
-        lag = int(self.config.train.stop_vote == "overlap")
-        self._deadline.lag_steps = lag
-        vote: Any = None  # overlap: the vote started after the previous step
+        decider = StepDecider(self._control, stop=self._stop, schedule=self._schedule, deadline=self._deadline,
+                              busy=self._store.busy, total=total, lag=int(self.config.train.stop_vote == "overlap"))
         self._stop.current_step = step
-        t_step = time.monotonic()
-        while step < total:
-            yield step
-            step += 1
-            self._step = step
-            if first_step:  # the recovery's last phase ends here (launch/phases.py)
-                graphs = compilecache.graphs()  # torch.compile's work is in this first step
-                rundir.record_event(self.run_dir, "first_step", step=step, job_id=self.job_id,
-                                    restart=self.restart, **({"graphs": graphs} if graphs else {}))
-                first_step = False
-            self._stop.current_step = step
-            now = time.monotonic()
-            self._deadline.observe_step(now - t_step)
-            if step >= total:
-                break  # finishing costs no more than stopping would: the final save below
-            t0 = time.perf_counter()
-            if lag:  # what every rank saw after the previous step
-                # nothing in flight after the first step: only the schedule's step answer, which
-                # every rank gives alike (a minute answer would need the vote)
-                alone = (0, int(self._schedule.due_by_steps(step)), 1)
-                stop, save_due, busy = vote.result() if vote is not None else alone
-            else:
-                stop, save_due, busy = self._control.agree(self._my_vote(step))
-            vote = None
-            self.vote_s += time.perf_counter() - t0
-            if not busy:
-                self._store.commit_pending()  # every rank's background write is done: the vote said so
-            if stop or save_due:
-                for s in samplers:
-                    s.set_step(step)
-                t0, decided = time.monotonic(), time.time()
-                self._store.save(step, state, blocking=bool(stop))
-                if self._tb is not None:
-                    self._tb.flush()  # what a resume from this checkpoint keeps is on disk
-                self._deadline.observe_checkpoint(time.monotonic() - t0)
-                self._schedule.mark_saved()
-            if stop:
-                self._stop_for_requeue(step, stop, decided_time=decided, saved_time=time.time())
-            if lag:  # after the save: "busy" must cover a background write started just now
-                t0 = time.perf_counter()
-                vote = self._control.start_agree(self._my_vote(step + 1))
-                self.vote_s += time.perf_counter() - t0
-            t_step = time.monotonic()
-        if vote is not None:
-            vote.result()  # every rank reads the last one: the groups stay in step
+        try:
+            while step < total:
+                yield step
+                step += 1
+                self._step = step
+                if first_step:  # the recovery's last phase ends here (launch/phases.py)
+                    graphs = compilecache.graphs()  # torch.compile's work is in this first step
+                    rundir.record_event(self.run_dir, "first_step", step=step, job_id=self.job_id,
+                                        restart=self.restart, **({"graphs": graphs} if graphs else {}))
+                    first_step = False
+                self._stop.current_step = step
+                now = decider.after_step(step)
+                if now.last:
+                    break
+                if not now.busy:
+                    self._store.commit_pending()  # every rank's background write is done: the vote said so
+                if now.save:
+                    for s in samplers:
+                        s.set_step(step)
+                    t0, decided = time.monotonic(), time.time()
+                    self._store.save(step, state, blocking=bool(now.stop))
+                    if self._tb is not None:
+                        self._tb.flush()  # what a resume from this checkpoint keeps is on disk
+                    decider.saved(time.monotonic() - t0)
+                if now.stop:
+                    self._stop_for_requeue(step, now.stop, lag=decider.lag, decided_time=decided,
+                                           saved_time=time.time())
+                decider.next_step(step)
+        finally:
+            self.vote_s += decider.vote_s
+        decider.close()  # every rank reads the last vote: the groups stay in step
         for s in samplers:
             s.set_step(step)
         self._store.save(step, state, blocking=True)
 
-    def _my_vote(self, due_at: int) -> list[int]:
-        """This rank's [stop code, checkpoint due at step `due_at`, background write busy]."""
-        from ddpjob.node import preemption
-
-        if self._deadline.expired():
-            self._stop.request(preemption.DEADLINE)
-        return [self._stop.code, int(self._schedule.due(due_at)), int(self._store.busy())]
-
-    def _stop_for_requeue(self, step: int, code: int, **times: float) -> None:
+    def _stop_for_requeue(self, step: int, code: int, *, lag: int, **times: float) -> None:
         from ddpjob.node import preemption, requeue
 
         self.stopped_at = step
@@ -382,7 +362,7 @@ class Job:
         if self.is_rank0:
             requeue.after_stop(self.config, self.env, self.run_dir, code, step, restart=self.restart,
                                signal_step=self._stop.signal_step, signal_time=self._stop.time,
-                               lag=self._deadline.lag_steps, times=times)
+                               lag=lag, times=times)
         # nobody exits (srun --kill-on-bad-exit) before rank 0 requeued
         self._control.barrier("the barrier after the requeue decision")
         raise StopForRequeue(step)
@@ -517,22 +497,16 @@ def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Pat
     requeued SLURM job finds its checkpoints), else a new folder that rank 0 creates."""
     from ddpjob.node import dist
 
-    path: Any = None
-    if env.is_rank0:
+    def choose() -> Path:
         if wanted is not None:
             path = wanted
         elif env.job_id:
             path = Path("runs") / f"{cfg.name}-{env.job_id}"
         else:
             path = rundir.new_run_dir("runs", cfg.name)
-        try:
-            path = rundir.prepare(Path(path).resolve(), cfg)
-        except DDPJobError as exc:
-            path = exc  # tell the other ranks, so that they stop too instead of waiting
-    path = dist.broadcast_object(path, what="the choice of the run directory")
-    if isinstance(path, DDPJobError):
-        raise path
-    return Path(path)
+        return rundir.prepare(Path(path).resolve(), cfg)
+
+    return Path(dist.rank0_decides(env.is_rank0, choose, what="the choice of the run directory"))
 
 
 def _code_hash(cfg: JobConfig, run_dir: Path) -> tuple[str, tuple[str, ...]]:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ddpjob import __version__
+from ddpjob import __version__, config, exitcodes
 from ddpjob.errors import DDPJobError, UsageError
 
 
@@ -48,14 +48,8 @@ def _handler(spec: str):  # "module:function", imported only when the command ru
 def _add_job_overrides(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
     """Flags shared by submit/sbatch/run/doctor: they override the job file."""
     g = p.add_argument_group("job overrides (win over the job file)")
-    g.add_argument("--nodes", type=int, help="[slurm] nodes")
-    g.add_argument("--tasks-per-node", type=int, help="[slurm] tasks_per_node (one rank each)")
-    g.add_argument("--gpus-per-node", type=int, help="[slurm] gpus_per_node (0 = CPU job)")
-    g.add_argument("--partition", help="[slurm] partition")
-    g.add_argument("--account", help="[slurm] account")
-    g.add_argument("--qos", help="[slurm] qos")
-    g.add_argument("--time", help="[slurm] time limit, e.g. 04:00:00 or 1-00:00:00")
-    g.add_argument("--name", help="job name")
+    for flag, kind, what in config.CLI_FLAGS:
+        g.add_argument(f"--{flag.replace('_', '-')}", type=kind, help=what)
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="typed override of any job-file key, e.g. --set train.lr=0.05 (repeatable)")
     if run_dir:
@@ -93,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", type=_path("run target"), help="job file (TOML) or an existing run directory")
     p.add_argument("--allow-code-change", action="store_true",
                    help="resume a checkpoint written by other code (the code on disk was edited)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="start at step 0 although the run has checkpoints, none of which can be resumed "
+                   "(they are moved to checkpoints/rejected/)")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help=argparse.SUPPRESS)  # torch.distributed.launch (legacy) passes this
     _add_job_overrides(p)
@@ -186,16 +183,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         print("ddpjob: interrupted", file=sys.stderr)
-        return 130
+        return exitcodes.INTERRUPTED
     except BrokenPipeError:
-        return 1
+        return exitcodes.ERROR
     except Exception as exc:  # a bug, not a user error: still one line unless --debug
         if debug:
             raise
         msg = " ".join(f"{type(exc).__name__}: {exc}".split())
         print(f"ddpjob: error: internal error, {msg}. Hint: rerun with --debug for the traceback "
               "and report it.", file=sys.stderr, flush=True)
-        return 1
+        return exitcodes.ERROR
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from ddpjob.errors import UsageError
-from ddpjob.validate import SIGNALS, parse_time_s, validate  # noqa: F401 (re-exported)
+from ddpjob.validate import SIGNALS, canonical_signal, parse_time_s, validate  # noqa: F401 (re-exported)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -331,7 +331,7 @@ def from_dict(raw: Mapping[str, Any], source: str = "the job file") -> JobConfig
     name = _coerce("name", raw.get("name", "ddpjob"), str)
     cfg = JobConfig(name=name, user=_user_table("user", raw.get("user", {})), **sections)
     validate(cfg)
-    return cfg
+    return dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, signal=canonical_signal(cfg.slurm.signal)))
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -405,16 +405,45 @@ def accumulation_for(cfg: JobConfig, world_size: int) -> int:
     return t.global_batch_size // per_step
 
 
+# The resource flags of submit, sbatch, run, resume and doctor (--nodes, ...): (flag, its type,
+# its help). Each sets the [slurm] key of its name, but --name the job's name. The parser, the
+# mapping below and the command line recorded in job.json all read this one list.
+CLI_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("nodes", int, "[slurm] nodes"),
+    ("tasks_per_node", int, "[slurm] tasks_per_node (one rank each)"),
+    ("gpus_per_node", int, "[slurm] gpus_per_node (0 = CPU job)"),
+    ("partition", str, "[slurm] partition"),
+    ("account", str, "[slurm] account"),
+    ("qos", str, "[slurm] qos"),
+    ("time", str, "[slurm] time limit, e.g. 04:00:00 or 1-00:00:00"),
+    ("name", str, "job name"),
+)
+
+
+def cli_flags(args: Any) -> dict[str, Any]:
+    """The resource flags as parsed (None = not given)."""
+    return {flag: getattr(args, flag, None) for flag, _, _ in CLI_FLAGS}
+
+
+def cli_flag_words(args: Any) -> list[str]:
+    """The flags that were given, as command-line words again (for job.json)."""
+    words = []
+    for flag, value in cli_flags(args).items():
+        if value is not None:
+            words += [f"--{flag.replace('_', '-')}", str(value)]
+    return words
+
+
 def with_cli_flags(cfg_raw: dict[str, Any], flags: Mapping[str, Any]) -> dict[str, Any]:
     """Map --nodes/--partition/... onto the raw dict before validation (None = not given)."""
-    mapping = {"nodes": "nodes", "tasks_per_node": "tasks_per_node", "gpus_per_node": "gpus_per_node",
-               "partition": "partition", "account": "account", "qos": "qos", "time": "time"}
     out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in cfg_raw.items()}
-    for flag, key in mapping.items():
-        if flags.get(flag) is not None:
-            out.setdefault("slurm", {})[key] = flags[flag]
-    if flags.get("name") is not None:
-        out["name"] = flags["name"]
+    for flag, _, _ in CLI_FLAGS:
+        if flags.get(flag) is None:
+            continue
+        if flag == "name":
+            out["name"] = flags[flag]
+        else:
+            out.setdefault("slurm", {})[flag] = flags[flag]
     return out
 
 

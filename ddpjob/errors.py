@@ -7,11 +7,13 @@ Every failure a user can fix is a DDPJobError: the CLI prints it as one line,
 
 from __future__ import annotations
 
+from ddpjob import exitcodes
+
 
 class DDPJobError(Exception):
     """A failure the user can act on; `exit_code` 1 = runtime problem."""
 
-    exit_code = 1
+    exit_code = exitcodes.ERROR
 
     def __init__(self, message: str, hint: str = "", *, exit_code: int | None = None) -> None:
         super().__init__(message)
@@ -34,4 +36,4 @@ class DDPJobError(Exception):
 class UsageError(DDPJobError):
     """Bad command line, job file or override: exit code 2."""
 
-    exit_code = 2
+    exit_code = exitcodes.USAGE

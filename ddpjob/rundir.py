@@ -8,6 +8,7 @@ are written atomically (temp file + rename) so a reader never sees half a file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -52,6 +53,15 @@ def file_mode(folder: str | Path) -> int:
     except OSError:
         group = False
     return 0o640 if group else 0o600
+
+
+def private_umask(share_group: bool) -> None:
+    """What ddpjob's own processes create (run dirs, checkpoints, logs, submitit's pickle, the
+    compile caches) gets 0600/0700, or 0640/0750 with slurm.share_group, whatever umask the user
+    came with (Debian's 002 would make them group-writable: code others could run as the job's
+    user). Set by every ddpjob command that writes a run dir and by each rank; SLURM hands it on
+    to the job (sbatch and srun pass their umask as SLURM_UMASK)."""
+    os.umask(0o027 if share_group else 0o077)
 
 
 def make_dir(path: Path, share_group: bool = False) -> None:
@@ -105,6 +115,111 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
 
 def write_text_atomic(path: str | Path, text: str, mode: int | None = None) -> None:
     write_atomic(path, lambda f: f.write(text.encode()), mode)
+
+
+class UserOutput:
+    """A file the user names (`sbatch -o`, `plot -o`), under the one rule for writing it: a new
+    path or a regular file is written atomically (a temp file renamed over it; through a symlink,
+    over the file it points to, so the link stays); a character device or a FIFO (`-o
+    /dev/stdout`, `-o >(...)`, a named pipe with a reader) is written in place; anything else
+    (a folder, a block device, a socket, a dangling link, a FIFO nobody reads) is refused with
+    one line. Nothing at the path is ever replaced by a rename but a regular file.
+
+    Two steps, so a caller can stage the file before its other work and commit it last:
+    stage(data) then commit(), or discard()."""
+
+    def __init__(self, path: str | Path, flag: str = "-o") -> None:
+        import stat
+
+        self.path, self.flag = Path(path), flag
+        self._staged: Path | None = None
+        self._fd: int | None = None
+        self._data = b""
+        try:
+            st = os.stat(self.path)  # through a link: what would be written
+        except FileNotFoundError:
+            if self.path.is_symlink():
+                raise self._refuse("is a symlink to nothing") from None
+            if not self.path.parent.is_dir():
+                raise DDPJobError(f"cannot write '{self.path}': folder '{self.path.parent}' does not exist, "
+                                  "expected an existing folder", f"create it first or choose another {flag}")
+            self.in_place, self.target = False, self.path
+            return
+        except OSError as exc:
+            raise DDPJobError(f"cannot inspect '{self.path}' ({exc.strerror})", f"choose another {flag}") from None
+        if stat.S_ISREG(st.st_mode):
+            self.in_place, self.target = False, self.path.resolve()
+        elif stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+            self.in_place, self.target = True, self.path
+        else:
+            kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a block device" if stat.S_ISBLK(st.st_mode)
+                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+            raise self._refuse(f"is {kind}")
+
+    def _refuse(self, why: str) -> DDPJobError:
+        return DDPJobError(f"{self.flag} '{self.path}' {why}, expected a new file, a regular file, a "
+                           "character device or a FIFO with a reader", f"choose another {self.flag}, e.g. {self.flag} out")
+
+    def _failed(self, exc: OSError) -> DDPJobError:
+        return DDPJobError(f"cannot write '{self.path}' ({exc.strerror})", f"choose another {self.flag}")
+
+    def stage(self, data: bytes, mode: int = 0o644) -> None:
+        """A new or regular file: the data in a temp file beside the target (mode `mode`, never
+        writable by others). In place: the target opened now (a FIFO nobody reads is refused
+        before anything else is written), written by commit()."""
+        self._data = data
+        if self.in_place:
+            try:
+                # O_NONBLOCK: a FIFO that nobody reads fails at once (ENXIO) instead of hanging
+                self._fd = os.open(self.target, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY)
+                os.set_blocking(self._fd, True)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    raise self._refuse("is a FIFO nobody reads") from None
+                raise self._failed(exc) from None
+            return
+        tmp = self.target.with_name(f".{self.target.name}.{os.getpid()}.{secrets.token_hex(3)}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode & 0o755)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise self._failed(exc) from None
+        self._staged = tmp
+
+    def commit(self) -> None:
+        if self._staged is not None:
+            os.replace(self._staged, self.target)  # the commit point: the file changes whole
+            self._staged = None
+            return
+        if self._fd is None:
+            return
+        try:
+            view = memoryview(self._data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as exc:
+            raise self._failed(exc) from None
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        if self._staged is not None:
+            self._staged.unlink(missing_ok=True)
+            self._staged = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def write(self, data: bytes, mode: int = 0o644) -> None:
+        self.stage(data, mode)
+        try:
+            self.commit()
+        finally:
+            self.discard()
 
 
 NEW, SAME, RESIZED = "new", "same", "resized"

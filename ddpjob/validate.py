@@ -129,7 +129,7 @@ def _slurm_strings(cfg: JobConfig) -> None:
         secs = -1
     _check(0 < secs <= MAX_TIME_S, f"slurm.time {s.time!r} is not a SLURM time limit, expected "
            "minutes, HH:MM:SS or D-HH:MM:SS, at most 365 days", "e.g. time = \"04:00:00\"")
-    _check(s.signal.upper().removeprefix("SIG") in SIGNALS,
+    _check(canonical_signal(s.signal) in SIGNALS,
            f"slurm.signal {s.signal!r} is not a signal ddpjob handles, expected one of "
            f"{', '.join(SIGNALS)}", "use USR2 (the default; NCCL may own USR1). "
            "Do not write B: - ddpjob routes the signal to the tasks itself")
@@ -163,6 +163,12 @@ def _container(cfg: JobConfig) -> None:
         _check(len(parts) <= 2 and all(p.startswith("/") for p in parts) and "," not in m,
                f"slurm.container_mounts entry {m!r} is not \"SRC\" or \"SRC:DST\" with absolute "
                "paths, expected no comma and at most one colon", "e.g. \"/scratch/data:/data\"")
+
+
+def canonical_signal(name: str) -> str:
+    """'sigusr2' -> 'USR2': how [slurm] signal is stored once validated (config.from_dict), and
+    so how sbatch, submitit and the ranks get it."""
+    return name.upper().removeprefix("SIG")
 
 
 def _train_data(cfg: JobConfig) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddpjob import rundir
 from ddpjob.store.commit import CheckpointStore
 
 KILLS = 100
@@ -150,3 +151,79 @@ def test_100_kill9_during_saves_never_lose_the_newest_committed(tmp_path: Path) 
           f"staging folder, {found_unlogged} found a commit not yet logged; reached step {final}")
     # the test only means something if many kills really landed inside saves
     assert killed_mid_save >= KILLS // 2 and staging_left >= 10, (killed_mid_save, staging_left)
+
+
+# ------------------------------------------------------------------ nothing thrown away without a word
+def _ddpjob_run(*args: str, cwd: Path) -> "subprocess.CompletedProcess[str]":
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "DDPJOB_", "TORCHELASTIC"))}
+    return subprocess.run([sys.executable, "-m", "ddpjob", "run", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"})
+
+
+SMOKE = str(Path(__file__).resolve().parents[1] / "jobs" / "smoke.toml")
+
+
+def _trained(tmp_path: Path) -> Path:
+    """One process, 4 steps, checkpoints at 2 and 4 (step-4 is also the final one)."""
+    run = tmp_path / "run"
+    out = _ddpjob_run(SMOKE, "--run-dir", str(run), "--set", "train.max_steps=4", "--set", "checkpoint.every_steps=2",
+                      "--set", "checkpoint.keep_last=3", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-000000002", "step-000000004"]
+    (run / "COMPLETED").unlink()  # as if it had stopped there: a longer run continues it
+    return run
+
+
+def test_checkpoints_none_of_which_verifies_refuse_the_start_until_from_scratch(tmp_path: Path) -> None:
+    run = _trained(tmp_path)
+    for ck in (run / "checkpoints").glob("step-*"):  # every model.pt damaged: none verifies
+        with open(ck / "model.pt", "r+b") as f:
+            f.seek(100)
+            f.write(b"\0" * 16)
+    before = {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+    out = _ddpjob_run(SMOKE, "--run-dir", str(run), "--set", "train.max_steps=6", cwd=tmp_path)
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("ddpjob: error:")]
+    assert len(errors) == 1 and "holds 2 checkpoint(s) and none can be resumed" in errors[0], out.stderr
+    assert "step-000000004: " in errors[0] and "--from-scratch" in errors[0]
+    assert {p: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()} == before  # untouched
+    out = _ddpjob_run(SMOKE, "--run-dir", str(run), "--set", "train.max_steps=6", "--from-scratch", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rejected = sorted(p.name.split("-r")[0] for p in (run / "checkpoints" / "rejected").iterdir())
+    assert rejected == ["step-000000002", "step-000000004"]  # kept, never written over
+    starts = [e for e in rundir.read_jsonl(run / "events.jsonl") if e["event"] == "start"]
+    assert starts[-1]["resumed_step"] is None  # step 0, as asked
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*"))[-1] == "step-000000006"
+
+
+class _Payload:
+    """What someone could plant in a run dir: unpickling it would run a command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_verified_checkpoint_that_holds_code_is_skipped_for_the_older_one(tmp_path: Path) -> None:
+    import hashlib
+    import json
+
+    run = _trained(tmp_path)
+    newest = run / "checkpoints" / "step-000000004"
+    marker = tmp_path / "payload-ran"
+    torch.save({"weight": _Payload(marker)}, newest / "model.pt")
+    manifest = json.loads((newest / "manifest.json").read_text())  # rewritten to match: it verifies
+    data = (newest / "model.pt").read_bytes()
+    manifest["files"]["model.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    out = _ddpjob_run(SMOKE, "--run-dir", str(run), "--set", "train.max_steps=6", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert not marker.exists()  # never unpickled
+    events = rundir.read_jsonl(run / "events.jsonl")
+    rejected = [e for e in events if e["event"] == "checkpoint_rejected"]
+    assert [e["step"] for e in rejected] == [4] and "posix.system" in rejected[0]["reason"], rejected
+    assert [e.get("resumed_step") for e in events if e["event"] == "start"][-1] == 2
+    assert "weights_only=False" not in out.stdout + out.stderr

@@ -81,3 +81,59 @@ def test_submitit_script_refuses_a_pickle_folder_others_can_write(mode: int, ok:
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert (r.returncode == 0 and r.stdout == "started\n") if ok else \
         (r.returncode == 1 and "refusing to unpickle" in r.stderr), (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("mode, ok", [(0o600, True), (0o640, True), (0o664, False), (0o606, False)])
+def test_submitit_script_refuses_a_pickle_others_can_write_in_a_private_folder(mode: int, ok: bool,
+                                                                              tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    for d in (run, run / "logs"):
+        d.chmod(0o750)
+    pickle = run / "logs" / "17_submitted.pkl"
+    pickle.write_bytes(b"x")
+    pickle.chmod(mode)
+    lines = submit.slurm_parameters(config.from_dict({"name": "t"}), run / "logs")["setup"]
+    r = subprocess.run(["bash", "-c", "\n".join([*lines, "echo started"]) + "\n"], capture_output=True, text=True)
+    assert (r.returncode == 0 and r.stdout == "started\n") if ok else \
+        (r.returncode == 1 and f"{pickle} is writable by others" in r.stderr), (r.stdout, r.stderr)
+
+
+def _loose(d: Path, share: bool) -> dict[str, str]:
+    """What in `d` others could write (or, without share_group, even read)."""
+    bad = 0o022 if share else 0o077
+    return {k: oct(v) for k, v in _modes(d).items() if v & bad}
+
+
+@pytest.mark.parametrize("umask, share", [(0o000, False), (0o002, True)])
+def test_a_local_run_writes_nothing_others_can_write_whatever_the_umask(umask: int, share: bool,
+                                                                        tmp_path: Path) -> None:
+    """Checkpoints, rank logs, events, the final model: 0600/0700, or 0640/0750 with share_group,
+    under umask 000 and under Debian's 002."""
+    run = tmp_path / "run"
+    r = subprocess.run(DDPJOB + ["submit", str(REPO / "jobs/smoke.toml"), "--backend", "local", "--wait",
+                                 "--run-dir", str(run), "--set", "train.max_steps=4", "--set", "checkpoint.every_steps=2",
+                                 "--set", f"slurm.share_group={str(share).lower()}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(umask))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert list(run.glob("checkpoints/step-*/*.pt")) and list(run.glob("logs/rank-*.log"))
+    assert _loose(run, share) == {}
+
+
+@pytest.mark.cluster
+def test_a_submitit_job_under_umask_002_with_share_group_keeps_its_pickle_private(slurm_cluster, tmp_path: Path) -> None:
+    """Through real sbatch/srun: submitit's pickle, its logs, the checkpoints: nothing the group can
+    write (the pickle used to be 664, so any group member could run code as the job's owner)."""
+    import slurmtools
+
+    run = tmp_path / "run"
+    r = subprocess.run(DDPJOB + ["submit", str(REPO / "jobs/smoke.toml"), "--backend", "slurm", "--run-dir", str(run),
+                                 "--set", "train.max_steps=4", "--set", "checkpoint.every_steps=2",
+                                 "--set", "slurm.share_group=true"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(0o002))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    job_id = rundir.read_json(run / "job.json")["job_id"]
+    slurmtools.submitted.append(job_id)
+    assert slurmtools.wait_done(job_id, timeout=300) == "COMPLETED"
+    assert list(run.glob("logs/*.pkl")) and list(run.glob("checkpoints/step-*/*.pt"))
+    assert _loose(run, share=True) == {}

@@ -165,3 +165,20 @@ def test_empty_run_and_missing_matplotlib_are_one_line(tmp_path: Path, capsys,
     assert len(err.splitlines()) == 1 and "matplotlib is not installed" in err
     assert "pip install 'ddpjob[plot]'" in err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_onto_a_device_writes_in_place_or_fails_in_one_line_and_never_replaces_it(
+        requeued_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`plot -o /dev/full` (run as root, it used to rename a PNG over the device node): one line,
+    exit 1, the device untouched; `-o /dev/null` is written in place."""
+    import os
+
+    before = os.lstat("/dev/full")
+    assert main(["plot", str(requeued_run), "-o", "/dev/full"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ddpjob: error: cannot write '/dev/full' (No space left on device). Hint: choose another -o."]
+    after = os.lstat("/dev/full")
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
+    assert main(["plot", str(requeued_run), "-o", "/dev/null"]) == 0
+    assert Path("/dev/null").is_char_device()
+    assert main(["plot", str(requeued_run), "-o", str(tmp_path)]) == 1  # a folder: refused in one line

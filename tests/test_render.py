@@ -105,6 +105,8 @@ def test_directives_follow_the_job_file() -> None:
 def test_cpu_job_has_no_gpu_line_and_requeue_can_be_off() -> None:
     cfg = _with_slurm(_job("smoke"), requeue=False, signal="sigusr1", partition="low",
                       sbatch_extra=("--exclusive", "--comment=two words \"q\" #x"))
+    cfg = config.from_dict(cfg.to_dict())  # as a job file gives it: the signal's name made canonical
+    assert cfg.slurm.signal == "USR1"
     text = render.render_sbatch(cfg, run_dir=RUN_DIR, python=PYTHON)
     assert "--gpus-per-node" not in text
     assert "#SBATCH --no-requeue" in text and "#SBATCH --requeue" not in text

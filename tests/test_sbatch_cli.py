@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +202,69 @@ def test_same_run_dir_with_other_resources_resumes_elastically_other_training_is
                "c.sbatch", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Hint:" in r.stderr
     assert (run / "config.json").read_text() == before and not (tmp_path / "c.sbatch").exists()
+
+
+# ------------------------------------------------------------------ -o: the one rule for a file the user names
+def test_o_into_a_pipe_through_dev_stdout_writes_the_script_in_place(tmp_path: Path) -> None:
+    """`ddpjob sbatch JOB -o /dev/stdout | sbatch`: the script goes into the pipe, the report to
+    stderr, and nothing replaces /dev/stdout."""
+    r = sbatch(str(REPO / "jobs/smoke.toml"), "--run-dir", str(tmp_path / "run"), "-o", "/dev/stdout", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (tmp_path / "run" / "job.sbatch").read_text()
+    assert "ddpjob: next: sbatch /dev/stdout" in r.stderr
+    assert Path("/dev/stdout").is_symlink()
+
+
+def test_o_into_a_fifo_with_a_reader_is_written_and_without_one_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    r = sbatch(str(REPO / "jobs/smoke.toml"), "--run-dir", str(tmp_path / "none"), "-o", str(fifo), cwd=tmp_path)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"ddpjob: error: -o '{fifo}' is a FIFO nobody reads, expected a new file, a regular file, a character "
+        "device or a FIFO with a reader. Hint: choose another -o, e.g. -o out."]
+    assert not (tmp_path / "none").exists()  # refused before anything was written
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    deadline = time.monotonic() + 30
+    while True:  # the reader opens the FIFO when its thread gets to it: retry until it has
+        r = sbatch(str(REPO / "jobs/smoke.toml"), "--run-dir", str(tmp_path / "run"), "-o", str(fifo), cwd=tmp_path)
+        if r.returncode == 0 or time.monotonic() > deadline:
+            break
+    reader.join(timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert got == [(tmp_path / "run" / "job.sbatch").read_text()]
+    assert fifo.is_fifo()
+
+
+@pytest.mark.parametrize("target", ["/dev/full", "folder", "blockdev", "dangling"])
+def test_o_onto_a_device_a_folder_or_a_dangling_link_is_never_replaced(tmp_path: Path, target: str) -> None:
+    if target == "folder":
+        path = tmp_path / "folder"
+        path.mkdir()
+    elif target == "blockdev":
+        if os.geteuid() != 0:
+            pytest.skip("mknod of a block device needs root")
+        path = tmp_path / "loop"
+        os.mknod(path, 0o600 | stat.S_IFBLK, os.makedev(7, 200))
+    elif target == "dangling":
+        path = tmp_path / "link"
+        path.symlink_to(tmp_path / "nowhere")
+    else:
+        path = Path(target)
+    before = os.lstat(path)
+    r = sbatch(str(REPO / "jobs/smoke.toml"), "--run-dir", str(tmp_path / "run"), "-o", str(path), cwd=tmp_path)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("ddpjob: error: ") and "Traceback" not in r.stderr
+    after = os.lstat(path)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (before.st_mode, before.st_ino, before.st_rdev)
+
+
+def test_o_through_a_symlink_to_a_file_keeps_the_link(tmp_path: Path) -> None:
+    real, link = tmp_path / "real.sbatch", tmp_path / "link.sbatch"
+    real.write_text("old\n")
+    link.symlink_to(real)
+    r = sbatch(str(REPO / "jobs/smoke.toml"), "--run-dir", str(tmp_path / "run"), "-o", str(link), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and real.read_text() == (tmp_path / "run" / "job.sbatch").read_text()
+    assert real.stat().st_mode & 0o022 == 0  # never writable by others

@@ -22,10 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, rundir
+from ddpjob import config, exitcodes, rundir
 
 LOCAL = "local.json"
-EXIT_REQUEUE = 3  # `ddpjob run`: stopped for a requeue, checkpoint written (docs/design.md)
 POLL_S = 0.1
 CANCEL_GRACE_S = 60.0  # after a cancel, ranks may checkpoint this long before SIGKILL
 
@@ -68,6 +67,7 @@ class Supervisor:
         self.run_dir = run_dir
         self.job_id = job_id
         self.cfg = config.read_run_config(run_dir)
+        rundir.private_umask(self.cfg.slurm.share_group)  # the rank logs it opens; the ranks inherit it
         self.command = command or rank_command(run_dir)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.restarts = 0
@@ -149,7 +149,7 @@ class Supervisor:
             if None not in codes:
                 break
             self.forward_pending()
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0, EXIT_REQUEUE)]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0, exitcodes.REQUEUE)]
             if bad and not killed:
                 log(f"rank {bad[0]} exited with {codes[bad[0]]}: killing the other ranks")
                 self.kill_ranks()
@@ -176,7 +176,7 @@ class Supervisor:
                 state, reason = "COMPLETED", "all ranks exited 0"
             elif self.cancelled:
                 state, reason = "CANCELLED", "cancelled by a signal"
-            elif all(c == EXIT_REQUEUE for c in codes):
+            elif all(c == exitcodes.REQUEUE for c in codes):
                 if self.restarts < max_requeues:
                     self.restarts += 1
                     log(f"all ranks stopped for a requeue: restart {self.restarts}/{max_requeues}")

@@ -9,8 +9,8 @@ matplotlib is an optional extra (`pip install 'ddpjob[plot]'`); `summary` needs 
 from __future__ import annotations
 
 import argparse
+import io
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,7 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path) -> PlotRecord:
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas for PNG
     from matplotlib.lines import Line2D
 
+    out = rundir.UserOutput(output)  # refused before any drawing if it is no place for a PNG
     paths = [Path(p) for p in run_dirs]
     histories = [load_history(p, n) for p, n in zip(paths, _names(paths))]
     empty = [h.name for h in histories if not h.train and not h.evals]
@@ -157,16 +158,9 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path) -> PlotRecord:
                    ncols=min(len(handles), 4))
     fig.suptitle("ddpjob: " + (histories[0].name if len(histories) == 1
                                else f"{len(histories)} runs"))
-    out = Path(output)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, out)  # a viewer never sees half a PNG
-    except OSError as exc:
-        raise DDPJobError(f"cannot write {out} ({exc.strerror})",
-                          "choose an -o path in a folder you can write to") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
+    out.write(png.getvalue())  # a viewer never sees half a PNG; a device or FIFO is written in place
     return record
 
 

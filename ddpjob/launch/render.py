@@ -18,7 +18,7 @@ import string
 from collections.abc import Mapping
 from pathlib import Path
 
-from ddpjob import __version__, scriptsafe
+from ddpjob import __version__, exitcodes, scriptsafe
 from ddpjob.config import JobConfig
 from ddpjob.launch import container
 from ddpjob.errors import UsageError
@@ -103,7 +103,7 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
     s = cfg.slurm
     run = _check_run_dir(run_dir)
     python = _check_python(python)
-    signal = s.signal.upper().removeprefix("SIG")
+    signal = s.signal  # canonical since validation ("USR2")
     config_json = cfg.to_json().encode()
     return {
         "version": __version__,
@@ -124,6 +124,9 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         # [slurm] container: "" without one, so a template without a container renders as before
         "container_srun": "".join(" " + shlex.quote(o) for o in container.srun_options(cfg, run, python)),
         "container_exec": "".join(shlex.quote(w) + " " for w in container.exec_prefix(cfg, run, python)),
+        "umask": "0027" if s.share_group else "0077",  # rundir.private_umask's
+        "exit_ok": str(exitcodes.OK),  # ddpjob/exitcodes.py: the ranks' statuses, one definition
+        "exit_requeue": str(exitcodes.REQUEUE),
         "signal": shlex.quote(signal),
         "forward_signal": shlex.quote("" if signal in _NOT_FORWARDED else signal),
     }
@@ -146,7 +149,7 @@ def sbatch_directives(cfg: JobConfig, run_dir: str) -> list[str]:
     # A requeued run appends to the batch log instead of truncating the first run's.
     out += ["--requeue" if s.requeue else "--no-requeue", "--open-mode=append"]
     # No "B:": the warning goes to the ranks (the job steps), which checkpoint on it.
-    out.append(f"--signal={s.signal.upper().removeprefix('SIG')}@{s.signal_lead_s}")
+    out.append(f"--signal={s.signal}@{s.signal_lead_s}")
     log = f"{slurm_pattern_escape(run_dir)}/{LOGS}/batch-%j.out"
     out += [directive_quote(f"--output={log}"), directive_quote(f"--error={log}")]
     out += [directive_quote(arg) for arg in s.sbatch_extra]

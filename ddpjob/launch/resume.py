@@ -36,7 +36,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if rundir.completed(run) is not None:
         raise DDPJobError(f"run '{run}' has completed, expected a stopped, cancelled or failed run",
                           "start a new run with `ddpjob submit`")
-    cfg = resumed_config(run, list(args.overrides), {k: getattr(args, k, None) for k in submit.FLAGS})
+    cfg = resumed_config(run, list(args.overrides), config.cli_flags(args))
     if args.allow_code_change:  # the code on disk now, accepting the old code's checkpoints
         submit._check_idle(run)  # never under a running job
         old = freeze.record(run)
@@ -47,10 +47,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     backend = str(job.get("backend") or "")
     if backend not in ("slurm", "local"):
         backend = submit.choose_backend("auto")
-    command = ["ddpjob", "resume", str(run)]  # for job.json: what was run
-    for flag in submit.FLAGS:
-        if getattr(args, flag, None) is not None:
-            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    command = ["ddpjob", "resume", str(run), *config.cli_flag_words(args)]  # for job.json: what was run
     for item in args.overrides:
         command += ["--set", item]
     if backend == "slurm" and job.get("via") == "sbatch":

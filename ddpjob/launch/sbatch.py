@@ -19,46 +19,47 @@ from ddpjob.errors import DDPJobError
 from ddpjob.launch import freeze, render
 
 SCRIPT = "job.sbatch"
-_FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
     job = locate_job(args.job)
-    flags = {k: getattr(args, k, None) for k in _FLAGS}
+    flags = config.cli_flags(args)
     cfg = config.resolve(job, args.overrides, flags)
+    rundir.private_umask(cfg.slurm.share_group)
     if not getattr(args, "no_data_check", False):
         _check_data(cfg)
     template = render.load_template(args.template)
     to_stdout = args.output == "-"
-    out = None if to_stdout else _check_output(Path(args.output))
+    out = None if to_stdout else rundir.UserOutput(args.output)
     run_dir = Path(args.run_dir or rundir.new_run_dir("runs", cfg.name)).absolute()
     # The interpreter that runs ddpjob here runs the ranks too (same venv on a shared filesystem).
     script = render.render_sbatch(cfg, run_dir=run_dir, python=os.path.abspath(sys.executable),
                                   template=template)
     reuse = _check_run_dir(run_dir, cfg)
 
-    staged = _stage(out, script) if out is not None else None
+    if out is not None:
+        out.stage(script.encode())  # a new or regular file: beside it, renamed over it last
     try:
         _write_run_dir(run_dir, cfg, script, reuse)
-    except BaseException:
-        if staged is not None:
-            staged.unlink(missing_ok=True)
-        raise
-    if staged is not None and out is not None:
-        os.replace(staged, out)  # the commit point: FILE changes whole, or not at all
+        if out is not None:
+            out.commit()  # the commit point: FILE changes whole, or not at all
+    finally:
+        if out is not None:
+            out.discard()
 
     if to_stdout:  # stdout holds the script: the report goes to stderr
         sys.stdout.write(script)
         sys.stdout.flush()
     s = cfg.slurm
-    lines = [f"wrote {out if out is not None else 'the script to stdout'} "
+    lines = [f"wrote {out.path if out is not None else 'the script to stdout'} "
              f"(copy in {run_dir / SCRIPT})",
              f"job {cfg.name}: {s.nodes} node(s) x {s.tasks_per_node} task(s), time {s.time}",
              f"run dir {run_dir}",
              f"logs {run_dir / rundir.LOGS}/batch-<job id>.out and rank-<R>.log",
-             f"next: sbatch {out if out is not None else run_dir / SCRIPT}"]
+             f"next: sbatch {out.path if out is not None else run_dir / SCRIPT}"]
     for line in lines:
-        if to_stdout:
+        # the script went to stdout, or to a device or pipe that may be stdout (-o /dev/stdout)
+        if to_stdout or (out is not None and out.in_place):
             print(f"ddpjob: {line}", file=sys.stderr, flush=True)
         else:
             console.info(line)
@@ -95,16 +96,6 @@ def _check_data(cfg: config.JobConfig) -> None:
                           "--no-data-check if only the compute nodes see that path")
 
 
-def _check_output(out: Path) -> Path:
-    if out.is_dir():
-        raise DDPJobError(f"-o '{out}' is a directory, expected a file name", "e.g. -o job.sbatch")
-    parent = out.parent
-    if not parent.is_dir():
-        raise DDPJobError(f"cannot write '{out}': folder '{parent}' does not exist, expected an "
-                          "existing folder", "create it first or choose another -o")
-    return out
-
-
 def _check_run_dir(run_dir: Path, cfg: config.JobConfig) -> bool:
     """True if `run_dir` is an existing run dir of this very config (it is reused as is)."""
     state = rundir.check_reuse(run_dir, cfg)
@@ -114,22 +105,6 @@ def _check_run_dir(run_dir: Path, cfg: config.JobConfig) -> bool:
         print(f"ddpjob: {run_dir}: same training, new resources/length: {rundir.CONFIG} updated; "
               "the job resumes from its newest checkpoint", file=sys.stderr)
     return state == rundir.SAME
-
-
-def _stage(out: Path, text: str) -> Path:
-    """Write FILE's new text next to it; renamed over FILE only once everything else worked."""
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise DDPJobError(f"cannot write '{out}' ({exc.strerror}), expected a writable folder",
-                          "choose another -o") from None
-    return tmp
 
 
 def _write_run_dir(run_dir: Path, cfg: config.JobConfig, script: str, reuse: bool) -> None:

@@ -35,14 +35,12 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
-from ddpjob import config, console, rundir, scriptsafe
+from ddpjob import config, console, exitcodes, rundir, scriptsafe
 from ddpjob.node import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import container, freeze, local, slurm
 
-EXIT_REQUEUE = 3
-FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
 MAX_POINTS = 1000  # SLURM's default MaxArraySize is 1001
 
 
@@ -59,9 +57,9 @@ class NodeTask:
         code = int(run_node(self.run_dir))
         if code == 0:
             return 0
-        if code == EXIT_REQUEUE:
+        if code == exitcodes.REQUEUE:
             # rank 0's Job decided and did the requeue (node/requeue.py): nothing to decide here
-            raise SystemExit(EXIT_REQUEUE)  # checkpoint written, requeue asked: no result pickle
+            raise SystemExit(exitcodes.REQUEUE)  # checkpoint written, requeue asked: no result pickle
         retried = self._retried_after_crash(code)
         # A rank that failed alone may have left its process group standing, whose teardown can
         # abort (node/dist.py). submitit must still write its result pickle and re-raise first:
@@ -193,9 +191,8 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None, *,
             params[key] = getattr(s, key)
     extra: dict[str, Any] = {"time": s.time, "open-mode": "append"}
     extra["requeue" if s.requeue else "no-requeue"] = True
-    sig = s.signal.upper().removeprefix("SIG")
-    if sig != "USR2":  # submitit writes USR2@delay; any other signal replaces that line
-        extra["signal"] = f"{sig}@{s.signal_lead_s}"
+    if s.signal != "USR2":  # submitit writes USR2@delay; any other signal replaces that line
+        extra["signal"] = f"{s.signal}@{s.signal_lead_s}"
     for arg in s.sbatch_extra:  # "--exclusive", "--mail-type=END"
         key, value = scriptsafe.split_extra(arg)
         extra[key] = True if value is None else value
@@ -236,6 +233,12 @@ def _guard_lines(cfg: JobConfig, folder: Path | None, run_dirs: Sequence[Path] =
                      "\"ddpjob: $DDPJOB_D is writable by others or not owned by $(id -un): refusing "
                      "to unpickle the job from it (chmod go-w it, then resubmit)\" >&2; exit 1; fi; "
                      "done")
+        # the pickles too: a group-writable one in a 0750 folder is still code others wrote
+        logs = shlex.quote(str(folder))
+        lines.append(f"for DDPJOB_F in {logs}/*.pkl; do if [ -e \"$DDPJOB_F\" ] && [ -n \"$(find "
+                     "\"$DDPJOB_F\" -maxdepth 0 \\( -perm /022 -o ! -user \"$(id -u)\" \\) 2>/dev/null)\" ]; "
+                     "then echo \"ddpjob: $DDPJOB_F is writable by others or not owned by $(id -un): refusing "
+                     "to unpickle it (resubmit)\" >&2; exit 1; fi; done")
     return lines
 
 
@@ -440,7 +443,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from ddpjob.launch.sbatch import locate_job  # `smoke` and jobs/smoke.toml also name the bundled jobs
 
     job = locate_job(args.job)
-    flags = {k: getattr(args, k, None) for k in FLAGS}
+    flags = config.cli_flags(args)
     points = expand_sweep(list(args.sweep))
     # Every point is validated before anything is written or submitted.
     cfgs = [config.resolve(job, [*args.overrides, *p.overrides], flags) for p in points] or \
@@ -475,6 +478,7 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, root: 
                      + "; it resumes from its newest checkpoint")
     _doctor_checks(cfgs, backend, root)
     share = cfgs[0].slurm.share_group
+    rundir.private_umask(share)  # the pickle submitit writes and the job's SLURM_UMASK too
     created = _make_root(root, share) if state == rundir.NEW else None
     try:
         run_dirs = [root / p.id for p in points] if points else [root]
@@ -514,10 +518,7 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, root: 
 
 def _command(args: argparse.Namespace, job: str, backend: str) -> list[str]:
     """The submit command line, for job.json (what to rerun to get the same job)."""
-    cmd = ["ddpjob", "submit", job, "--backend", backend]
-    for flag in FLAGS:
-        if getattr(args, flag, None) is not None:
-            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    cmd = ["ddpjob", "submit", job, "--backend", backend, *config.cli_flag_words(args)]
     for item in args.overrides:
         cmd += ["--set", item]
     for item in args.sweep:

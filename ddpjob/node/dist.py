@@ -17,11 +17,11 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -288,6 +288,25 @@ def broadcast_object(obj: Any, src: int = 0, what: str = "a broadcast") -> Any:
     with guard(what):
         dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+T = TypeVar("T")
+
+
+def rank0_decides(is_rank0: bool, decide: Callable[[], T], what: str) -> T:
+    """Rank 0 runs `decide()` (reads files, hashes checkpoints: one reader) and every rank gets
+    its answer. A DDPJobError it raises reaches every rank too, which then stop with the same
+    line instead of waiting at a broadcast that would never come."""
+    answer: Any = None
+    if is_rank0:
+        try:
+            answer = decide()
+        except DDPJobError as exc:
+            answer = exc
+    answer = broadcast_object(answer, what=what)
+    if isinstance(answer, DDPJobError):
+        raise answer
+    return answer
 
 
 def all_gather_object(obj: Any, what: str = "an all-gather", group: Any = None,

@@ -16,21 +16,19 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddpjob import api, config, console, rundir
+from ddpjob import api, config, console, exitcodes, rundir
 from ddpjob.launch import freeze
 from ddpjob.node import entry
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REQUEUE = api.EXIT_OK, api.EXIT_ERROR, api.EXIT_USAGE, api.EXIT_REQUEUE
-_FLAGS = ("nodes", "tasks_per_node", "gpus_per_node", "partition", "account", "qos", "time", "name")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """The CLI command; errors propagate to cli.main, which prints them as one line."""
     target = Path(args.target)
-    flags = {k: getattr(args, k, None) for k in _FLAGS}
+    flags = config.cli_flags(args)
     if target.is_dir():
         if args.overrides or any(v is not None for v in flags.values()):
             raise UsageError(f"'{target}' is a run directory, whose config.json is fixed, but "
@@ -40,13 +38,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--run-dir {args.run_dir} differs from the run directory {target} given "
                              "as the target, expected one run directory", "drop --run-dir")
         rundir.require_run_dir(target)
-        return _node(target, argv=None, allow_code_change=args.allow_code_change)
+        return _node(target, argv=None, allow_code_change=args.allow_code_change, from_scratch=args.from_scratch)
     if target.suffix != ".toml" and not target.is_file():
         raise UsageError(f"'{target}' is neither a job file nor a run directory, expected "
                          "JOB.toml or RUN_DIR", "e.g. `ddpjob run jobs/smoke.toml`")
     cfg = config.resolve(target, args.overrides, flags)
     return _train(cfg, None, Path(args.run_dir) if args.run_dir else None, argv=None,
-                  allow_code_change=args.allow_code_change)
+                  allow_code_change=args.allow_code_change, from_scratch=args.from_scratch)
 
 
 def run_node(run_dir: str | Path, argv: Sequence[str] | None = None) -> int:
@@ -59,7 +57,8 @@ def run_node(run_dir: str | Path, argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
 
 
-def _node(run_dir: Path, argv: Sequence[str] | None, allow_code_change: bool = False) -> int:
+def _node(run_dir: Path, argv: Sequence[str] | None, allow_code_change: bool = False,
+          from_scratch: bool = False) -> int:
     # Before anything is read from it: a run dir others can write is code others can run as
     # us (config.json names the entry script; submitit's pickle lives in logs/).
     rundir.check_private(run_dir)
@@ -72,13 +71,14 @@ def _node(run_dir: Path, argv: Sequence[str] | None, allow_code_change: bool = F
                   f"(accuracy {done.get('accuracy')}): nothing to do", flush=True)
             rundir.record_event(run_dir, "noop", reason="completed", job_id=env.job_id,
                                 restart=env.restart_count)
-        return EXIT_OK
+        return exitcodes.OK
     return _train(config.read_run_config(run_dir), run_dir, None, argv=argv,
-                  allow_code_change=allow_code_change)
+                  allow_code_change=allow_code_change, from_scratch=from_scratch)
 
 
 def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
-           argv: Sequence[str] | None, allow_code_change: bool = False) -> int:
+           argv: Sequence[str] | None, allow_code_change: bool = False, from_scratch: bool = False) -> int:
+    rundir.private_umask(cfg.slurm.share_group)  # checkpoints, logs, caches: never others' to write
     # The entry replaces sys.argv: read the legacy --local_rank from ours first.
     argv = list(sys.argv[1:]) if argv is None else list(argv)
     env = ClusterEnv.from_environ(argv=argv)  # rank only: the Job builds the full one
@@ -88,7 +88,7 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
     # Flag-only handlers first: a signal during the (slow) start must not kill the process.
     stop = preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
     api._launch = api.Launch(cfg, run_dir=run_dir, wanted_dir=wanted_dir, argv=argv, stop=stop,
-                             allow_code_change=allow_code_change)
+                             allow_code_change=allow_code_change, from_scratch=from_scratch)
     failed = False
     try:
         try:
@@ -100,9 +100,9 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
                 sys.path.append(os.getcwd())
             entry.run(script, cfg.train.args)
         except api.StopForRequeue:
-            return EXIT_REQUEUE
+            return exitcodes.REQUEUE
         except api.AlreadyCompleted:
-            return EXIT_OK
+            return exitcodes.OK
         except SystemExit as exc:  # the user's own sys.exit()
             if exc.code not in (0, None):
                 raise DDPJobError(f"train.entry {entry.describe(cfg.train.entry)} exited with "
@@ -117,7 +117,7 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
             raise DDPJobError(f"train.entry {entry.describe(cfg.train.entry)} returned without "
                               "job.finish(), expected the training to end with it (the run would "
                               "never be marked completed)", "call job.finish(model) after the loop")
-        return EXIT_OK
+        return exitcodes.OK
     except BaseException as raised:
         failed = True
         job = api.current()

@@ -60,15 +60,7 @@ def _load_file(path: Path) -> Any:
 def load(state: MutableMapping[str, Any], source: str, keys: tuple[str, ...], rank: int,
          target: Any) -> None:
     """Every rank: load `keys` of the source into the state objects (target() unwraps DDP)."""
-    found: Any = None
-    if rank == 0:
-        try:
-            found = _source(Path(source))
-        except DDPJobError as exc:
-            found = exc  # the other ranks stop with the same line instead of waiting
-    found = dist.broadcast_object(found, what="the choice of checkpoint.init_from")
-    if isinstance(found, DDPJobError):
-        raise found
+    found = dist.rank0_decides(rank == 0, lambda: _source(Path(source)), what="the choice of checkpoint.init_from")
     if isinstance(found, Path):
         keys = ("model",)
         loaded = {"model": _load_file(found)}

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ddpjob import rundir
 from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist
@@ -33,6 +34,23 @@ from ddpjob.store.snapshot import AsyncWrite
 State = MutableMapping[str, Any]
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _RESERVED = {"values", "manifest"}
+
+
+def _code_inside(info: CheckpointInfo) -> str:
+    """The globals a .pt file of the checkpoint would import when unpickled, beyond what
+    torch.load(weights_only=True) allows ("" when there are none): read from the pickle's
+    opcodes, nothing is executed."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    for name in info.manifest.get("files", {}):
+        if name.endswith(".pt"):
+            try:
+                found = get_unsafe_globals_in_checkpoint(info.path / name)
+            except Exception:  # not a readable torch file: the load says so, in its own line
+                continue
+            if found:
+                return f"{name} imports {', '.join(sorted(found)[:3])}"
+    return ""
 
 
 def check_state(state: Any) -> None:
@@ -84,7 +102,7 @@ class StateStore:
                  rank: int, world_size: int, restart: int, job_id: str | None,
                  control: dist.Control, init_from: str = "", init_keys: tuple[str, ...] = ("model",),
                  code: Callable[[], tuple[str, tuple[str, ...]]] | None = None,
-                 allow_code_change: bool = False, sharded: bool = False) -> None:
+                 allow_code_change: bool = False, sharded: bool = False, from_scratch: bool = False) -> None:
         self.store = CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
         self.sharded = sharded  # train.strategy = "fsdp": models and optimizers through DCP
         self.init_from, self.init_keys = init_from, init_keys
@@ -93,6 +111,7 @@ class StateStore:
         self._code = code
         self._code_hash: tuple[str, tuple[str, ...]] | None = None
         self.allow_code_change = allow_code_change
+        self.from_scratch = from_scratch  # checkpoints none of which resumes: moved aside, step 0
         self.async_save = async_save
         self.rank, self.world_size, self.restart, self.job_id = rank, world_size, restart, job_id
         self.control = control
@@ -117,15 +136,8 @@ class StateStore:
         if enabled:
             # latest() hashes whole checkpoints: rank 0 does it, the others get the answer. A
             # checkpoint that verifies but does not load is skipped like a damaged one.
-            picked: CheckpointInfo | DDPJobError | None = None
-            try:
-                picked = self._pick(state, sharded.keys(units)) if self.rank == 0 else None
-            except DDPJobError as exc:
-                picked = exc  # the other ranks stop with the same line instead of waiting
-            picked = dist.broadcast_object(picked, what="the choice of the checkpoint to resume from")
-            if isinstance(picked, DDPJobError):
-                raise picked
-            info = picked
+            info = dist.rank0_decides(self.rank == 0, lambda: self._pick(state, sharded.keys(units)),
+                                      what="the choice of the checkpoint to resume from")
         self._rng_seed = (seed, 0 if info is None else info.step)
         if info is None:
             if self.init_from:
@@ -149,6 +161,10 @@ class StateStore:
         return sharded.units({k: _target(v) for k, v in state.items()}) if self.sharded else []
 
     def _pick(self, state: State, dcp_keys: list[str]) -> CheckpointInfo | None:
+        """Rank 0: the newest checkpoint that verifies, fits the state and holds no code. When
+        there are checkpoints and none of them will do, the start is refused (days of training
+        are not thrown away without a word), unless --from-scratch, which moves them aside."""
+        rejected: list[tuple[CheckpointInfo, str]] = []
         for info in self.store.list():
             reason = self.store.verify(info)
             if reason is None:
@@ -159,11 +175,30 @@ class StateStore:
                             if k not in in_dcp or sharded.METADATA not in files]
                 if missing:
                     reason = f"it has no {', '.join(missing)} (saved by another state layout)"
+            if reason is None and (code := _code_inside(info)):
+                # it verifies: its manifest was rewritten to match. Never loaded (weights_only);
+                # skipped like a damaged one, and said where the run's history is kept
+                reason = f"it holds code, not only tensors ({code}): someone wrote into the run dir"
+                rundir.record_event(self.store.root.parent, "checkpoint_rejected", step=info.step,
+                                    reason=reason, job_id=self.job_id, restart=self.restart)
             if reason is None:
                 self._check_code(info)
                 print0(f"resuming from step-{info.step}")
                 return info
             print0(f"skipping step-{info.step}: {reason}")
+            rejected.append((info, reason))
+        if rejected and not self.from_scratch:
+            why = "; ".join(f"{info.path.name}: {reason}" for info, reason in rejected[:3])
+            why += f"; and {len(rejected) - 3} more" if len(rejected) > 3 else ""
+            raise DDPJobError(f"{self.store.root} holds {len(rejected)} checkpoint(s) and none can be resumed "
+                              f"({why}), expected one this run can continue from",
+                              "find out why (`ddpjob status RUN_DIR`); to train from step 0 all the same, "
+                              "`ddpjob run RUN_DIR --from-scratch` moves them to checkpoints/rejected/")
+        for info, _ in rejected:  # never written over by the new run's step-N
+            aside = self.store.root / "rejected" / f"{info.path.name}-{self.attempt}"
+            aside.parent.mkdir(exist_ok=True)
+            info.path.rename(aside)
+            print0(f"--from-scratch: {info.path.name} moved to {aside}")
         return None
 
     def _load_into(self, state: State, info: CheckpointInfo, skip: set[str]) -> None:
