@@ -351,5 +351,16 @@ def completed(run_dir: str | Path) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) or rec is None else {"damaged": True}
 
 
+def refuse_completed(path: Path) -> None:
+    """A finished run is not submitted again (`submit`, `sbatch`; `resume` says the same): its
+    config.json would take the new settings and nothing would train."""
+    done = completed(path)
+    if done is not None:
+        raise UsageError(f"run directory '{path}' completed at step {done.get('step', '?')}, expected a run "
+                         "that can go on", "to train on from its weights, submit a new run with "
+                         f"--set checkpoint.init_from='\"{path}\"' (add \"optimizer\" to checkpoint.init_keys "
+                         "to keep its optimizer state)")
+
+
 def mark_completed(run_dir: str | Path, **info: Any) -> None:
     write_json_atomic(Path(run_dir) / COMPLETED, {"time": time.time(), **info})

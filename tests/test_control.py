@@ -13,7 +13,7 @@ from pathlib import Path
 
 import fake_checkpoint
 import pytest
-from ranks import LAG
+from ranks import LAG, base_env
 from test_local_backend import fake_command, local_state, make_run, wait_for
 
 from ddpjob import config, rundir
@@ -364,3 +364,45 @@ def test_the_json_record_of_a_run(tmp_path):
     assert [json.loads(ln)["run_dir"] for ln in lines] == ["runs/bad", "runs/r"]
     empty = ddpjob("status", "--json", "--runs-root", str(tmp_path / "none"), cwd=tmp_path)
     assert empty.returncode == 0 and empty.stdout == ""
+
+
+def test_cancel_of_an_empty_name_or_of_a_run_never_submitted_cancels_nothing(tmp_path, capsys, monkeypatch):
+    """`ddpjob cancel ''` used to match every run without a job id, and a cancel of a run never
+    submitted said "cancelled" and recorded a cancel event that later blocked its requeue."""
+    from ddpjob.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    never = tmp_path / "runs" / "never"
+    assert main(["sbatch", str(Path(__file__).resolve().parents[1] / "jobs" / "smoke.toml"),
+                 "--run-dir", str(never), "-o", str(tmp_path / "x.sbatch")]) == 0
+    capsys.readouterr()
+    assert main(["cancel", ""]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "ddpjob: error: the run is '', expected a run directory or a job id. Hint: `ddpjob ls` lists the runs "
+        "and their job ids."]
+    assert main(["cancel", str(never)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ddpjob: error: '{never}' has no job id"), err
+    assert rundir.events(never) == []  # nothing recorded that could block a later requeue
+
+
+def test_a_completed_run_is_not_submitted_again_with_another_length(tmp_path, capsys, monkeypatch):
+    """`submit ... --run-dir R --set train.max_steps=60` on a COMPLETED run used to rewrite its
+    config.json, and nothing trained; `sbatch` the same. Both refuse, and point at init_from."""
+    from ddpjob.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    job = str(Path(__file__).resolve().parents[1] / "jobs" / "smoke.toml")
+    run = tmp_path / "done"
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "run", job, "--run-dir", str(run), "--set", "train.max_steps=2"],
+                         capture_output=True, text=True, timeout=300, env=base_env())
+    assert out.returncode == 0 and (run / "COMPLETED").is_file(), out.stderr[-2000:]
+    before = (run / "config.json").read_text()
+    capsys.readouterr()
+    for argv in (["submit", job, "--backend", "local", "--run-dir", str(run)],
+                 ["sbatch", job, "--run-dir", str(run), "-o", str(tmp_path / "x.sbatch")]):
+        assert main([*argv, "--set", "train.max_steps=60"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddpjob: error: run directory '{run}' completed at step 2"), err
+        assert "checkpoint.init_from" in err[0]
+    assert (run / "config.json").read_text() == before and not (tmp_path / "x.sbatch").exists()

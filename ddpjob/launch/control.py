@@ -220,6 +220,9 @@ def infos(runs: list[tuple[Path, str]]) -> list[RunInfo]:
 
 def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
     """A run dir, a sweep dir, or a job id (as job.json records it) -> (path, is_sweep)."""
+    if not target.strip():  # '' would name the working directory, or match every run without an id
+        raise UsageError(f"the run is {target!r}, expected a run directory or a job id",
+                         "`ddpjob ls` lists the runs and their job ids")
     p = Path(target)
     if (p / SWEEP).is_file():
         return p, True
@@ -233,7 +236,7 @@ def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
                 return d, True
         for d, _ in runs_under(root):
             job = job_record(d)
-            if target in {str(j) for j in [job.get("job_id", ""), *(job.get("job_ids") or [])]}:
+            if target in {str(j) for j in [job.get("job_id", ""), *(job.get("job_ids") or [])] if j}:
                 return d, False
     raise DDPJobError(f"'{target}' is neither a run directory nor a job id of a run under {root}/",
                       "`ddpjob ls` lists the runs and their job ids")
@@ -337,6 +340,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     path, is_sweep = resolve(args.run)
     runs = sweep_points(path) if is_sweep else [(path, "")]
     live = [i for i in infos(runs) if not i.finished]
+    never = [i for i in live if not i.job_id]
+    if never:  # a cancel event would only block its first requeue later
+        raise DDPJobError(f"'{never[0].run_dir}' has no job id (no job.json, no start recorded), expected a "
+                          "submitted run", "a script of `ddpjob sbatch` that you submitted yourself and that "
+                          "has not started yet is cancelled with `scancel JOBID`")
     if not live:
         raise DDPJobError(f"'{args.run}' has already finished, nothing to cancel",
                           f"`ddpjob status {args.run}` shows how it ended")

@@ -99,6 +99,8 @@ def _check_data(cfg: config.JobConfig) -> None:
 def _check_run_dir(run_dir: Path, cfg: config.JobConfig) -> bool:
     """True if `run_dir` is an existing run dir of this very config (it is reused as is)."""
     state = rundir.check_reuse(run_dir, cfg)
+    if state != rundir.NEW:
+        rundir.refuse_completed(run_dir)
     if state == rundir.RESIZED:
         # Same training, other resources or length (e.g. --nodes 1 after a preemption): the
         # checkpoints resume elastically, so the run dir takes the new resources.

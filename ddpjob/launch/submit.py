@@ -472,6 +472,7 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: str, root: 
     # as `ddpjob sbatch` and `ddpjob run` do. A sweep's folder must be new.
     state = rundir.NEW if points else rundir.check_reuse(root, cfgs[0])
     if state != rundir.NEW:
+        rundir.refuse_completed(root)
         _check_idle(root)
         console.info(f"ddpjob: {root}: " + ("the same job again" if state == rundir.SAME else
                      f"same training, new resources/length: {rundir.CONFIG} updated")
