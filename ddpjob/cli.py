@@ -31,9 +31,30 @@ def _path(what: str):
     def check(value: str) -> str:
         from ddpjob import scriptsafe
 
+        if not value:  # '' would silently mean "the default" or the working directory
+            raise UsageError(f"{what} is empty, expected a path", f"give a non-empty {what}")
         return scriptsafe.path_text(value, what, f"pass a shorter or plain {what}")
 
     check.__name__ = what  # argparse names the type in its own messages
+    return check
+
+
+def _number(what: str, high: float, example: str):
+    """argparse type for a positive finite number up to `high` (nan, inf, 0, -5 and 1e9 MB are
+    no payload or timeout anyone means)."""
+    def check(value: str) -> float:
+        import math
+
+        try:
+            x = float(value)
+        except ValueError:
+            x = math.nan
+        if not (math.isfinite(x) and 0 < x <= high):
+            raise UsageError(f"{what} is {value!r}, expected a number above 0 and at most {high:g}",
+                             f"e.g. {what} {example}")
+        return x
+
+    check.__name__ = what
     return check
 
 
@@ -97,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("selftest", help="check the process group: all-reduce, broadcast, bandwidth")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
-    p.add_argument("--size-mb", type=float, default=16.0, help="all-reduce payload for the bandwidth test")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the other ranks")
+    p.add_argument("--size-mb", type=_number("--size-mb", 65536, "16"), default=16.0,
+                   help="all-reduce payload for the bandwidth test (MB, at most 65536)")
+    p.add_argument("--timeout", type=_number("--timeout", 86400, "60"), default=60.0,
+                   help="seconds to wait for the other ranks (at most a day)")
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help=argparse.SUPPRESS)
     p.set_defaults(func=_handler("ddpjob.node.selftest:cmd_selftest"))

@@ -377,6 +377,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return path, parse_value(text)
 
 
+def _too_big(where: str, exc: Exception) -> UsageError:
+    """tomllib's own limits: an integer of more than 4300 digits (ValueError), lists or tables
+    nested deeper than the interpreter recurses (RecursionError). Nothing is that large."""
+    what = "an integer too long to read" if isinstance(exc, ValueError) else "values nested too deeply to read"
+    return UsageError(f"{where} holds {what}, expected values of a sensible size",
+                      "shorten the number or flatten the list")
+
+
 def parse_value(text: str) -> Any:
     """A TOML literal (0.05, true, [1, 2], "x"); anything else is taken as a plain string."""
     try:
@@ -390,6 +398,8 @@ def parse_value(text: str) -> Any:
                              "close the brackets and quotes, e.g. "
                              "--set 'slurm.setup=[\"echo a\", \"echo b\"]'") from None
         return text
+    except (RecursionError, ValueError) as exc:  # after TOMLDecodeError, itself a ValueError
+        raise _too_big(f"value {text[:40]!r}", exc) from None
 
 
 def accumulation_for(cfg: JobConfig, world_size: int) -> int:
@@ -462,6 +472,8 @@ def resolve(job: str | Path, overrides: Sequence[str] = (), flags: Mapping[str, 
         raise UsageError(f"job file '{job}' is not valid TOML ({exc}), expected key = value lines "
                          "under [section] headers",
                          "check quotes and brackets near the position shown") from None
+    except (RecursionError, ValueError) as exc:
+        raise _too_big(f"job file '{job}'", exc) from None
     except OSError as exc:
         raise UsageError(f"cannot read job file '{job}' ({exc.strerror}), expected a readable file",
                          "check the path and its permissions") from None

@@ -155,6 +155,9 @@ def _container(cfg: JobConfig) -> None:
         scriptsafe.one_line(v, f"slurm.{key}", f"remove the line break from slurm.{key}", limit=500)
         _check(not any(c.isspace() or c == "," for c in v), f"slurm.{key} {v!r} has a space or a comma, "
                "expected one image name or path", "rename or link the image to a plain path")
+        # srun and apptainer would take it as one of their own options (--epilog=..., --fakeroot)
+        _check(not v.startswith("-"), f"slurm.{key} {v!r} starts with '-', expected an image name or path",
+               f"write ./{v} for a file of that name")
     _check(len(s.container_mounts) <= 100, f"slurm.container_mounts has {len(s.container_mounts)} "
            "entries, expected at most 100", "mount a common parent folder")
     for m in s.container_mounts:

@@ -306,6 +306,19 @@ CASES = [
      "data.synthetic_train"),
     ("keep_last huge", 2, lambda t: ["jobs/smoke.toml", "--set", "checkpoint.keep_last=1000000"],
      "checkpoint.keep_last"),
+    ("5000-digit integer in --set", 2, lambda t: ["jobs/smoke.toml", "--set", "train.max_steps=" + "9" * 5000],
+     "an integer too long to read"),
+    ("5000-deep list in the job file", 2, lambda t: [_job(t, SMOKE + "[user]\nx = " + "[" * 5000 + "]" * 5000 + "\n")],
+     "nested too deeply"),
+    ("5000-deep list in --set", 2, lambda t: ["jobs/smoke.toml", "--set", "user.x=" + "[" * 5000 + "]" * 5000],
+     "nested too deeply"),
+    ("container python that is an srun option", 2, lambda t: ["jobs/smoke.toml", "--set", 'slurm.container="img"',
+                                                              "--set", 'slurm.container_python="--epilog=/x"'],
+     "starts with '-'"),
+    ("container that is an apptainer option", 2, lambda t: ["jobs/smoke.toml", "--set", 'slurm.container="--fakeroot"',
+                                                            "--set", 'slurm.container_runtime="apptainer"'],
+     "starts with '-'"),
+    ("empty run dir", 2, lambda t: ["jobs/smoke.toml", "--run-dir", ""], "--run-dir is empty"),
     ("too many setup lines", 2, lambda t: [_job(t, _edit("slurm", "setup = [" + ", ".join(['"true"'] * 1001) + "]"))],
      "entries"),
 ]
@@ -411,6 +424,17 @@ CMD_CASES = [
     ("run config.json not JSON", 2, lambda t: ["run", _run_dir(t, "{")], "not valid JSON"),
     ("run group-writable run dir", 1, lambda t: ["run", _run_dir(t, mode=0o770)], "group/world-writable"),
     ("run world-writable run dir", 1, lambda t: ["run", _run_dir(t, mode=0o777)], "group/world-writable"),
+    ("selftest size nan", 2, lambda t: ["selftest", "--size-mb", "nan"], "--size-mb is 'nan'"),
+    ("selftest size inf", 2, lambda t: ["selftest", "--size-mb", "inf"], "--size-mb is 'inf'"),
+    ("selftest size negative", 2, lambda t: ["selftest", "--size-mb", "-5"], "--size-mb is '-5'"),
+    ("selftest size a petabyte", 2, lambda t: ["selftest", "--size-mb", "1e9"], "at most 65536"),
+    ("selftest timeout negative", 2, lambda t: ["selftest", "--timeout", "-1"], "--timeout is '-1'"),
+    ("plot -o empty", 2, lambda t: ["plot", "runs", "-o", ""], "-o is empty"),
+    ("cancel empty", 2, lambda t: ["cancel", ""], "run directory is empty"),
+    ("sweep of 8 million points", 2, lambda t: ["submit", "jobs/smoke.toml", "--backend", "local", "--dry-run",
+                                                *[a for k in ("train.lr", "train.seed", "train.max_steps")
+                                                  for a in ("--sweep", k + "=" + ",".join(str(i + 1) for i in range(200)))]],
+     "8000000 points"),
 ]
 
 

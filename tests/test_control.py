@@ -378,8 +378,9 @@ def test_cancel_of_an_empty_name_or_of_a_run_never_submitted_cancels_nothing(tmp
     capsys.readouterr()
     assert main(["cancel", ""]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "ddpjob: error: the run is '', expected a run directory or a job id. Hint: `ddpjob ls` lists the runs "
-        "and their job ids."]
+        "ddpjob: error: run directory is empty, expected a path. Hint: give a non-empty run directory."]
+    with pytest.raises(control.UsageError, match="the run is ''"):  # the same without the CLI's check
+        control.resolve("")
     assert main(["cancel", str(never)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"ddpjob: error: '{never}' has no job id"), err

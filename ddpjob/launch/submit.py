@@ -144,6 +144,10 @@ def expand_sweep(specs: list[str]) -> list[SweepPoint]:
         if key in [k for k, _ in axes]:
             raise UsageError(f"--sweep key '{key}' is given twice", "list all its values in one --sweep")
         axes.append((key, [(v, config.parse_override(f"{key}={v}")[1]) for v in values]))
+        count = math.prod(len(vals) for _, vals in axes)  # before the product is built, not after
+        if count > MAX_POINTS:
+            raise UsageError(f"the sweep has {count} points, expected at most {MAX_POINTS}",
+                             "split it into several sweeps (SLURM limits job arrays)")
     points = []
     for i, combo in enumerate(itertools.product(*[vals for _, vals in axes])):
         keys = [k for k, _ in axes]
