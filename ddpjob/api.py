@@ -150,6 +150,18 @@ def current() -> Job | None:
     return _current
 
 
+class MissingUserKey(KeyError):
+    """job.user[key] of a key the [user] table lacks: the user's mistake, raised from ddpjob."""
+
+
+class UserTable(dict):
+    """job.user, the job file's [user] table: a key that is not there names the ones that are."""
+
+    def __missing__(self, key: Any) -> Any:
+        raise MissingUserKey(f"{key!r} is not in the job file's [user] table, which has: "
+                       f"{', '.join(sorted(map(str, self))) or 'nothing'}")
+
+
 class Job:
     """One rank's handle on the job. Attributes: rank, local_rank, world_size, device, run_dir,
     is_rank0, config (the JobConfig; `config.user` is the job file's [user] table), user."""
@@ -164,7 +176,7 @@ class Job:
         self.config, self.env, self._ctx, self.run_dir, self._stop = cfg, ctx.env, ctx, run_dir, stop
         self.rank, self.local_rank = ctx.env.rank, ctx.env.local_rank
         self.world_size, self.device, self.is_rank0 = ctx.env.world_size, ctx.device, ctx.env.is_rank0
-        self.user: dict[str, Any] = dict(cfg.user)
+        self.user: dict[str, Any] = UserTable(cfg.user)
         self.restart, self.job_id = restart, ctx.env.job_id  # restart: within the run (rundir.run_restart)
         self.finished = False
         self.stopped_at: int | None = None

@@ -222,3 +222,35 @@ def test_a_failed_rank_with_its_group_standing_ends_without_the_teardown(tmp_pat
     assert out.returncode == 1, out.stdout + out.stderr
     assert out.stderr.startswith("ddpjob: error:") and len(out.stderr.strip().splitlines()) == 1
     assert ("teardown ran" in out.stdout) is not left_standing
+
+
+@pytest.mark.parametrize("body, found", [
+    ("job = ddpjob.init()\nlr = job.user['learning_rate']\n",
+     "rank 0: your code raised KeyError: 'learning_rate' is not in the job file's [user] table, which has: "
+     "lr, width at train.py:3"),
+    ("job = ddpjob.init()\nimport torch\ntorch.zeros(2) @ torch.zeros(3)\n", "rank 0: your code raised RuntimeError: "),
+    ("job = ddpjob.init(\n", "rank 0: your code raised SyntaxError: '(' was never closed at train.py:2"),
+])
+def test_an_error_in_the_users_own_script_is_theirs_not_an_internal_error(tmp_path: Path, body: str,
+                                                                          found: str) -> None:
+    """One line naming the rank, the exception and their line; the traceback stays in the log."""
+    script = tmp_path / "train.py"
+    script.write_text("import ddpjob\n" + body)
+    job = write_job(tmp_path / "job.toml", train={"entry": str(script)}, user={"lr": 0.1, "width": 2})
+    out = _cmd([PYTHON, "-m", "ddpjob", "run", str(job), "--run-dir", str(tmp_path / "run")], tmp_path)
+    assert out.returncode == 1
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("ddpjob: error:")]
+    assert len(lines) == 1 and found in lines[0], out.stderr[-3000:]
+    assert "internal error" not in out.stderr and f"Hint: fix it in {script}" in lines[0]
+    assert "Traceback (most recent call last)" in out.stderr  # for the log
+
+
+def test_an_error_inside_ddpjob_stays_an_internal_error() -> None:
+    from ddpjob.node import runner
+
+    try:
+        config.parse_time_s(None)  # type: ignore[arg-type]  # raised inside ddpjob
+    except Exception as exc:
+        assert runner._theirs(exc, 0) is exc
+    else:
+        raise AssertionError("parse_time_s(None) raised nothing")

@@ -124,6 +124,10 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
         # A collective that failed in the user's code (DDP's all-reduce) becomes the hang
         # watch's line naming the ranks that did not arrive; other errors are told to the peers.
         reported = job.explain(raised) if job is not None else raised
+        if reported is raised:
+            reported = _theirs(raised, env.rank)  # an error in the user's own code is theirs
+            if reported is not raised:
+                traceback.print_exc()  # the rank's log keeps the whole story
         where = job.run_dir if job is not None else run_dir
         if where is not None and not isinstance(reported, SystemExit):
             why = reported.line() if isinstance(reported, DDPJobError) else _one_line(reported)
@@ -140,6 +144,50 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
             job.close(failed=failed)
         api._launch = None
         stop.uninstall()
+
+
+def _user_frame(exc: BaseException) -> tuple[str, int] | None:
+    """(file, line) where the exception comes from, if that is the user's code: the innermost
+    frame outside the interpreter's library and installed packages (torch, numpy) is the
+    user's, not ddpjob's. A syntax error's place is its own. None: ddpjob's own bug."""
+    import sysconfig
+
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ddpjob package
+    library = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+
+    def under(path: str, folders: set[str] | list[str]) -> bool:
+        full = os.path.abspath(path)
+        return any(full == d or full.startswith(d.rstrip(os.sep) + os.sep) for d in folders)
+
+    if isinstance(exc, SyntaxError) and exc.filename and not exc.filename.startswith("<"):
+        return (str(exc.filename), int(exc.lineno or 0)) if not under(exc.filename, [ours, *library]) else None
+    # the innermost frame that is not library code: ddpjob's or the user's (for a key missing
+    # from job.user, raised in ddpjob on purpose: the user's line that asked for it)
+    theirs = isinstance(exc, api.MissingUserKey)
+    innermost = None
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        path = frame.f_code.co_filename
+        if not path.startswith("<") and not under(path, library) and not (theirs and under(path, [ours])):
+            innermost = (path, line)
+    return innermost if innermost is not None and not under(innermost[0], [ours]) else None
+
+
+def _theirs(exc: BaseException, rank: int) -> BaseException:
+    """An exception raised in the user's own code, as one line that says so: the rank, the
+    exception and their line ("internal error" is for ddpjob's own bugs)."""
+    if isinstance(exc, DDPJobError) or not isinstance(exc, Exception):
+        return exc
+    place = _user_frame(exc)
+    if place is None:
+        return exc
+    file, line = place
+    what = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    kind = type(exc).__name__
+    if isinstance(exc, api.MissingUserKey):  # a KeyError to the user, its message unquoted
+        kind, what = "KeyError", str(exc.args[0])
+    return DDPJobError(f"rank {rank}: your code raised {kind}: {' '.join(what.split())[:300]} "
+                       f"at {os.path.basename(file)}:{line}",
+                       f"fix it in {file}; the traceback is in this rank's log")
 
 
 def _one_line(exc: BaseException) -> str:
