@@ -53,6 +53,18 @@ def _section_of(lines: list[str], i: int) -> str:
     return next(x.strip("[]") for x in reversed(lines[:i]) if x.startswith("["))
 
 
+def _source(tmp_path: Path, name: str, text: str) -> str:
+    """A file of the user's in the folder ddpjob runs from (the test's work dir)."""
+    (tmp_path / "work" / name).write_text(text)
+    return name
+
+
+def _entry(tmp_path: Path, name: str, text: str, entry: str) -> list[str]:
+    """smoke.toml with train.entry naming a file of the user's that is wrong in some way."""
+    _source(tmp_path, name, text)
+    return ["jobs/smoke.toml", "--set", f"train.entry={json.dumps(entry)}"]
+
+
 def _existing_run(tmp_path: Path, kind: str) -> str:
     d = tmp_path / "existing"
     d.mkdir()
@@ -319,6 +331,15 @@ CASES = [
                                                             "--set", 'slurm.container_runtime="apptainer"'],
      "starts with '-'"),
     ("empty run dir", 2, lambda t: ["jobs/smoke.toml", "--run-dir", ""], "--run-dir is empty"),
+    ("entry function misspelt", 1, lambda t: _entry(t, "mytrain.py", "def main():\n    pass\n", "mytrain:mian"),
+     "did you mean 'main'?"),
+    ("entry module missing", 1, lambda t: ["jobs/smoke.toml", "--set", 'train.entry="nosuchpkg.train:main"'],
+     "module 'nosuchpkg.train' is not importable here"),
+    ("entry script does not parse", 1, lambda t: _entry(t, "broken.py", "x = (", "broken.py"),
+     "does not parse: '(' was never closed"),
+    ("entry script with NUL bytes", 1, lambda t: _entry(t, "nul.py", "x = 1 " + chr(0), "nul.py"), "does not parse"),
+    ("init_from missing", 1, lambda t: ["jobs/smoke.toml", "--set", 'checkpoint.init_from="/nonexistent/run"'],
+     "checkpoint.init_from '/nonexistent/run' does not exist"),
     ("too many setup lines", 2, lambda t: [_job(t, _edit("slurm", "setup = [" + ", ".join(['"true"'] * 1001) + "]"))],
      "entries"),
 ]

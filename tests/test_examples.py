@@ -225,15 +225,30 @@ def test_script_missing_at_run_time_fails_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in r.output(0)
 
 
-@pytest.mark.parametrize("entry, found", [
-    ("no_such_package.train:main", "cannot be imported (no module named 'no_such_package')"),
-    ("example_hooks:no_such_function", "has no function 'no_such_function'"),
+@pytest.mark.parametrize("entry, at_submit, at_run", [
+    ("no_such_package.train:main", "module 'no_such_package.train' is not importable here",
+     "cannot be imported (no module named 'no_such_package')"),
+    ("example_hooks:no_such_function", "defines no 'no_such_function'", "has no function 'no_such_function'"),
 ])
-def test_bad_function_entry_fails_in_one_line(tmp_path: Path, entry: str, found: str) -> None:
-    _, log = _failed_run(tmp_path, _entry_job(tmp_path, entry))
-    (line,) = _error_lines(log)
-    assert found in line and "Hint: " in line
-    assert "Traceback" not in log
+def test_bad_function_entry_is_refused_at_submit_and_fails_in_one_line_on_the_nodes(
+        tmp_path: Path, entry: str, at_submit: str, at_run: str) -> None:
+    """Found out on the login node, not after the queue wait; and where the nodes see it anyway
+    (a package only some machines have), the rank says so in one line."""
+    from ddpjob import config, rundir
+
+    job = _entry_job(tmp_path, entry)
+    p = _cli("submit", str(job), "--backend", "local", "--run-dir", str(tmp_path / "refused"))
+    assert p.returncode == 1, p.stdout + p.stderr
+    (line,) = _error_lines(p.stderr)
+    assert "preflight check 'entry' failed: " in line and at_submit in line, line
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "run"
+    rundir.prepare(out, config.resolve(job, [], {}))  # the run dir as submit would have left it
+    codes, r = run([str(out)], 1, tmp_path / "logs")
+    assert codes == [1], r.output()
+    (line,) = _error_lines(r.output(0))
+    assert at_run in line and "Hint: " in line
+    assert "Traceback" not in r.output(0)
 
 
 def test_script_returning_without_finish_fails(tmp_path: Path) -> None:

@@ -316,7 +316,10 @@ def cheap_checks(cfg: JobConfig, *, backend: str = "slurm", runs_root: str | Pat
                  full: bool = False, measured_s: float | None = None) -> list[Check]:
     """The job's own checks, a few scontrol calls and no job step: what submit runs first.
     With backend "local", only what matters on this machine (files, dataset)."""
-    out = [run_dir_check(Path(runs_root)), _data_check(cfg, full)]
+    from ddpjob.launch import entrycheck  # (it imports this module's Check)
+
+    out = [run_dir_check(Path(runs_root)), _data_check(cfg, full), entrycheck.entry_check(cfg)]
+    out += [c for c in [entrycheck.init_from_check(cfg)] if c is not None]
     if backend != "slurm":
         return out
     s = cfg.slurm
