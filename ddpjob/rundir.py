@@ -269,10 +269,39 @@ def prepare(path: Path, cfg: JobConfig) -> Path:
     return path
 
 
+RECORD_LIMIT = 1 << 30  # bytes: metrics.jsonl of a million logged steps is ~200 MB
+
+
+class RecordError(ValueError):
+    """A run record that cannot be read as one: not a regular file, or larger than any record."""
+
+
+def read_bounded(path: str | Path, limit: int = RECORD_LIMIT) -> str:
+    """The one rule for reading a run record: a regular file only (a FIFO would block `status`
+    forever, a device never end), of at most `limit` bytes. FileNotFoundError when it is not
+    there, RecordError when it is not a record; undecodable bytes are replaced."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO opens without a writer
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RecordError(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise RecordError(f"{path} is {st.st_size} bytes, more than a record may be ({limit})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:  # grew while we read it
+        raise RecordError(f"{path} is more than {limit} bytes, more than a record may be")
+    return data.decode("utf-8", errors="replace")
+
+
 def read_json(path: str | Path, default: Any = None) -> Any:
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing, unreadable, not UTF-8, not JSON: all "no record"
+        return json.loads(read_bounded(path, 16 << 20))
+    except (OSError, ValueError, RecursionError):  # missing, unreadable, not a file, not JSON: "no record"
         return default
 
 
@@ -298,16 +327,18 @@ def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """All complete records; a torn last line (killed writer) is ignored."""
+    """All complete records; a torn last line (killed writer) is ignored. A file that is no record
+    (a FIFO, a device, larger than RECORD_LIMIT) raises RecordError: a view shows the run as
+    damaged, instead of hanging or running out of memory."""
     out: list[dict[str, Any]] = []
     try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
+        text = read_bounded(path)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
         return out
     for line in text.splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(rec, dict):  # a damaged line ([], null, "x") is skipped like a torn one
             out.append(rec)

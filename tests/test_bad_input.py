@@ -502,5 +502,40 @@ def test_one_damaged_run_dir_does_not_break_ls_or_status(tmp_path: Path) -> None
     assert r.returncode == 0 and "DAMAGED" in r.stdout, r.stderr
 
 
+@pytest.mark.parametrize("damage", ["events FIFO", "metrics 2 GiB", "manifest -> /dev/zero", "job.json FIFO"])
+def test_a_record_that_is_a_fifo_a_device_or_huge_is_damaged_and_nothing_hangs(tmp_path: Path, damage: str) -> None:
+    """`status` and `ls` used to hang on a FIFO and read a 3 GB metrics.jsonl or /dev/zero whole."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name in ("a-bad", "b-good"):
+        _run_dir(tmp_path)
+        (tmp_path / "run1").rename(runs / name)
+    bad = runs / "a-bad"
+    if damage == "events FIFO":
+        os.mkfifo(bad / "events.jsonl")
+    elif damage == "job.json FIFO":
+        os.mkfifo(bad / "job.json")
+    elif damage == "metrics 2 GiB":
+        with open(bad / "metrics.jsonl", "wb") as f:
+            f.truncate(2 << 30)  # sparse: no disk, but its size is what a reader would face
+        (bad / "events.jsonl").write_text('{"event": "start", "restart": 0, "time": 1}\n')
+    else:
+        ck = bad / "checkpoints" / "step-000000001"
+        ck.mkdir(parents=True)
+        (ck / "manifest.json").symlink_to("/dev/zero")
+    for argv in (["ls"], ["ls", "--json"], ["status"], ["status", "runs/a-bad"]):
+        r = subprocess.run(DDPJOB + argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (argv, r.stderr[-2000:])
+        assert "runs/a-bad" in r.stdout, r.stdout
+    r = subprocess.run(DDPJOB + ["ls"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.startswith("runs/")}
+    assert "DAMAGED" not in rows["runs/b-good"]
+    if damage in ("events FIFO", "job.json FIFO"):  # what ls reads
+        assert "DAMAGED" in rows["runs/a-bad"], r.stdout
+    if damage == "metrics 2 GiB":  # what status of the run reads
+        r = subprocess.run(DDPJOB + ["status", "runs/a-bad"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert "damaged     runs/a-bad/metrics.jsonl is 2147483648 bytes" in r.stdout, r.stdout
+
+
 def test_at_least_a_hundred_cases() -> None:
     assert len(CASES) + len(CMD_CASES) >= 100

@@ -135,6 +135,8 @@ def last_checkpoint(run_dir: Path) -> str:
 def job_record(run_dir: Path) -> dict[str, Any]:
     """job.json; for a run started by `ddpjob sbatch` + `sbatch` (no job.json), the SLURM job id
     the ranks recorded in events.jsonl."""
+    if (run_dir / rundir.JOB).exists() and not (run_dir / rundir.JOB).is_file():
+        raise rundir.RecordError(f"{run_dir / rundir.JOB} is not a regular file")  # DAMAGED, never read
     job = rundir.read_record(run_dir / rundir.JOB)
     if not job:
         ids = [str(e["job_id"]) for e in rundir.events(run_dir) if e.get("job_id")]
@@ -193,16 +195,26 @@ def runs_under(root: Path) -> list[tuple[Path, str]]:
     """(run dir, grid point) for every run and sweep point under root, oldest first."""
     out: list[tuple[Path, str]] = []
     for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        if (d / SWEEP).is_file():
-            out += sweep_points(d)
-        elif rundir.is_run_dir(d):
+        try:
+            if (d / SWEEP).is_file():
+                out += sweep_points(d)
+            elif rundir.is_run_dir(d):
+                out.append((d, ""))
+        except OSError:  # another user's 0700 run in a shared runs root: shown as DAMAGED, not a crash
             out.append((d, ""))
     return out
 
 
+def _job_record_or_none(run_dir: Path) -> dict[str, Any]:
+    try:
+        return job_record(run_dir)
+    except (ValueError, OSError):  # a damaged run: run_info() below says how
+        return {}
+
+
 def infos(runs: list[tuple[Path, str]]) -> list[RunInfo]:
     """RunInfo for many runs with one sacct/squeue call for all their SLURM jobs."""
-    ids = [str(job_record(d).get("job_id", "")) for d, _ in runs]
+    ids = [str(_job_record_or_none(d).get("job_id", "")) for d, _ in runs]
     ids = [i for i in ids if re.fullmatch(r"[0-9]+(_[0-9]+)?|local-[0-9]+(_[0-9]+)?", i)]
     slurm = slurm_states([i for i in ids if i and not i.startswith("local-")])
     out = []
@@ -265,8 +277,11 @@ def format_status(i: RunInfo) -> str:
     # progress, best accuracy and every restart with its reason, read from the run dir alone
     from ddpjob.launch.plot import summary
 
-    lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts", "attempt", "recovery")
-              and not ln.startswith("restarts    0")]
+    try:
+        lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts", "attempt",
+                                                                       "recovery") and not ln.startswith("restarts    0")]
+    except (ValueError, OSError) as exc:  # a damaged record (rundir.RecordError, ...): said, not raised
+        lines.append(f"damaged     {exc}"[:300])
     code = code_state(i.run_dir)
     if code:
         lines.append(f"code        {code['text']}")

@@ -111,7 +111,11 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path) -> PlotRecord:
 
     out = rundir.UserOutput(output)  # refused before any drawing if it is no place for a PNG
     paths = [Path(p) for p in run_dirs]
-    histories = [load_history(p, n) for p, n in zip(paths, _names(paths))]
+    try:
+        histories = [load_history(p, n) for p, n in zip(paths, _names(paths))]
+    except rundir.RecordError as exc:
+        raise DDPJobError(f"cannot plot: {exc}, expected its records as ddpjob writes them",
+                          "move the damaged file out of the run dir") from None
     empty = [h.name for h in histories if not h.train and not h.evals]
     if len(empty) == len(histories):
         raise DDPJobError(f"no metrics in {', '.join(map(str, paths))} (metrics.jsonl is missing "

@@ -30,7 +30,10 @@ def record(i: control.RunInfo) -> dict[str, Any]:
     """The JSON object for one run."""
     job = control.job_record(i.run_dir) if i.state != "DAMAGED" else {}
     ids = [str(j) for j in (job.get("job_ids") or ([job["job_id"]] if job.get("job_id") else []))]
-    history = plot.load_history(i.run_dir) if i.state != "DAMAGED" else None
+    try:
+        history = plot.load_history(i.run_dir) if i.state != "DAMAGED" else None
+    except (ValueError, OSError) as exc:  # e.g. a metrics.jsonl too large to be a record
+        history, i.state, i.reason = None, "DAMAGED", f"{type(exc).__name__}: {exc}"[:200]
     evs = history.events if history else []
     stops = [{**{k: e.get(k) for k in STOP_KEYS}, "phases": phases.recovery(evs, n)}
              for n, e in enumerate(evs) if e.get("event") == "stop" and "rank" not in e]

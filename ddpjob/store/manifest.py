@@ -20,11 +20,15 @@ STEP_DIR = re.compile(r"step-(\d+)", re.ASCII)
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", re.ASCII)
 
 
+MANIFEST_LIMIT = 16 << 20  # bytes: a manifest lists a few files (a DCP one a shard per rank)
+
 def read(folder: Path) -> dict[str, Any]:
     """The parsed manifest; {} when missing, unparsable or not an object."""
+    from ddpjob.rundir import read_bounded
+
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
+        manifest = json.loads(read_bounded(folder / MANIFEST, MANIFEST_LIMIT))
+    except (OSError, ValueError, RecursionError):
         return {}
     return manifest if isinstance(manifest, dict) else {}
 
@@ -41,11 +45,15 @@ def committed(root: Path) -> list[tuple[int, Path]]:
 def verify(folder: Path, step: int, config_hash: str = "", *, hashes: bool = True) -> str | None:
     """None when the checkpoint is complete and intact, else a one-line reason. hashes=False:
     every check but the sha256 of the files (cheap: what pruning uses)."""
+    from ddpjob.rundir import RecordError, read_bounded
+
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads(read_bounded(folder / MANIFEST, MANIFEST_LIMIT))
     except FileNotFoundError:
         return "missing manifest.json (the save never finished)"
-    except (OSError, ValueError) as err:
+    except RecordError as err:
+        return f"unreadable manifest.json ({err})"
+    except (OSError, ValueError, RecursionError) as err:
         return f"unparsable manifest.json ({type(err).__name__})"
     if not isinstance(manifest, dict):
         return "unparsable manifest.json (not a JSON object)"
