@@ -337,6 +337,9 @@ def from_dict(raw: Mapping[str, Any], source: str = "the job file") -> JobConfig
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """`train.lr=0.05` -> raw['train']['lr'] = 0.05; values are TOML literals, bare words strings."""
     out: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in raw.items()}
+    # The job file's [user] table lists the script's settings: --set changes them, and a key it
+    # lacks is a typo (user.lrr) unless there is no table to check against (ddpjob.init() alone)
+    known_user = set(out["user"]) if isinstance(out.get("user"), Mapping) and out["user"] else None
     for item in overrides:
         path, value = parse_override(item)
         if len(path) == 1:
@@ -348,6 +351,13 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
                                  "expected section.key=value",
                                  "use --set section.key=value")
             old = out[path[0]].get(path[1])
+            if path[0] == "user" and known_user is not None and path[1] not in known_user:
+                raise UsageError(f"override '{item}' names user.{path[1]}, which the job file's [user] table "
+                                 f"does not have, expected one of: {', '.join(sorted(known_user))}",
+                                 _did_you_mean(path[1], sorted(known_user)) + " (a new setting goes into "
+                                 "the job file's [user] table first)")
+            if path[0] == "user" and isinstance(old, float) and type(value) is int:
+                value = float(value)  # lr = 0.1 in the file, --set user.lr=1: still a float
             if path[0] == "user" and old is not None and not _same_kind(old, value):
                 raise UsageError(f"override '{item}' gives user.{path[1]} a {type(value).__name__}, but "
                                  f"the job file has {old!r} ({type(old).__name__}), expected the same type",
@@ -359,8 +369,10 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
 def _same_kind(old: Any, new: Any) -> bool:
     if isinstance(old, bool) or isinstance(new, bool):
         return isinstance(old, bool) and isinstance(new, bool)
-    if isinstance(old, (int, float)):
-        return isinstance(new, (int, float))
+    if isinstance(old, int):  # max_steps = 300 stays an integer: 300.5 is a mistake
+        return type(new) is int
+    if isinstance(old, float):
+        return isinstance(new, float)
     return type(old) is type(new)
 
 

@@ -286,6 +286,18 @@ def test_user_table_and_set_keep_types_and_refuse_a_wrong_type(tmp_path: Path) -
     assert p.returncode == 2, p.stdout + p.stderr
     (line,) = _error_lines(p.stderr)
     assert "user.layers a str" in line and "expected the same type" in line
+    # a typo is not a new key, an integer stays one, a float takes an integer
+    with pytest.raises(config.UsageError, match=r"names user.lrr, which the job file's \[user\] table does not have.*"
+                                                r"did you mean 'lr'\?"):
+        config.resolve(job, ["user.lrr=0.01"], {})
+    with pytest.raises(config.UsageError, match="gives user.max_steps a float"):
+        config.resolve(job, ["user.max_steps=300.5"], {})
+    lr = config.resolve(job, ["user.lr=1"], {}).user["lr"]
+    assert lr == 1.0 and type(lr) is float
+    # without a [user] table in the job file (ddpjob.init() alone) there is nothing to check against
+    bare = tmp_path / "bare.toml"
+    bare.write_text('name = "t"\n')
+    assert config.resolve(bare, ["user.anything=2"], {}).user == {"anything": 2}
 
 
 def test_dry_run_shows_entry_and_args(tmp_path: Path) -> None:
