@@ -145,7 +145,7 @@ CASES = [
      "backslash"),
     ("-o missing folder", 1, lambda t: ["jobs/smoke.toml", "-o", str(t / "no" / "x.sbatch")],
      "does not exist"),
-    ("-o is a folder", 1, lambda t: ["jobs/smoke.toml", "-o", str(t)], "is a directory"),
+    ("-o is a folder", 1, lambda t: ["jobs/smoke.toml", "-o", str(t)], "is a folder, expected a new file"),
     ("-o unwritable", 1, lambda t: ["jobs/smoke.toml", "-o", str(_unwritable(t) / "x.sbatch")],
      "cannot write"),
     ("unwritable run dir", 1, lambda t: ["jobs/smoke.toml", "--run-dir",
