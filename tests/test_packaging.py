@@ -44,6 +44,9 @@ def test_wheel_contains_template_and_jobs(wheel: Path) -> None:
             "ddpjob/launch/render.py", "ddpjob/launch/sbatch.py", "ddpjob/node/dist.py",
             "ddpjob/store/commit.py", "ddpjob/train/trainer.py"} <= names
     assert not any(n.startswith(("tests/", "templates/", "jobs/")) for n in names)
+    # every module of every package (setup.cfg lists the packages: a new one must be added there)
+    sources = {str(p.relative_to(REPO)) for p in (REPO / "ddpjob").rglob("*.py") if "__pycache__" not in p.parts}
+    assert sources - names == set()
 
 
 @pytest.mark.slow
