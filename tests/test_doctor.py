@@ -58,14 +58,14 @@ def test_good_job_passes_every_check(job: Path, capsys: pytest.CaptureFixture[st
     assert not failed(result), failed(result)
     assert {"job file", "slurm commands", "controller", "accounting", "requeue policy", "run dir",
             "dataset", "tasks per gpu", "partition", "nodes", "time limit", "cpus", "preemption",
-            "signal routing", "signal lead", "port window"} <= set(result)
+            "signal routing", "signal lead", "port window", "entry"} <= set(result)
     assert all(c.status == doctor.PASS for c in result.values()), result
     assert "GraceTime 20" in result["preemption"].detail
     assert "--signal=USR2@120" in result["signal routing"].detail
 
     code = main(["doctor", str(job)])
     out = capsys.readouterr().out
-    assert code == 0 and "16 passed, 0 warning(s), 0 failed" in out
+    assert code == 0 and "17 passed, 0 warning(s), 0 failed" in out
 
 
 @pytest.mark.cluster
