@@ -268,8 +268,10 @@ def test_raising_script_under_slurm_fails_keeps_traceback_and_is_not_requeued(
     assert rows["state"].startswith("FAILED"), out
     assert rows["restarts"] == "0", out
     # the failure once, in one line (the 2 ranks' stop records are not listed twice), no traceback
-    assert [x for x in out.splitlines() if "bad hidden size" in x] == \
-        ["last event  stop: ValueError: bad hidden size 0"], out
+    (line,) = [x for x in out.splitlines() if "bad hidden size" in x]
+    # the user's own error, said as theirs: the rank, the exception, their line
+    assert line.startswith("last event  stop: ddpjob: error: rank 0: your code raised ValueError: bad hidden size 0 "
+                           "at boom.py:6"), out
     assert "Traceback" not in out
     assert not (run_dir / "COMPLETED").exists()
     print(f"\nfailing job {jid}: {out}")
