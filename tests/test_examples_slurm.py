@@ -270,8 +270,8 @@ def test_raising_script_under_slurm_fails_keeps_traceback_and_is_not_requeued(
     # the failure once, in one line (the 2 ranks' stop records are not listed twice), no traceback
     (line,) = [x for x in out.splitlines() if "bad hidden size" in x]
     # the user's own error, said as theirs: the rank, the exception, their line
-    assert line.startswith("last event  stop: ddpjob: error: rank 0: your code raised ValueError: bad hidden size 0 "
-                           "at boom.py:6"), out
+    assert line.startswith("last event  stop: rank 0: your code raised ValueError: bad hidden size 0 "
+                           "at boom.py:6."), out
     assert "Traceback" not in out
     assert not (run_dir / "COMPLETED").exists()
     print(f"\nfailing job {jid}: {out}")
