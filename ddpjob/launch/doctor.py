@@ -316,10 +316,7 @@ def cheap_checks(cfg: JobConfig, *, backend: str = "slurm", runs_root: str | Pat
                  full: bool = False, measured_s: float | None = None) -> list[Check]:
     """The job's own checks, a few scontrol calls and no job step: what submit runs first.
     With backend "local", only what matters on this machine (files, dataset)."""
-    from ddpjob.launch import entrycheck  # (it imports this module's Check)
-
-    out = [run_dir_check(Path(runs_root)), _data_check(cfg, full), entrycheck.entry_check(cfg)]
-    out += [c for c in [entrycheck.init_from_check(cfg)] if c is not None]
+    out = [run_dir_check(Path(runs_root)), _data_check(cfg, full), *code_checks(cfg)]
     if backend != "slurm":
         return out
     s = cfg.slurm
@@ -336,6 +333,14 @@ def cheap_checks(cfg: JobConfig, *, backend: str = "slurm", runs_root: str | Pat
                          else f"CPU job, {s.tasks_per_node} rank(s) per node"))
     out += [container_check(cfg)] if cfg.slurm.container else []
     return out + _partition_checks(cfg) + _signal_checks(cfg, measured_s) + [port_check()]
+
+
+def code_checks(cfg: JobConfig) -> list[Check]:
+    """train.entry and checkpoint.init_from, as the login node can see them (launch/entrycheck.py)."""
+    from ddpjob.launch import entrycheck
+
+    init_from = entrycheck.init_from_check(cfg)
+    return [Check("entry", *entrycheck.entry_check(cfg))] + ([Check("init_from", *init_from)] if init_from else [])
 
 
 def container_check(cfg: JobConfig) -> Check:

@@ -19,54 +19,53 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ddpjob.config import JobConfig
-    from ddpjob.launch.doctor import Check
+
+# (status, detail, hint): doctor.py makes its Check of it (this module imports nothing of doctor's)
+Finding = tuple[str, str, str]
+PASS, WARN, FAIL = "pass", "warn", "fail"  # doctor.PASS, WARN, FAIL
 
 
-def entry_check(cfg: JobConfig) -> Check:
-    from ddpjob.launch.doctor import FAIL, PASS, WARN, Check
-
+def entry_check(cfg: JobConfig) -> Finding:
     entry = cfg.train.entry
     if not entry:
-        return Check("entry", PASS, "the built-in trainer")
+        return (PASS, "the built-in trainer", "")
     if entry.endswith(".py"):
         problem = _parse_problem(Path(entry))
         if problem:
-            return Check("entry", FAIL, f"train.entry script {entry} does not parse: {problem}",
+            return (FAIL, f"train.entry script {entry} does not parse: {problem}",
                          f"fix {entry}, then submit again")
-        return Check("entry", PASS, f"{entry} parses")
+        return (PASS, f"{entry} parses", "")
     module, _, func = entry.partition(":")
     source = _find_module(module)
     if source is None:
         # a container's or a `module load`'s package may exist only on the nodes
         elsewhere = bool(cfg.slurm.container or cfg.slurm.setup)
-        return Check("entry", WARN if elsewhere else FAIL,
+        return (WARN if elsewhere else FAIL,
                      f"train.entry module '{module}' is not importable here (searched the working "
                      "directory and sys.path)" + (", expected it on the nodes" if elsewhere else ""),
                      "run ddpjob from the folder that holds the package, or install it")
     if source.suffix != ".py":  # compiled or built in: nothing to parse
-        return Check("entry", PASS, f"{module} found ({source.name})")
+        return (PASS, f"{module} found ({source.name})", "")
     problem = _parse_problem(source)
     if problem:
-        return Check("entry", FAIL, f"train.entry module {source} does not parse: {problem}",
+        return (FAIL, f"train.entry module {source} does not parse: {problem}",
                      f"fix {source}, then submit again")
     names = _top_level_names(source)
     if names is not None and func not in names:
         close = difflib.get_close_matches(func, sorted(names), n=1)
-        return Check("entry", FAIL, f"train.entry '{entry}': {source} defines no '{func}'",
+        return (FAIL, f"train.entry '{entry}': {source} defines no '{func}'",
                      (f"did you mean '{close[0]}'? " if close else "") + f"define `def {func}():` in {source}")
-    return Check("entry", PASS, f"{module}:{func} is defined in {source}")
+    return (PASS, f"{module}:{func} is defined in {source}", "")
 
 
-def init_from_check(cfg: JobConfig) -> Check | None:
-    from ddpjob.launch.doctor import FAIL, PASS, Check
-
+def init_from_check(cfg: JobConfig) -> Finding | None:
     source = cfg.checkpoint.init_from
     if not source:
         return None
     if not os.path.exists(source):
-        return Check("init_from", FAIL, f"checkpoint.init_from '{source}' does not exist",
+        return (FAIL, f"checkpoint.init_from '{source}' does not exist",
                      "give a run dir, RUN/checkpoints/step-N or a weights file (relative to where you submit)")
-    return Check("init_from", PASS, f"{source} exists")
+    return (PASS, f"{source} exists", "")
 
 
 def _parse_problem(path: Path) -> str:

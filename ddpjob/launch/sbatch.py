@@ -28,10 +28,10 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     rundir.private_umask(cfg.slurm.share_group)
     if not getattr(args, "no_data_check", False):
         _check_data(cfg)
-    from ddpjob.launch import doctor, entrycheck
+    from ddpjob.launch import doctor
 
     # train.entry and init_from, as submit checks them: wrong now, wrong after the queue wait
-    doctor.raise_on_failures([c for c in (entrycheck.entry_check(cfg), entrycheck.init_from_check(cfg)) if c])
+    doctor.raise_on_failures(doctor.code_checks(cfg))
     template = render.load_template(args.template)
     to_stdout = args.output == "-"
     out = None if to_stdout else rundir.UserOutput(args.output)
