@@ -155,10 +155,10 @@ def test_100_kill9_during_saves_never_lose_the_newest_committed(tmp_path: Path) 
 
 # ------------------------------------------------------------------ nothing thrown away without a word
 def _ddpjob_run(*args: str, cwd: Path) -> "subprocess.CompletedProcess[str]":
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "DDPJOB_", "TORCHELASTIC"))}
+    from ranks import base_env  # the rank variables of the pytest process dropped, one thread
+
     return subprocess.run([sys.executable, "-m", "ddpjob", "run", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env={**env, "OMP_NUM_THREADS": "1"})
+                          timeout=300, cwd=cwd, env=base_env())
 
 
 SMOKE = str(Path(__file__).resolve().parents[1] / "jobs" / "smoke.toml")

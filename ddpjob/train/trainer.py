@@ -88,12 +88,13 @@ def fit(job: Job) -> FitResult:
     raw.to(memory_format=fmt)  # channels_last for 4-d weights
     # One code path for every precision: the scaler is a no-op unless fp16 (bf16 needs none).
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    mode = compile_mode_for(t.compile_mode, device)
     if t.compile:
         # In place and inside DDP: DDP's forward calls the compiled module. torch.compile of the
         # DDP wrapper breaks its graph in DDP's forward (torch 2.14: Logger.set_runtime_stats_and_log)
         # and then compiled nothing at all on 2 ranks; and the state_dict keeps its names.
-        raw.compile(mode=compile_mode_for(t.compile_mode, device))
-    graphs = t.compile and device.type == "cuda" and compile_mode_for(t.compile_mode, device) in CUDA_GRAPH_MODES
+        raw.compile(mode=mode)
+    graphs = t.compile and device.type == "cuda" and mode in CUDA_GRAPH_MODES
     model = job.wrap(raw)  # DDP (+ rank-ordered reduction for >2 ranks), or sharded in place (fsdp)
     optimizer = build_optimizer(raw, cfg)  # after wrap: fully_shard replaces the parameters
     train_set, test_set = data.build_datasets(cfg.data.dataset, cfg.data.root, t.seed,
