@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -140,3 +141,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         reason = reason.removeprefix("Skipped: ")
         report.outcome = "failed"
         report.longrepr = f"cluster test skipped under CI=true (a skip counts as a failure): {reason}"
+    if report.when == "call" and report.failed and item.get_closest_marker("cluster") is not None:
+        tmp = getattr(item, "funcargs", {}).get("tmp_path")
+        if tmp is not None:
+            report.sections.append(("what the failed test's runs left", _runs_left(tmp)))
+
+
+def _runs_left(tmp: Path, lines: int = 12) -> str:
+    """A failed cluster test's evidence, which CI's log otherwise loses with the temp dir: each
+    run dir's last events and the tail of every log in it (the ranks' errors are there)."""
+    out: list[str] = []
+    for events in sorted(tmp.glob("**/events.jsonl"))[:4]:
+        run = events.parent
+        out.append(f"== {run}: events.jsonl (last {lines})")
+        out += events.read_text(errors="replace").splitlines()[-lines:]
+        for log in sorted((run / "logs").glob("*"))[:12] if (run / "logs").is_dir() else []:
+            if log.is_file() and log.suffix in (".out", ".err", ".log"):
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+                if tail:
+                    out.append(f"-- {log.name} (last {lines})")
+                    out += tail
+    return "\n".join(out) or f"no run dir under {tmp}"

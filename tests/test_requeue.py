@@ -5,6 +5,8 @@ check, scontrol refused -> successor job, budgets (max_requeues, max_failures), 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,34 @@ def test_a_crash_is_retried_only_within_max_failures(fake_slurm, tmp_path, max_f
         assert requeue.after_crash(cfg, again, d, 1) is None
         assert "max_failures = 1 reached" in last_stop(d)["note"]
         assert requeue.after_stop(cfg, again, d, preemption.REQUEUE, 12, restart=1) is True
+
+
+def test_the_sigterm_of_our_own_requeue_waits_until_the_crash_is_recorded(fake_slurm, tmp_path,
+                                                                          monkeypatch) -> None:
+    """`scontrol requeue` of the job ends the batch step with SIGTERM, the deciding process too:
+    the crash must be on record before that signal is let in (CI once lost it on a busy node)."""
+    cfg, d = run_dir(tmp_path, max_failures=1)
+    fake_checkpoint.committed(d, 10)
+    fake_slurm.answer("scontrol requeue")
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
+    real = slurm.requeue
+
+    def requeue_then_sigterm(job_id: str) -> slurm.Result:
+        res = real(job_id)
+        os.kill(os.getpid(), signal.SIGTERM)  # what slurmstepd does to the batch step
+        return res
+
+    monkeypatch.setattr(slurm, "requeue", requeue_then_sigterm)
+    stops_at_sigterm: list[list[dict]] = []
+    old = signal.signal(signal.SIGTERM, lambda *_: stops_at_sigterm.append(
+        [e for e in rundir.events(d) if e["event"] == "stop"]))
+    try:
+        assert requeue.after_crash(cfg, ENV, d, 1) is True
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    (stops,) = stops_at_sigterm  # the signal came, once, and only after the record
+    assert [(s["reason"], s["requeued"]) for s in stops] == [("crash", True)], stops
+
 
 
 def test_the_ledger_in_status(tmp_path) -> None:

@@ -177,11 +177,12 @@ def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> R
         last = events[-1]
         why = last.get("error") or last.get("note") or last.get("reason") or ""
         if last.get("event") == "stop" and not last.get("error"):
-            # the crash decision comes after the rank's own record: say the cause, then the decision
+            # the crash decision comes after the ranks' own records: say the cause, then the decision.
+            # The first record is the root cause; later ones are often ranks failing because of it.
             cause = [e["error"] for e in events if e.get("event") == "stop" and isinstance(e.get("error"), str)
                      and e.get("job_id") == last.get("job_id") and e.get("restart") == last.get("restart")]
             if cause:
-                text = cause[-1].removeprefix("ddpjob: error: ").split(" Hint: ")[0]
+                text = cause[0].removeprefix("ddpjob: error: ").split(" Hint: ")[0]
                 why = f"{text} ({why})" if why else text
         info.extra["last_event"] = f"{last.get('event')}" + (f": {why}" if why else "")
     info.step, info.loss = last_metric(run_dir)

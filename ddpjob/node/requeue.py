@@ -14,8 +14,11 @@ next start and recorded then from sacct (record_unseen).
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -196,12 +199,27 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int) -> 
         print(f"ddpjob: job {env.job_id} was requeued by SLURM (status {status}); "
               "the stop is rank 0's or the next start's to record", flush=True)
         return None
-    fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}")
-    resume_at, lost = _resume_point(run_dir)
-    rundir.record_event(run_dir, "stop", reason="crash", step=resume_at, job_id=env.job_id,
-                        restart=restart, status=status, steps_lost=lost, **fields)
+    with _term_held():
+        fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}")
+        resume_at, lost = _resume_point(run_dir)
+        rundir.record_event(run_dir, "stop", reason="crash", step=resume_at, job_id=env.job_id,
+                            restart=restart, status=status, steps_lost=lost, **fields)
     print(f"ddpjob: job {env.job_id} crashed (status {status}): {fields['note']}", flush=True)
     return fields["requeued"]
+
+
+@contextlib.contextmanager
+def _term_held() -> Iterator[None]:
+    """SIGTERM waits until the stop is recorded. `scontrol requeue` of our own job ends the
+    batch step, this process included (SIGTERM, SIGKILL after KillWait): on a busy node the
+    SIGTERM came before the record was written, and the crash went unrecorded, so its retry
+    was not counted against max_failures (seen in CI). The pending signal is delivered after."""
+    held = {signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _resume_point(run_dir: Path) -> tuple[int, int | None]:
