@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, exitcodes, rundir
+from ddpjob import config, console, exitcodes, rundir, runlock
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
@@ -124,26 +124,36 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
         console.print0(f"ddpjob: {path} already completed: nothing to do")
         ctx.destroy()
         raise AlreadyCompleted()
-    restart = _check_budget(cfg, env, path, ctx)
+    restart, lock = _check_budget(cfg, env, path, ctx)
     compilecache.use_run_dir(path, env)  # before any model code: torch.compile reads it when compiling
-    _current = Job(cfg, ctx, path, stop, standalone=_launch is None, restart=restart)
+    _current = Job(cfg, ctx, path, stop, standalone=_launch is None, restart=restart, lock=lock)
     return _current
 
 
-def _check_budget(cfg: JobConfig, env: ClusterEnv, path: Path, ctx: Any) -> int:
-    """This start's restart number within the run (successor jobs included). Rank 0 records
-    what ended the previous attempt unseen and checks the budgets; every rank gets its answer
-    (one reader: the file may be changing under the others)."""
+def _check_budget(cfg: JobConfig, env: ClusterEnv, path: Path, ctx: Any) -> tuple[int, runlock.RunLock | None]:
+    """This start's restart number within the run (successor jobs included). Rank 0 takes the
+    run dir's lock (one job per run dir), records what ended the previous attempt unseen and
+    checks the budgets; every rank gets its answer (one reader: the file may be changing under
+    the others)."""
     from ddpjob.node import dist, requeue
 
-    answer = requeue.check_start(cfg, env, path) if env.is_rank0 else None
-    restart, why = dist.broadcast_object(answer, what="the start's budget check")
+    lock, answer = None, None
+    if env.is_rank0:
+        try:
+            lock = runlock.RunLock.take(path, f"{env.source} job {env.job_id or '-'} (rank 0)")
+            answer = (*requeue.check_start(cfg, env, path), None)
+        except runlock.Busy as exc:
+            answer = (0, None, (exc.message, exc.hint))
+    restart, why, busy = dist.broadcast_object(answer, what="the start's budget check")
+    if busy:
+        ctx.destroy(barrier_timeout_s=1.0)
+        raise runlock.Busy(*busy)
     if why:
         ctx.destroy(barrier_timeout_s=1.0)
         raise DDPJobError(f"this is restart {restart} of run {path.name}: {why}",
                           "raise the budget in [slurm], or find out why the job keeps stopping "
                           "(`ddpjob status RUN_DIR` lists every stop)")
-    return int(restart)
+    return int(restart), lock
 
 
 def current() -> Job | None:
@@ -167,8 +177,8 @@ class Job:
     is_rank0, config (the JobConfig; `config.user` is the job file's [user] table), user."""
 
     def __init__(self, cfg: JobConfig, ctx: Any, run_dir: Path, stop: Any, *, standalone: bool,
-                 restart: int = 0) -> None:
-        self._standalone = standalone
+                 restart: int = 0, lock: runlock.RunLock | None = None) -> None:
+        self._standalone, self._lock = standalone, lock
         from ddpjob.node import dist, preemption
         from ddpjob.store.schedule import SaveSchedule
         from ddpjob.store.state import StateStore
@@ -497,6 +507,8 @@ class Job:
         if self.is_rank0 and self.stopped_at is not None:  # the end of the recovery's exit phase
             rundir.record_event(self.run_dir, "exit", step=self.stopped_at, job_id=self.job_id,
                                 restart=self.restart)
+        if self._lock is not None:  # after the last record: the run dir is free for the next job
+            self._lock.release()
         if _current is self:
             _current = None
         # The interpreter's final garbage collection walks torch's module graph: seconds per

@@ -496,10 +496,42 @@ def test_one_damaged_run_dir_does_not_break_ls_or_status(tmp_path: Path) -> None
         assert r.returncode == 0 and r.stderr == "", r.stderr
         rows = {ln.split()[0]: ln for ln in r.stdout.splitlines() if ln.startswith("runs/")}
         assert set(rows) == {f"runs/{n}" for n in ("a-good", "b-bad-job", "c-bad-events", "d-good")}
-        assert "DAMAGED" in rows["runs/c-bad-events"] and "DAMAGED" not in rows["runs/a-good"]
+        assert "DAMAGED" not in rows["runs/a-good"]
+    # the bad lines are skipped like a torn one, and status says which and why
     r = subprocess.run(DDPJOB + ["status", "runs/c-bad-events"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 0 and "DAMAGED" in r.stdout, r.stderr
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert ("damaged     events.jsonl: skipped line 1 (not a record), line 2 (not a record) and 2 more"
+            in r.stdout), r.stdout
+
+
+@pytest.mark.parametrize("record, line, said", [
+    ("metrics.jsonl", '{"kind": "train", "step": 3, "loss": 1' + "0" * 400 + ', "restart": 0, "time": 1.0}',
+     "'loss' is 1000000000000000000000000000000000000000, expected a number below 2**53"),
+    ("events.jsonl", '{"event": "start", "time": NaN, "restart": 0, "job_id": "local-1"}',
+     "'time' is NaN, expected a finite number"),
+    ("events.jsonl", '{"event": "start", "time": "soon", "restart": 0, "job_id": "local-1"}',
+     "'time' is \"soon\", expected a finite number"),
+    ("events.jsonl", '{"event": "stop", "time": 1, "step": Infinity, "restart": 0, "reason": "crash"}',
+     "'step' is Infinity, expected an integer"),
+    ("events.jsonl", '{"event": "stop", "reason": "preemption", "restart": "x"}',
+     "'restart' is \"x\", expected an integer"),
+])
+def test_a_record_with_a_mistyped_field_is_skipped_and_named(tmp_path: Path, record: str, line: str,
+                                                             said: str) -> None:
+    """A 400-digit loss, a NaN time, "time": "soon", an infinite step crashed ls, status and plot."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    _run_dir(tmp_path)
+    (tmp_path / "run1").rename(runs / "bad")
+    with open(runs / "bad" / record, "a") as f:
+        f.write(line + "\n")
+    for argv in (["ls"], ["ls", "--json"], ["status"], ["status", "runs/bad"], ["plot", "runs/bad", "-o", "p.png"]):
+        r = subprocess.run(DDPJOB + argv, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert "Traceback" not in r.stderr and "internal error" not in r.stderr, (argv, r.stderr[-2000:])
+        assert r.returncode == 0 or (argv[0] == "plot" and r.stderr.count("\n") == 1), (argv, r.stderr)
+    r = subprocess.run(DDPJOB + ["status", "runs/bad"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert f"damaged     {record}: skipped line " in r.stdout and said in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("damage", ["events FIFO", "metrics 2 GiB", "manifest -> /dev/zero", "job.json FIFO"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -211,6 +213,8 @@ def test_the_sigterm_of_our_own_requeue_waits_until_the_crash_is_recorded(fake_s
         return res
 
     monkeypatch.setattr(slurm, "requeue", requeue_then_sigterm)
+    # another thread, as torch's in a rank: a process-directed signal may be delivered to it
+    threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
     stops_at_sigterm: list[list[dict]] = []
     old = signal.signal(signal.SIGTERM, lambda *_: stops_at_sigterm.append(
         [e for e in rundir.events(d) if e["event"] == "stop"]))

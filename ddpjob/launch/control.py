@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import signal
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -108,21 +109,26 @@ def last_metric(run_dir: Path) -> tuple[int | None, float | None]:
     """(step, loss) of the newest metrics record that has a loss; reads only the file's tail."""
     path = run_dir / rundir.METRICS
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 65536))
-            lines = f.read().decode(errors="replace").splitlines()
+        # non-blocking and regular files only: a FIFO put there must not hang `status`
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None, None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise rundir.RecordError(f"{path} is not a regular file")
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 65536))
+        lines = f.read().decode(errors="replace").splitlines()
     import json
 
     for line in reversed(lines):
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             continue
-        if isinstance(rec, dict) and "loss" in rec:
-            return rec.get("step"), rec.get("loss")
+        if (isinstance(rec, dict) and rundir.well_typed(rec) and isinstance(rec.get("loss"), (int, float))
+                and not isinstance(rec.get("loss"), bool)):
+            return rec.get("step"), float(rec["loss"])
     return None, None
 
 
@@ -290,6 +296,10 @@ def format_status(i: RunInfo) -> str:
                                                                        "recovery") and not ln.startswith("restarts    0")]
     except (ValueError, OSError) as exc:  # a damaged record (rundir.RecordError, ...): said, not raised
         lines.append(f"damaged     {exc}"[:300])
+    for record in (rundir.EVENTS, rundir.METRICS):
+        skipped = rundir.damaged_lines(i.run_dir / record)
+        if skipped:
+            lines.append(f"damaged     {skipped}"[:300])
     code = code_state(i.run_dir)
     if code:
         lines.append(f"code        {code['text']}")

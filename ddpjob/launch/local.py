@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, exitcodes, rundir
+from ddpjob import config, exitcodes, rundir, runlock
 
 LOCAL = "local.json"
 POLL_S = 0.1
@@ -74,6 +74,7 @@ class Supervisor:
         self.cancelled = False
         self.history: list[dict[str, Any]] = []
         self.pending: list[int] = []  # signals received, not yet forwarded
+        self.lock: runlock.RunLock | None = None  # held from before the first write to the end
 
     def write(self, state: str, **extra: Any) -> None:
         rundir.write_json_atomic(self.run_dir / LOCAL, {
@@ -127,10 +128,14 @@ class Supervisor:
             frozen = str((self.run_dir / "code" / "python").resolve())
             env["PYTHONPATH"] = os.pathsep.join(x for x in (frozen, env.get("PYTHONPATH")) if x)
             env["PYTHONSAFEPATH"] = "1"  # `python -m` must not put the (live) working dir first
+            fds: tuple[int, ...] = ()
+            if self.lock is not None and self.lock.fd is not None:  # rank 0 trains under our lock
+                env.update(self.lock.inherit_env())
+                fds = (self.lock.fd,)
             with open(logs / f"rank-{rank}.log", "ab") as out:
                 # Own session per rank: a kill reaches the rank's children, and a Ctrl-C in the
                 # submitting terminal never reaches the ranks behind the supervisor's back.
-                self.procs.append(subprocess.Popen(self.command, env=env, stdout=out,
+                self.procs.append(subprocess.Popen(self.command, env=env, stdout=out, pass_fds=fds,
                                                    stderr=subprocess.STDOUT, start_new_session=True))
         log(f"started {s.world_size} rank(s) (restart {self.restarts}, MASTER_PORT {port}): "
             + ", ".join(str(p.pid) for p in self.procs))
@@ -215,6 +220,14 @@ def supervise(run_dirs: Sequence[Path], command: list[str] | None = None) -> int
 
     for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+    # Every run dir is ours before anything is written to one: a second supervisor started on a
+    # busy run dir (the login side's check raced, or was skipped) leaves no trace in it.
+    try:
+        for s in sups:
+            s.lock = runlock.RunLock.take(s.run_dir, f"local supervisor of job {s.job_id}")
+    except runlock.Busy as exc:
+        log(exc.line())
+        return 1
     for s in sups:
         s.write("PENDING")
     ok = True

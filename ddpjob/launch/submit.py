@@ -35,7 +35,7 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
-from ddpjob import config, console, exitcodes, rundir, scriptsafe
+from ddpjob import config, console, exitcodes, rundir, runlock, scriptsafe
 from ddpjob.node import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
@@ -441,6 +441,12 @@ def _check_idle(run_dir: Path) -> None:
         raise DDPJobError(f"run directory '{run_dir}' has job {info.job_id} still {info.state}, "
                           "expected a stopped run to resume",
                           f"wait for it, or `ddpjob cancel {run_dir}` first")
+    runlock.refuse_busy(run_dir)  # whatever the records say: something trains there now
+    if info.state == "DAMAGED":  # its records cannot tell whether a job still runs: as if busy
+        raise DDPJobError(f"run directory '{run_dir}' is damaged ({info.reason}), so whether a job "
+                          "still runs there cannot be told, expected readable records",
+                          f"repair or remove the damaged file (`ddpjob status {run_dir}` names it), "
+                          "or use a new --run-dir")
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

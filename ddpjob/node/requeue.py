@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,13 +214,20 @@ def _term_held() -> Iterator[None]:
     """SIGTERM waits until the stop is recorded. `scontrol requeue` of our own job ends the
     batch step, this process included (SIGTERM, SIGKILL after KillWait): on a busy node the
     SIGTERM came before the record was written, and the crash went unrecorded, so its retry
-    was not counted against max_failures (seen in CI). The pending signal is delivered after."""
-    held = {signal.SIGTERM}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    was not counted against max_failures (seen in CI). A flag-only handler, not a blocked
+    mask: a process-directed signal goes to any thread that does not block it (torch's), and
+    Python runs its handlers in the main thread only. The signal is raised again after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda signum, _frame: came.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        signal.signal(signal.SIGTERM, old)
+        if came:
+            signal.raise_signal(signal.SIGTERM)
 
 
 def _resume_point(run_dir: Path) -> tuple[int, int | None]:
