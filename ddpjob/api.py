@@ -291,7 +291,11 @@ class Job:
         this rank (CPU, CUDA, numpy, random) is restored when `steps()` starts the loop (a fresh
         run's are seeded from (seed, rank)). Call it after building model and data."""
         from ddpjob.node.sampler import StepSampler
+        from ddpjob.rank import checks
 
+        if self._step is None and self.is_rank0:  # the first call: what would make a resume differ
+            for gap in checks.state_gaps(state):
+                console.warn(gap)
         seed = self.config.train.seed if seed is None else int(seed)
         t0 = time.monotonic()
         step = self._store.resume(state, enabled=self.config.checkpoint.resume, seed=seed)
@@ -428,7 +432,9 @@ class Job:
         import torch
 
         from ddpjob.node import dist
+        from ddpjob.rank import checks
 
+        checks.scalars(scalars)
         names = list(scalars) if average is True else list(average or ())
         if names:
             values = torch.stack([torch.as_tensor(scalars[n]).detach().to(self.device, torch.float64)
