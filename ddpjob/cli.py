@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", type=_path("run directory"), help="run directory")
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_cancel"))
 
+    p = sub.add_parser("stop", help="checkpoint a run's job and end it (`ddpjob resume` continues)")
+    p.add_argument("run", type=_path("run directory"), help="run directory")
+    p.set_defaults(func=_handler("ddpjob.launch.stop:cmd_stop"))
+
     p = sub.add_parser("ls", help="list runs")
     p.add_argument("--runs-root", default="runs", type=_path("--runs-root"))
     p.add_argument("--json", action="store_true", help="one JSON object per run (JSON Lines; docs/status-json.md)")

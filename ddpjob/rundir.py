@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import math
 import os
 import secrets
 import time
@@ -18,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from ddpjob import recordtypes
 from ddpjob.errors import DDPJobError, UsageError
 
 if TYPE_CHECKING:
@@ -341,40 +341,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except (ValueError, RecursionError):
             continue
-        if isinstance(rec, dict) and well_typed(rec):  # a damaged line is skipped like a torn one
+        if isinstance(rec, dict) and recordtypes.type_error(rec) is None:  # a damaged line is skipped like a torn one
             out.append(rec)
     return out
-
-
-# The fields every reader of events/metrics does arithmetic on, and their types. A record that
-# breaks them ("restart": "x", "time": "soon", a NaN time, a 400-digit loss) is a damaged line:
-# skipped like a torn one, so one bad line never crashes status, ls, plot or a resume.
-_INTS = frozenset({"step", "restart", "resumed_step", "world_size", "steps_lost", "status", "rank",
-                   "epoch", "accumulation", "master_port"})
-_TIMES = frozenset({"time", "signal_time", "launched_time", "load_s", "updated_at"})
-_STRS = frozenset({"event", "reason", "kind", "note", "error", "host", "source"})
-_BIG = 1 << 53  # past this an int no longer converts to float exactly (plot, rates)
-
-
-def well_typed(rec: dict[str, Any]) -> bool:
-    return type_error(rec) is None
-
-
-def type_error(rec: dict[str, Any]) -> str | None:
-    """Why a record breaks the field types above, or None."""
-    for key, value in rec.items():
-        if value is None:
-            continue
-        bad = ((isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _BIG)
-               or (key in _INTS and (not isinstance(value, int) or isinstance(value, bool)))
-               or (key in _TIMES and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)))
-               or (key in _STRS and not isinstance(value, str)))
-        if bad:
-            expected = ("an integer" if key in _INTS else "a finite number" if key in _TIMES
-                        else "text" if key in _STRS else "a number below 2**53")
-            return f"{key!r} is {json.dumps(value)[:40]}, expected {expected}"
-    return None
 
 
 def damaged_lines(path: str | Path, show: int = 2) -> str:
@@ -390,7 +359,7 @@ def damaged_lines(path: str | Path, show: int = 2) -> str:
         except (ValueError, RecursionError):
             why = None if n == len(lines) else "not JSON"  # the last may be torn by a killed writer
         else:
-            why = type_error(rec) if isinstance(rec, dict) else "not a record"
+            why = recordtypes.type_error(rec) if isinstance(rec, dict) else "not a record"
         if why:
             bad.append(f"line {n} ({why})")
     if not bad:

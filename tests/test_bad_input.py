@@ -452,6 +452,9 @@ CMD_CASES = [
     ("selftest timeout negative", 2, lambda t: ["selftest", "--timeout", "-1"], "--timeout is '-1'"),
     ("plot -o empty", 2, lambda t: ["plot", "runs", "-o", ""], "-o is empty"),
     ("cancel empty", 2, lambda t: ["cancel", ""], "run directory is empty"),
+    ("stop empty", 2, lambda t: ["stop", ""], "run directory is empty"),
+    ("stop long component", 2, lambda t: ["stop", LONG], "255"),
+    ("stop a run never submitted", 1, lambda t: ["stop", _run_dir(t)], "has no job id"),
     ("sweep of 8 million points", 2, lambda t: ["submit", "jobs/smoke.toml", "--backend", "local", "--dry-run",
                                                 *[a for k in ("train.lr", "train.seed", "train.max_steps")
                                                   for a in ("--sweep", k + "=" + ",".join(str(i + 1) for i in range(200)))]],

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, rundir
+from ddpjob import console, recordtypes, rundir
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import slurm
 from ddpjob.store import manifest
@@ -26,7 +26,7 @@ from ddpjob.store import manifest
 from ddpjob.launch.local import LOCAL  # the supervisor's state file
 SWEEP = "sweep.json"
 # SLURM states after which nothing more will happen (a requeued job goes back to PENDING).
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "STOPPED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT", "LOST"}
 _ARRAY = re.compile(r"(\d+)_\[([0-9,\-]+)(?:%\d+)?\]", re.ASCII)
 
@@ -92,7 +92,7 @@ def slurm_states(job_ids: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _pid_alive(pid: int | None, marker: str = "ddpjob.launch.local") -> bool:
+def pid_alive(pid: int | None, marker: str = "ddpjob.launch.local") -> bool:
     """Alive, not a zombie, and still our supervisor (pids are reused)."""
     if not pid:
         return False
@@ -126,7 +126,7 @@ def last_metric(run_dir: Path) -> tuple[int | None, float | None]:
             rec = json.loads(line)
         except (ValueError, RecursionError):
             continue
-        if (isinstance(rec, dict) and rundir.well_typed(rec) and isinstance(rec.get("loss"), (int, float))
+        if (isinstance(rec, dict) and recordtypes.type_error(rec) is None and isinstance(rec.get("loss"), (int, float))
                 and not isinstance(rec.get("loss"), bool)):
             return rec.get("step"), float(rec["loss"])
     return None, None
@@ -158,7 +158,7 @@ def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> R
     info.restarts = max([int(e.get("restart", 0) or 0) for e in events] or [0])
     if info.backend == "local":
         rec = rundir.read_record(run_dir / LOCAL) or None
-        alive = _pid_alive(job.get("pid"))
+        alive = pid_alive(job.get("pid"))
         if rec is None:
             info.state = "PENDING" if alive else "FAILED"
             info.reason = "" if alive else "the supervisor is gone; see logs/supervisor.log"
@@ -179,6 +179,10 @@ def run_info(run_dir: Path, slurm: dict[str, dict[str, Any]] | None = None) -> R
     elif not job:
         info.state = "UNKNOWN"
         info.reason = "no job.json, no job id in events.jsonl (a `ddpjob sbatch` run not started?)"
+    stops = [e for e in events if e.get("event") == "stop" and "rank" not in e]
+    if info.state in TERMINAL and stops and stops[-1].get("reason") == "user_stop":
+        # the ranks' exit 3 reads as FAILED to SLURM; it was `ddpjob stop`, with a checkpoint
+        info.state, info.reason = "STOPPED", f"by `ddpjob stop` at step {stops[-1].get('step')}"
     if events:
         last = events[-1]
         why = last.get("error") or last.get("note") or last.get("reason") or ""
@@ -369,8 +373,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_cancel(args: argparse.Namespace) -> int:
-    path, is_sweep = resolve(args.run)
+def live_runs(target: str, verb: str) -> list[RunInfo]:
+    """The runs of `target` (a run, a sweep or a job id) that a cancel or stop can reach."""
+    path, is_sweep = resolve(target)
     runs = sweep_points(path) if is_sweep else [(path, "")]
     live = [i for i in infos(runs) if not i.finished]
     never = [i for i in live if not i.job_id]
@@ -379,9 +384,22 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                           "submitted run", "a script of `ddpjob sbatch` that you submitted yourself and that "
                           "has not started yet is cancelled with `scancel JOBID`")
     if not live:
-        raise DDPJobError(f"'{args.run}' has already finished, nothing to cancel",
-                          f"`ddpjob status {args.run}` shows how it ended")
-    for i in live:
+        raise DDPJobError(f"'{target}' has already finished, nothing to {verb}",
+                          f"`ddpjob status {target}` shows how it ended")
+    return live
+
+
+def skip_if_pending(i: RunInfo, reason: str) -> bool:
+    """A local sweep point not started yet: marked CANCELLED, which its supervisor skips."""
+    if i.state != "PENDING" or not (i.run_dir / LOCAL).is_file():
+        return False
+    rec = rundir.read_record(i.run_dir / LOCAL)
+    rundir.write_json_atomic(i.run_dir / LOCAL, {**rec, "state": "CANCELLED", "reason": reason})
+    return True
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    for i in live_runs(args.run, "cancel"):
         # Recorded first: a rank deciding its requeue meanwhile must see it (no successor).
         rundir.record_event(i.run_dir, "cancel", by="user", job_id=i.job_id, restart=i.restarts)
         if i.backend == "slurm":
@@ -391,12 +409,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                                   f"{i.job_id}`; you may only cancel your own jobs")
         elif i.backend == "local":
             job = job_record(i.run_dir)
-            if i.state == "PENDING" and (i.run_dir / LOCAL).is_file():
-                # A sweep point not started yet: the supervisor skips points marked CANCELLED.
-                rec = rundir.read_record(i.run_dir / LOCAL)
-                rundir.write_json_atomic(i.run_dir / LOCAL, {**rec, "state": "CANCELLED",
-                                                             "reason": "cancelled before it started"})
-            elif _pid_alive(job.get("pid")):
+            if not skip_if_pending(i, "cancelled before it started") and pid_alive(job.get("pid")):
                 os.kill(int(job["pid"]), signal.SIGTERM)  # the supervisor forwards it to the ranks
         console.info(f"cancelled {i.job_id} ({i.run_dir})")
     return 0

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, exitcodes, rundir, runlock
+from ddpjob import config, exitcodes, requests, rundir, runlock
 
 LOCAL = "local.json"
 POLL_S = 0.1
@@ -181,6 +181,8 @@ class Supervisor:
                 state, reason = "COMPLETED", "all ranks exited 0"
             elif self.cancelled:
                 state, reason = "CANCELLED", "cancelled by a signal"
+            elif all(c == exitcodes.REQUEUE for c in codes) and requests.answered_stop(self.run_dir, self.job_id):
+                state, reason = "STOPPED", "stopped by `ddpjob stop` with a checkpoint; `ddpjob resume` continues"
             elif all(c == exitcodes.REQUEUE for c in codes):
                 if self.restarts < max_requeues:
                     self.restarts += 1

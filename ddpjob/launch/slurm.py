@@ -154,6 +154,15 @@ def cancel(job_id: str) -> Result:
     return run(["scancel", str(job_id)])
 
 
+def send_signal(job_id: str, name: str) -> Result:
+    """`scancel --signal=NAME JOB`: to every task of the job's steps (the ranks), not the batch
+    shell; the job itself goes on."""
+    bad = _bad_id(job_id)
+    if bad is not None or not name.isalnum():
+        return Result(("scancel", str(job_id)), None, error=bad.why if bad else f"bad signal {name!r}")
+    return run(["scancel", f"--signal={name}", str(job_id)])
+
+
 def submit(script: str | Path, *sbatch_args: str, cwd: str | Path | None = None) -> str | Failed:
     """`sbatch --parsable ARGS SCRIPT` -> the new job id. Run from inside a job, the environment
     loses SLURM_*/SBATCH_*/SRUN_*: sbatch and srun read those as options, and the running job's

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpjob import console, rundir
+from ddpjob import console, requests, rundir
 from ddpjob.config import JobConfig
 from ddpjob.launch import slurm
 from ddpjob.node import preemption
@@ -132,6 +132,8 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
     bring the job back. Returns whether it did (None: it was not asked to)."""
     under_slurm = env.source in ("slurm", "torchrun") and bool(env.job_id)
     reason = {preemption.PREEMPTED: "preemption", preemption.NONE: "signal"}.get(code, "time_limit")
+    if code == preemption.REQUEUE and requests.stop_requested(run_dir, env.job_id):
+        reason = "user_stop"  # `ddpjob stop` sent the checkpoint signal; _decide does not requeue
     fields: dict[str, Any] = {"requeued": None}
     decide = under_slurm
     if code == preemption.PREEMPTED and under_slurm:
@@ -168,7 +170,9 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
 def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, reason: str, restart: int,
             prefix: str | None) -> dict[str, Any]:
     requeues, failures = used(run_dir, restart, env.job_id)
-    if not cfg.slurm.requeue:
+    if requests.stop_requested(run_dir, env.job_id):
+        why = "stopped by `ddpjob stop`: not requeueing (`ddpjob resume RUN_DIR` continues)"
+    elif not cfg.slurm.requeue:
         why = "slurm.requeue = false: not requeueing"
     elif reason in FAILURES and failures >= cfg.slurm.max_failures:
         why = f"max_failures = {cfg.slurm.max_failures} reached: not retrying"

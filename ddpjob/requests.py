@@ -1,0 +1,40 @@
+"""What a user asks of a running job through its run dir: `ddpjob stop` (a checkpoint, then the
+end, no requeue). Written by the login side, read by rank 0's requeue decision and by the local
+supervisor, so both backends end the job the same way; no torch here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddpjob import rundir
+
+STOP = "stop_request"
+
+
+def ask_stop(run_dir: Path, job_id: str, restart: int) -> None:
+    rundir.record_event(run_dir, STOP, by="user", job_id=job_id, restart=restart)
+
+
+def stop_requested(run_dir: Path, job_id: str | None) -> bool:
+    """Whether `ddpjob stop` asked this job to end and no stop of the job has answered it yet
+    (an answered one does not hold a later attempt, which was resumed on purpose; a request made
+    while the ranks were still starting holds)."""
+    if not job_id:
+        return False
+    asked = False
+    for e in rundir.events(run_dir):
+        if str(e.get("job_id")) != str(job_id):
+            continue
+        if e.get("event") == STOP:
+            asked = True
+        elif e.get("event") in ("stop", "local_end") and "rank" not in e:
+            asked = False
+    return asked
+
+
+def answered_stop(run_dir: Path, job_id: str | None) -> bool:
+    """Whether this job's ranks, at their newest stop, stopped for `ddpjob stop` (rank 0 records
+    it as reason "user_stop"): the local supervisor then ends the job instead of restarting it."""
+    stops = [e for e in rundir.events(run_dir) if e.get("event") == "stop" and "rank" not in e
+             and str(e.get("job_id")) == str(job_id)]
+    return bool(stops) and stops[-1].get("reason") == "user_stop"
