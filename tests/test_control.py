@@ -17,6 +17,7 @@ from ranks import LAG, base_env
 from test_local_backend import fake_command, local_state, make_run, wait_for
 
 from ddpjob import config, rundir
+from ddpjob.errors import DDPJobError
 from ddpjob.launch import control, submit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -407,3 +408,22 @@ def test_a_completed_run_is_not_submitted_again_with_another_length(tmp_path, ca
         assert len(err) == 1 and err[0].startswith(f"ddpjob: error: run directory '{run}' completed at step 2"), err
         assert "checkpoint.init_from" in err[0]
     assert (run / "config.json").read_text() == before and not (tmp_path / "x.sbatch").exists()
+
+
+def test_resume_waits_a_bounded_time_for_a_job_that_is_completing(tmp_path, fake_slurm, monkeypatch, capsys):
+    """`ddpjob resume` right after scancel found the job COMPLETING and refused; now it waits for
+    the end (bounded), and refuses with one line only if the job is still there after it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rundir.write_json_atomic(run / "job.json", {"backend": "slurm", "job_id": "77"})
+    monkeypatch.setattr(submit, "sleep", lambda s: None)
+    fake_slurm.answer("sacct", "77|CANCELLED by 0|0:15|n1\n")
+    fake_slurm.answer("squeue", "77|COMPLETING|None\n", then=[{"stdout": "77|COMPLETING|None\n"}, {"stdout": ""}])
+    submit._check_idle(run)  # ended after two polls: nothing to refuse
+    assert "job 77 is COMPLETING; waiting up to 60 s" in capsys.readouterr().out
+    assert len(fake_slurm.called("squeue")) == 3
+    clock = iter(range(0, 1000, 30))
+    monkeypatch.setattr(submit.time, "monotonic", lambda: float(next(clock)))
+    fake_slurm.answer("squeue", "77|COMPLETING|None\n")  # stuck, past the bound
+    with pytest.raises(DDPJobError, match="has job 77 still COMPLETING"):
+        submit._check_idle(run)

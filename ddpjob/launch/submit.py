@@ -42,6 +42,8 @@ from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import container, freeze, local, slurm
 
 MAX_POINTS = 1000  # SLURM's default MaxArraySize is 1001
+COMPLETING_WAIT_S, POLL_S = 60.0, 1.0  # resume after a cancel: how long a COMPLETING job is awaited
+sleep = time.sleep  # tests skip the pauses
 
 
 # ------------------------------------------------------------------ node side
@@ -437,6 +439,12 @@ def _check_idle(run_dir: Path) -> None:
     from ddpjob.launch import control
 
     [info] = control.infos([(run_dir, "")])
+    if info.state == "COMPLETING":  # just after scancel: SLURM is still ending it, seconds as a rule
+        console.info(f"ddpjob: job {info.job_id} is COMPLETING; waiting up to {COMPLETING_WAIT_S:.0f} s for it to end")
+        deadline = time.monotonic() + COMPLETING_WAIT_S
+        while info.state == "COMPLETING" and time.monotonic() < deadline:
+            sleep(POLL_S)
+            [info] = control.infos([(run_dir, "")])
     if info.job_id and info.state not in control.TERMINAL and info.state not in ("UNKNOWN", "DAMAGED"):
         raise DDPJobError(f"run directory '{run_dir}' has job {info.job_id} still {info.state}, "
                           "expected a stopped run to resume",
