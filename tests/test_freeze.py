@@ -150,3 +150,61 @@ def test_a_plugin_edited_after_submission(tmp_path: Path) -> None:
 
     final, ref_final = (torch.load(d / "final" / "model.pt", weights_only=True) for d in (run, tmp_path / "ref"))
     assert final.keys() == ref_final.keys() and all(torch.equal(final[k], ref_final[k]) for k in final)
+
+
+def test_an_entry_folder_outside_git_is_frozen_as_it_is_within_a_bound(tmp_path: Path) -> None:
+    """Outside git only the .py files used to be frozen: data next to the script was missing on
+    the nodes. Now the folder goes as it is (run dirs, runs/, hidden and cache folders never),
+    what does not fit FOLDER_BYTES is named, and only the code is hashed."""
+    job = tmp_path / "job"
+    (job / "sub" / "pkg").mkdir(parents=True)
+    (job / "train.py").write_text("pass\n")
+    (job / "sub" / "pkg" / "mod.py").write_text("X = 1\n")
+    (job / "scale.txt").write_text("2.0\n")
+    (job / ".secret").write_text("no\n")
+    (job / "runs" / "old").mkdir(parents=True)
+    (job / "runs" / "old" / "metrics.jsonl").write_text("{}\n")
+    (job / "myrun").mkdir()
+    (job / "myrun" / "config.json").write_text("{}\n")  # a run dir
+    with open(job / "big.bin", "wb") as f:
+        f.truncate(freeze.FOLDER_BYTES + 1)  # sparse: a size to face, nothing to read
+    cfg = _cfg(entry=str(job / "train.py"))
+    found = freeze.collect(cfg)
+    assert {rel for rel, _ in found["files"] if rel.startswith("entry/")} == {"entry/train.py", "entry/sub/pkg/mod.py"}
+    assert [rel for rel, _ in found["data"]] == ["entry/scale.txt"]
+    assert [(p.name, n) for p, n in found["left_out"]] == [("big.bin", freeze.FOLDER_BYTES + 1)]
+    before = freeze.digest(found["files"])
+    (job / "scale.txt").write_text("3.0\n")
+    (job / "nohup.out").write_text("a log the user's job writes\n")
+    assert freeze.digest(freeze.collect(cfg)["files"]) == before  # data is not code
+    (job / "sub" / "pkg" / "mod.py").write_text("X = 2\n")
+    assert freeze.digest(freeze.collect(cfg)["files"]) != before
+
+
+@pytest.mark.slow
+def test_a_script_reads_the_data_next_to_it_outside_git(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "scale.txt").write_text("2.0\n")
+    with open(job / "big.bin", "wb") as f:
+        f.truncate(freeze.FOLDER_BYTES + 1)
+    (job / "train.py").write_text(
+        "import os\nimport torch\nimport ddpjob\n\njob = ddpjob.init()\n"
+        "scale = float(open(os.path.join(os.path.dirname(__file__), 'scale.txt')).read())\n"
+        "model = job.wrap(torch.nn.Linear(2, 1))\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "state = {'model': model, 'opt': opt}\njob.resume(state)\n"
+        "for step in job.steps(state, 2):\n"
+        "    loss = model(torch.ones(4, 2)).pow(2).mean() * scale\n"
+        "    opt.zero_grad()\n    loss.backward()\n    opt.step()\n    job.log(step + 1, loss=loss)\n"
+        "job.finish(model)\n")
+    (tmp_path / "job.toml").write_text(f'name = "plain"\n[train]\nentry = "{job / "train.py"}"\nthreads = 1\n'
+                                       '[slurm]\ntasks_per_node = 1\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
+    r = _cli("submit", str(tmp_path / "job.toml"), "--backend", "local", "--wait", "--run-dir",
+             str(tmp_path / "run"), cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("ddpjob: warning: the entry's folder")]
+    assert "left out big.bin (64 MB)" in line and " Hint: " in line, line
+    assert (tmp_path / "run" / "COMPLETED").exists()
+    assert (tmp_path / "run" / "code" / "entry" / "scale.txt").read_text() == "2.0\n"
+    assert not (tmp_path / "run" / "code" / "entry" / "big.bin").exists()

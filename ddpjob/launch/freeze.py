@@ -5,7 +5,8 @@ What is frozen (collect):
 - ddpjob itself (its package folder), so the nodes run the ddpjob that submitted the job;
 - a script entry (train.entry = "x.py"): in a git checkout, every tracked file of that
   repository as it is in the working tree (uncommitted edits included, untracked files not);
-  elsewhere the .py files of the script's folder;
+  elsewhere the script's folder as it is, bounded (_folder_files; data files are copied but
+  only the .py files are the code that is hashed);
 - "package.module:function" plugins (train.entry, train.model, data.dataset): the top-level
   package (or module) as found on this machine's sys.path; one that is not found is recorded
   as not frozen and the nodes import it as before.
@@ -24,17 +25,20 @@ import hashlib
 import importlib.machinery
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from ddpjob import __version__, rundir
+from ddpjob import __version__, console, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 
 CODE, RECORD = "code", "code.json"
 MAX_BYTES = 200 * 2**20  # a repository with data files in git: refuse rather than copy it per run
+# An entry folder outside git is copied as it is, up to these (what does not fit is named).
+FOLDER_BYTES, FOLDER_ENTRIES = 64 * 2**20, 20_000
 _SKIP = ("__pycache__", ".git")
 
 
@@ -68,18 +72,55 @@ def _git_files(folder: Path) -> tuple[Path, list[Path], dict[str, Any]] | None:
     return root, files, {"root": str(root), "commit": commit, "dirty": dirty}
 
 
+def _folder_files(folder: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
+    """An entry script outside git: its folder as it is, so that data files next to the script
+    work as they do in a checkout. Bounded: every .py file, then the other files in path order
+    while they fit FOLDER_BYTES; run dirs, `runs/`, hidden and cache folders are never copied,
+    and the walk stops after FOLDER_ENTRIES entries. Returns (kept, [(left out, size)])."""
+    found: list[tuple[Path, int]] = []
+    seen = 0
+    for top, dirs, names in os.walk(folder):
+        here = Path(top)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in (*_SKIP, "runs")
+                         and not rundir.is_run_dir(here / d))
+        for name in sorted(names):
+            seen += 1
+            path = here / name
+            if seen > FOLDER_ENTRIES or name.startswith("."):
+                continue
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append((path, st.st_size))
+    code = [(p, n) for p, n in found if p.suffix == ".py"]
+    kept, total = [p for p, _ in code], sum(n for _, n in code)
+    left_out: list[tuple[Path, int]] = []
+    for path, size in (x for x in found if x[0].suffix != ".py"):
+        if total + size <= FOLDER_BYTES:
+            kept.append(path)
+            total += size
+        else:
+            left_out.append((path, size))
+    return sorted(kept), left_out
+
+
 def _plugins(cfg: JobConfig) -> list[str]:
     specs = [cfg.train.entry, cfg.train.model, cfg.data.dataset]
     return sorted({s.partition(":")[0].split(".")[0] for s in specs if ":" in s and not s.endswith(".py")})
 
 
 def collect(cfg: JobConfig) -> dict[str, Any]:
-    """{"files": [(path in the snapshot, source file)], "entry": snapshot path of a script entry
-    or None, "git": facts or None, "not_frozen": [plugin names not found here]}."""
+    """{"files": [(path in the snapshot, source file)] (the code: hashed), "data": the same for
+    the other files of an entry folder outside git (copied, not hashed), "left_out": [(file,
+    size)] that did not fit, "entry": snapshot path of a script entry or None, "git": facts or
+    None, "not_frozen": [plugin names not found here]}."""
     import ddpjob
 
     files = _files_under(Path(ddpjob.__file__).resolve().parent, "python")
-    entry_rel, git_facts, missing = None, None, []
+    entry_rel, git_facts, missing, left_out = None, None, [], []
+    data: list[tuple[str, Path]] = []
     if cfg.train.entry.endswith(".py"):
         script = Path(cfg.train.entry).resolve()
         tracked = _git_files(script.parent)
@@ -88,7 +129,12 @@ def collect(cfg: JobConfig) -> dict[str, Any]:
             files += [(f"repo/{p.relative_to(root).as_posix()}", p) for p in paths]
             entry_rel = f"repo/{script.relative_to(root).as_posix()}"
         else:
-            files += [(f"entry/{p.name}", p) for p in sorted(script.parent.glob("*.py")) if p.is_file()]
+            kept, left_out = _folder_files(script.parent)
+            copies = [(f"entry/{p.relative_to(script.parent).as_posix()}", p) for p in kept]
+            files += [x for x in copies if x[1].suffix == ".py"]
+            # data next to the script: copied, not hashed (a log file written there must not
+            # read as a code change that refuses the checkpoints)
+            data = [x for x in copies if x[1].suffix != ".py"]
             entry_rel = f"entry/{script.name}"
     for name in _plugins(cfg):
         if name == "ddpjob":
@@ -102,7 +148,8 @@ def collect(cfg: JobConfig) -> dict[str, Any]:
             missing.append(name)  # installed libraries are the environment's, not the run's
             continue
         files += _files_under(origin.parent if origin.name == "__init__.py" else origin, "python")
-    return {"files": sorted(set(files)), "entry": entry_rel, "git": git_facts, "not_frozen": missing}
+    return {"files": sorted(set(files)), "entry": entry_rel, "git": git_facts, "not_frozen": missing,
+            "data": data, "left_out": left_out}
 
 
 def digest(files: list[tuple[str, Path]]) -> str:
@@ -116,7 +163,15 @@ def digest(files: list[tuple[str, Path]]) -> str:
 def freeze(cfg: JobConfig, run_dir: Path, *, accepts: tuple[str, ...] = ()) -> dict[str, Any]:
     """Copy the code into RUN_DIR/code (replacing an older copy as a whole) and write code.json."""
     found = collect(cfg)
-    total = sum(p.stat().st_size for _, p in found["files"])
+    if found["left_out"]:
+        names = ", ".join(f"{p.name} ({n / 2**20:.0f} MB)" for p, n in found["left_out"][:3])
+        more = f" and {len(found['left_out']) - 3} more" if len(found["left_out"]) > 3 else ""
+        console.warn(f"the entry's folder is not in git, so it is frozen as it is, up to "
+                     f"{FOLDER_BYTES // 2**20} MB: left out {names}{more}, which the frozen script "
+                     "will not find next to it. Hint: read large data from an absolute path (a [user] "
+                     "key), or commit the code to git")
+    copies = found["files"] + found["data"]
+    total = sum(p.stat().st_size for _, p in copies)
     if total > MAX_BYTES:
         raise DDPJobError(f"the code to freeze for this run is {total / 2**20:.0f} MB (git-tracked files of "
                           f"{(found['git'] or {}).get('root', 'the entry folder')}), expected at most "
@@ -126,7 +181,7 @@ def freeze(cfg: JobConfig, run_dir: Path, *, accepts: tuple[str, ...] = ()) -> d
     shutil.rmtree(staging, ignore_errors=True)
     # the run dir's modes, whatever the umask or the sources' modes: code nobody else can edit
     dmode, fmode = rundir.dir_mode(cfg.slurm.share_group), rundir.file_mode(run_dir)
-    for rel, path in found["files"]:
+    for rel, path in copies:
         target = staging / rel
         for parent in reversed([p for p in target.parents if p == staging or staging in p.parents]):
             if not parent.is_dir():
@@ -134,7 +189,7 @@ def freeze(cfg: JobConfig, run_dir: Path, *, accepts: tuple[str, ...] = ()) -> d
                 parent.chmod(dmode)
         shutil.copyfile(path, target)
         target.chmod(fmode)
-    record = {"hash": digest(found["files"]), "files": len(found["files"]), "bytes": total,
+    record = {"hash": digest(found["files"]), "files": len(copies), "bytes": total,
               "ddpjob_version": __version__, "entry": found["entry"],
               "original_entry": cfg.train.entry or None, "git": found["git"],
               "not_frozen": found["not_frozen"], "accepts": list(accepts)}
