@@ -84,3 +84,18 @@ def test_logging_a_tensor_of_many_values_is_one_line(tmp_path: Path) -> None:
                                 "expected one number per name. Hint: log a reduction such as loss=loss.mean()"), errors
     assert not list(tmp_path.glob("runs/*/metrics.jsonl")) or all(
         "loss" not in ln for p in tmp_path.glob("runs/*/metrics.jsonl") for ln in p.read_text().splitlines())
+
+
+def test_set_train_key_that_a_custom_entry_never_reads_is_warned(tmp_path: Path) -> None:
+    """`--set train.lr=0.5` with a custom entry was accepted and did nothing."""
+    (tmp_path / "e.py").write_text("import ddpjob\njob = ddpjob.init()\nlr = job.config.train.lr\n")
+    (tmp_path / "e.toml").write_text('name = "e"\n[train]\nentry = "e.py"\n')
+    r = subprocess.run([sys.executable, "-m", "ddpjob", "submit", "e.toml", "--backend", "local", "--dry-run",
+                        "--set", "train.lr=0.5", "--set", "train.batch_size=3", "--set", "train.seed=2"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # lr is read by the script, seed by ddpjob itself: only batch_size does nothing
+    (line,) = warnings(r)
+    assert line.startswith("ddpjob: warning: --set train.batch_size: e.py never reads train.batch_size"), line
+    assert "Hint: read it as job.config.train.batch_size, or use a [user] key" in line
+    assert not (tmp_path / "runs").exists()

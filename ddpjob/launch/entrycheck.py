@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import re
 import sys
 from importlib.machinery import PathFinder
 from pathlib import Path
@@ -56,6 +57,35 @@ def entry_check(cfg: JobConfig) -> Finding:
         return (FAIL, f"train.entry '{entry}': {source} defines no '{func}'",
                      (f"did you mean '{close[0]}'? " if close else "") + f"define `def {func}():` in {source}")
     return (PASS, f"{module}:{func} is defined in {source}", "")
+
+
+# [train] keys that ddpjob itself reads for any entry (api.py, node/): the rest are the built-in
+# trainer's, which a custom entry sees only if it reads job.config.train.<key> itself.
+RUNTIME_TRAIN_KEYS = frozenset({
+    "seed", "threads", "backend", "dist_timeout_s", "deterministic", "deterministic_reduce",
+    "grad_compression", "strategy", "stop_vote", "tensorboard", "log_sample_ids", "amp", "entry", "args"})
+
+
+def unused_overrides(cfg: JobConfig, overrides: list[str]) -> list[str]:
+    """`--set train.K=...` that a custom entry never reads: one warning line each (the value
+    would do nothing). "Never reads" means K does not occur as a word in the entry's source."""
+    entry = cfg.train.entry
+    if not entry:
+        return []
+    keys = sorted({o.partition("=")[0].strip().removeprefix("train.") for o in overrides
+                   if o.strip().startswith("train.")} - RUNTIME_TRAIN_KEYS)
+    if not keys:
+        return []
+    source = Path(entry) if entry.endswith(".py") else _find_module(entry.partition(":")[0])
+    try:
+        text = source.read_text(errors="replace") if source is not None and source.suffix == ".py" else None
+    except OSError:
+        text = None
+    if text is None:
+        return []
+    return [f"--set train.{k}: {source.name} never reads train.{k}, which only the built-in trainer "
+            f"uses, so it changes nothing. Hint: read it as job.config.train.{k}, or use a [user] key "
+            f"(--set user.{k}=...)" for k in keys if not re.search(rf"\b{re.escape(k)}\b", text)]
 
 
 def init_from_check(cfg: JobConfig) -> Finding | None:

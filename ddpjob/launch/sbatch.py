@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ddpjob import config, console, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import freeze, render
+from ddpjob.launch import entrycheck, freeze, render
 
 SCRIPT = "job.sbatch"
 
@@ -32,6 +32,8 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 
     # train.entry and init_from, as submit checks them: wrong now, wrong after the queue wait
     doctor.raise_on_failures(doctor.code_checks(cfg))
+    for line in entrycheck.unused_overrides(cfg, list(args.overrides)):
+        console.warn(line)
     template = render.load_template(args.template)
     to_stdout = args.output == "-"
     out = None if to_stdout else rundir.UserOutput(args.output)

@@ -39,7 +39,7 @@ from ddpjob import config, console, exitcodes, rundir, runlock, scriptsafe
 from ddpjob.node import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import container, freeze, local, slurm
+from ddpjob.launch import container, entrycheck, freeze, local, slurm
 
 MAX_POINTS = 1000  # SLURM's default MaxArraySize is 1001
 COMPLETING_WAIT_S, POLL_S = 60.0, 1.0  # resume after a cancel: how long a COMPLETING job is awaited
@@ -470,6 +470,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         raise UsageError("the sweep varies [slurm] settings, but one job array shares one set of "
                          "resources", "sweep [train]/[data]/[checkpoint] keys; submit separate jobs "
                          "for different resources")
+    for line in entrycheck.unused_overrides(cfgs[0], [*args.overrides, *(o for p in points for o in p.overrides)]):
+        console.warn(line)
     backend = choose_backend(args.backend)
     if args.dry_run:
         return dry_run(cfgs, points, backend, str(job), args.run_dir)
