@@ -243,3 +243,29 @@ def test_amp_auto_leaves_fixed_precisions_old_checkpoints_and_fsdp_alone(monkeyp
     old.load_state_dict({"global_batch": 256, "best_acc": 0.5})  # written before Progress.amp existed
     dtype, note = trainer.resolve_auto_amp(_FakeGPUJob("auto"), old, torch.bfloat16, None, resumed=True)  # type: ignore[arg-type]
     assert (dtype, old.amp) == (torch.bfloat16, "bf16") and "predates" in note
+
+
+def test_amp_auto_is_measured_on_a_cpu_with_native_bf16_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU with AVX512-BF16/AMX used to take bf16 unmeasured, which can lose to fp32: the same
+    measurement as on a GPU now runs there (here for real, on this CPU, whatever its flags)."""
+    cfg = config.JobConfig(train=type(config.JobConfig().train)(model="cnn_tiny", channels_last=False))
+    batch = (torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))
+
+    class OneBatch:
+        def batches(self, epoch: int):
+            yield [batch]
+
+    before = torch.get_rng_state()
+    ms = trainer._time_precisions(cfg, torch.device("cpu"), OneBatch())
+    assert ms.shape == (2,) and bool((ms > 0).all()), ms
+    assert torch.equal(torch.get_rng_state(), before)  # the run's random stream is untouched
+
+    class CPUJob(_FakeGPUJob):
+        def __init__(self) -> None:
+            super().__init__("auto")
+            self.device = torch.device("cpu")
+
+    job, progress = CPUJob(), trainer.Progress()
+    monkeypatch.setattr(trainer, "_time_precisions", lambda *a: torch.tensor([10.0, 5.0], dtype=torch.float64))
+    dtype, note = trainer.resolve_auto_amp(job, progress, torch.bfloat16, None, resumed=False)  # type: ignore[arg-type]
+    assert dtype is None and progress.amp == "off" and note.startswith("amp auto: fp32"), note

@@ -273,14 +273,15 @@ AUTO_FP32_MARGIN = 1.10  # amp = "auto" takes fp32 only when it is at least this
 
 def resolve_auto_amp(job: Job, progress: Progress, amp_dtype: torch.dtype | None, loader: Any, *,
                      resumed: bool) -> tuple[torch.dtype | None, str]:
-    """train.amp = "auto" on a GPU that has bf16: bf16 or fp32, whichever trains this model at
-    this batch faster on this GPU (a launch-bound step can run faster in fp32, whose convolutions
-    take TF32 tensor cores and launch no casting kernels). Decided once, when the run begins, and
+    """train.amp = "auto" on a GPU or CPU that has bf16: bf16 or fp32, whichever trains this model
+    at this batch faster on this device (a launch-bound step can run faster in fp32, whose
+    convolutions take TF32 tensor cores and launch no casting kernels; on a CPU with AVX512-BF16
+    or AMX a small model can still lose in bf16 to the casts). Decided once, when the run begins, and
     kept in the checkpoint (Progress.amp, as a train.amp value): a resume computes in the same
     precision, on any GPU. Returns the dtype and a line for the log ("" when nothing was chosen)."""
     cfg = job.config
     t = cfg.train
-    if t.amp != "auto" or job.device.type != "cuda" or amp_dtype is None or t.strategy != "ddp":
+    if t.amp != "auto" or amp_dtype is None or t.strategy != "ddp":
         return amp_dtype, ""  # fixed by the job file, no bf16 on this device, or FSDP's own policy
     if progress.amp is not None:
         note = "as chosen when the run began (checkpoint)"
@@ -320,13 +321,17 @@ def _time_precisions(cfg: JobConfig, device: torch.device, loader: Any) -> torch
 
         for dtype in (torch.bfloat16, None, torch.bfloat16, None):  # warm-up: kernels, workspaces
             step(dtype)
+        def sync() -> None:  # a GPU runs ahead of the host; a CPU step is done when it returns
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
         for _ in range(5):
             for dtype in (torch.bfloat16, None):
-                torch.cuda.synchronize(device)
+                sync()
                 t0 = time.perf_counter()
                 for _ in range(5):
                     step(dtype)
-                torch.cuda.synchronize(device)
+                sync()
                 turns[dtype].append(200 * (time.perf_counter() - t0))  # ms per step
         del copy
     return torch.tensor([statistics.median(turns[torch.bfloat16]), statistics.median(turns[None])],
