@@ -142,6 +142,23 @@ def test_sweep_overlay_and_states(tmp_path: Path) -> None:
     assert plot.summary(runs[0])[-1] == "restarts    0"
 
 
+def test_a_custom_loops_own_metrics_are_plotted_and_summarized(tmp_path: Path) -> None:
+    """A custom loop logs what it likes: status said `epoch ?` and `nan img/s`, plot ignored it."""
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    recs = [{"kind": "train", "step": s, "restart": 0, "time": 1.0 + s, "loss": 1 / s, "grad_norm": 0.5}
+            for s in range(1, 9)] + [{"kind": "eval", "step": 8, "restart": 0, "eval_f1": 0.75}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "events.jsonl").write_text(json.dumps({"event": "start", "restart": 0}) + "\n")
+    record = plot.plot_runs([d], tmp_path / "mine.png")
+    assert record.series["loss"] == ["mine"] and record.series["grad_norm"] == ["mine"]
+    assert record.series["eval_f1"] == ["mine"] and record.series["img_s"] == []
+    assert "progress    step 8, loss 0.1250, grad_norm 0.5" in plot.summary(d)
+    trainer_like = _fake_run(tmp_path, "built-in", 0.05, 30, None)  # the built-in trainer's line as before
+    assert "progress    step 30, epoch 3, loss 1.3809, lr 0.05, 1100 img/s" in plot.summary(trainer_like)
+
+
 def test_restart_without_a_stop_record_is_a_kill() -> None:
     ev = [{"event": "start", "restart": 0}, {"event": "start", "restart": 1, "resumed_step": 40}]
     assert plot.restart_markers(ev) == [plot.Marker(40, "killed (no stop recorded)", 1)]

@@ -22,6 +22,22 @@ from ddpjob.launch import phases
 # (metrics key, panel title): the four panels, in reading order.
 PANELS = (("loss", "train loss"), ("eval_acc", "eval accuracy"), ("lr", "learning rate"),
           ("img_s", "images/s"))
+# A record's bookkeeping, not a metric; every other number a loop logs gets a panel of its own.
+_NOT_METRICS = frozenset({"kind", "time", "step", "restart", "epoch"})
+MAX_CUSTOM_PANELS = 8
+
+
+def custom_metrics(histories: list[History]) -> list[str]:
+    """The user's own logged metrics (job.log(grad_norm=...)), beyond the built-in panels."""
+    fixed = {key for key, _ in PANELS}
+    seen: dict[str, None] = {}
+    for h in histories:
+        for r in [*h.train, *h.evals]:
+            for k, v in r.items():
+                if k not in fixed and k not in _NOT_METRICS and isinstance(v, (int, float)) \
+                        and not isinstance(v, bool):
+                    seen.setdefault(k)
+    return sorted(seen)[:MAX_CUSTOM_PANELS]
 
 
 @dataclass(frozen=True)
@@ -124,34 +140,39 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path) -> PlotRecord:
     for name in empty:
         console.warn(f"{name} has no metrics yet; it is left out of the curves")
 
-    fig = Figure(figsize=(13, 8.5), layout="constrained")
-    axes = fig.subplots(2, 2, sharex=True).ravel()
-    record = PlotRecord(Path(output), {key: [] for key, _ in PANELS})
+    panels = [*PANELS, *((key, key) for key in custom_metrics(histories))]
+    rows = (len(panels) + 1) // 2
+    fig = Figure(figsize=(13, 4.25 * rows), layout="constrained")
+    axes = fig.subplots(rows, 2, sharex=True, squeeze=False).ravel()
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    record = PlotRecord(Path(output), {key: [] for key, _ in panels})
     colors = [f"C{i % 10}" for i in range(len(histories))]
     for h, color in zip(histories, colors):
-        for ax, (key, _) in zip(axes, PANELS):
-            recs = h.evals if key == "eval_acc" else h.train
+        for ax, (key, _) in zip(axes, panels):
+            recs = h.evals if key.startswith("eval_") else h.train
             pts = [(r["step"], _num(r[key])) for r in recs if key in r]
             if not pts:
                 continue
             xs, ys = zip(*pts)
             ax.plot(xs, ys, color=color, label=h.name, lw=1.4,
-                    marker="o" if key == "eval_acc" else None, ms=3)
+                    marker="o" if key.startswith("eval_") else None, ms=3)
             record.series[key].append(h.name)
         record.markers[h.name] = [(m.step, m.label) for m in h.markers]
         for m in h.markers:
-            for ax in axes:
+            for ax in axes[:len(panels)]:
                 ax.axvline(m.step, color=color, ls="--", lw=1, alpha=0.8)
             axes[0].annotate(m.label, xy=(m.step, 0.98), xycoords=("data", "axes fraction"),
                              rotation=90, va="top", ha="right", fontsize=8, color=color,
                              bbox=dict(fc="white", ec="none", alpha=0.7, pad=1))
-    for ax, (key, title) in zip(axes, PANELS):
+    for ax, (key, title) in zip(axes, panels):
         ax.set_title(title)
         ax.grid(alpha=0.3)
         if not record.series[key]:
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="gray")
-    axes[2].set_xlabel("optimizer step")
-    axes[3].set_xlabel("optimizer step")
+    for ax in axes[max(0, len(panels) - 2):len(panels)]:  # the bottom row
+        ax.set_xlabel("optimizer step")
+        ax.xaxis.set_tick_params(labelbottom=True)
     axes[2].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     handles, labels = axes[0].get_legend_handles_labels()
     if any(h.markers for h in histories):
@@ -197,9 +218,16 @@ def summary(run_dir: str | Path) -> list[str]:
     lines = [f"state       {_state(run, h)}"]
     if h.train:
         r = h.train[-1]
-        lines.append(f"progress    step {r['step']}, epoch {r.get('epoch', '?')}, loss "
-                     f"{_num(r.get('loss')):.4f}, lr {_num(r.get('lr')):.3g}, "
-                     f"{_num(r.get('img_s')):.0f} img/s")
+        # what the record holds, in the built-in trainer's order first: a custom loop's own
+        # metrics are shown, and nothing it did not log ("epoch ?", "nan img/s")
+        said = [f"step {r['step']}"] + ([f"epoch {r['epoch']}"] if "epoch" in r else [])
+        for key, fmt in (("loss", ".4f"), ("lr", ".3g")):
+            if key in r:
+                said.append(f"{key} {_num(r[key]):{fmt}}")
+        if "img_s" in r:
+            said.append(f"{_num(r['img_s']):.0f} img/s")
+        said += [f"{k} {_num(r[k]):.4g}" for k in custom_metrics([h]) if k in r][:4]
+        lines.append("progress    " + ", ".join(said))
     if h.evals:
         accs = [(a, r) for r in h.evals if not math.isnan(a := _num(r.get("eval_acc")))]
         best = max(accs, key=lambda ar: ar[0])[1] if accs else h.evals[-1]
