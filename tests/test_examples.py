@@ -229,6 +229,8 @@ def test_script_missing_at_run_time_fails_in_one_line(tmp_path: Path) -> None:
     ("no_such_package.train:main", "module 'no_such_package.train' is not importable here",
      "cannot be imported (no module named 'no_such_package')"),
     ("example_hooks:no_such_function", "defines no 'no_such_function'", "has no function 'no_such_function'"),
+    ("example_hooks:mian", "did you mean 'main'?", "has no function 'mian', expected a callable taking no "
+     "arguments. Hint: did you mean 'main'? define `def mian():` in "),
 ])
 def test_bad_function_entry_is_refused_at_submit_and_fails_in_one_line_on_the_nodes(
         tmp_path: Path, entry: str, at_submit: str, at_run: str) -> None:

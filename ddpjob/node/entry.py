@@ -7,10 +7,12 @@ The built-in trainer is the default entry.
 from __future__ import annotations
 
 import importlib
+import os
 import runpy
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ddpjob.errors import DDPJobError
 
@@ -48,8 +50,23 @@ def run(entry: str, args: Sequence[str]) -> None:
                           "contains it (it is put on sys.path)") from None
     func = getattr(module, func_name, None)
     if not callable(func):
+        import difflib
+
+        functions = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        close = difflib.get_close_matches(func_name, functions, n=1)
         raise DDPJobError(f"train.entry '{spec}': module '{module_name}' has no function "
                           f"'{func_name}', expected a callable taking no arguments",
-                          f"define `def {func_name}():` in {getattr(module, '__file__', module_name)}")
+                          (f"did you mean '{close[0]}'? " if close else "")
+                          + f"define `def {func_name}():` in {_source_file(module)}")
     sys.argv = [spec, *args]
     func()
+
+
+def _source_file(module: Any) -> str:
+    """Where the user edits the module: a run's frozen copy (RUN_DIR/code/python/pkg/mod.py) is
+    named by its original, which code.json's run dir cannot tell, so by the path inside the copy."""
+    path = str(getattr(module, "__file__", "") or module.__name__)
+    marker = f"{os.sep}code{os.sep}python{os.sep}"
+    if marker in path:
+        return f"{path.split(marker, 1)[1]} (in your source tree; the job runs a copy frozen at submission)"
+    return path
