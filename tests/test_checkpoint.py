@@ -570,7 +570,14 @@ def test_init_from_loads_the_named_keys_exactly(tmp_path: Path) -> None:
         else:
             assert opt.state_dict()["state"] == {}
     torch.save({"w": torch.nn.Linear(4, 3)}, tmp_path / "evil.pt")  # a pickled module: refused
-    for source, expected in ((tmp_path / "evil.pt", "refusing to load"), (tmp_path / "nowhere", "neither a run dir"),
+    (tmp_path / "notes.txt").write_text("hello\n")  # KeyError: 101 inside torch's legacy unpickler
+    (tmp_path / "noise.bin").write_bytes(bytes(range(256)) * 20)
+    for source, expected in ((tmp_path / "evil.pt", r"refusing to load .*evil.pt: it holds more than tensors "
+                                                    r"and plain values \(torch.nn.modules.linear.Linear objects\)"),
+                             (tmp_path / "notes.txt", "cannot read .*notes.txt as weights saved by torch.save"),
+                             (tmp_path / "noise.bin", "cannot read .*noise.bin as weights saved by torch.save"),
+                             (tmp_path / "nowhere", "neither a run dir"),
                              (tmp_path / "weights.pt", "does not fit")):
-        with pytest.raises(DDPJobError, match=expected):
+        with pytest.raises(DDPJobError, match=expected) as caught:
             initfrom.load({"model": torch.nn.Linear(5, 3)}, str(source), ("model",), 0, target)
+        assert "weights_only" not in caught.value.line()  # torch's advice to load it unsafely is not repeated

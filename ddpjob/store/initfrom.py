@@ -11,6 +11,7 @@ holding a model state_dict. Everything loads with weights_only=True.
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,20 @@ def _load_file(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        raise DDPJobError(f"refusing to load {path}: it holds more than tensors and plain values "
-                          f"({str(err).splitlines()[0][:200]})",
-                          "save it with torch.save(model.state_dict(), path)") from None
-    except (RuntimeError, OSError, EOFError) as err:
-        raise DDPJobError(f"cannot read {path}: {str(err).splitlines()[0][:200]}", _HINT) from None
+        text = str(err)
+        # torch's own advice (weights_only=False: run whatever the file holds) is not repeated
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        if found:
+            raise DDPJobError(f"refusing to load {path}: it holds more than tensors and plain values "
+                              f"({found.group(1)} objects)", "save it with torch.save(model.state_dict(), path)") from None
+        what = re.search(r"Unsupported operand \d+", text)
+        raise DDPJobError(f"cannot read {path} as weights saved by torch.save"
+                          + (f" ({what.group(0)})" if what else ""), _HINT) from None
+    except (RuntimeError, OSError, EOFError, KeyError, IndexError, ValueError, TypeError, AttributeError) as err:
+        # a text file or random bytes fail inside the legacy unpickler in many ways (KeyError: 101)
+        why = " ".join(str(err).split())[:120]
+        raise DDPJobError(f"cannot read {path} as weights saved by torch.save ({type(err).__name__}: {why})",
+                          _HINT) from None
 
 
 def load(state: MutableMapping[str, Any], source: str, keys: tuple[str, ...], rank: int,
