@@ -99,3 +99,15 @@ def test_set_train_key_that_a_custom_entry_never_reads_is_warned(tmp_path: Path)
     assert line.startswith("ddpjob: warning: --set train.batch_size: e.py never reads train.batch_size"), line
     assert "Hint: read it as job.config.train.batch_size, or use a [user] key" in line
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_rank_out_of_memory_is_one_line_not_an_internal_error(tmp_path: Path) -> None:
+    (tmp_path / "oom.py").write_text("import torch\nimport ddpjob\njob = ddpjob.init()\nx = torch.empty(1 << 50)\n")
+    (tmp_path / "oom.toml").write_text('name = "oom"\n[train]\nentry = "oom.py"\nthreads = 1\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
+    r = subprocess.run([sys.executable, "-m", "ddpjob", "run", "oom.toml", "--run-dir", str(tmp_path / "run")],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("ddpjob: error:")]
+    assert r.returncode == 1 and len(errors) == 1, r.stderr[-3000:]
+    assert errors[0].startswith("ddpjob: error: rank 0 ran out of host memory at oom.py:4 (RuntimeError: "), errors
+    assert "Hint: lower train.batch_size" in errors[0] and "internal error" not in r.stderr

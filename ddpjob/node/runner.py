@@ -125,6 +125,8 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
         # watch's line naming the ranks that did not arrive; other errors are told to the peers.
         reported = job.explain(raised) if job is not None else raised
         if reported is raised:
+            reported = _out_of_memory(raised, env.rank)  # the machine's limit, not a bug
+        if reported is raised:
             reported = _theirs(raised, env.rank)  # an error in the user's own code is theirs
             if reported is not raised:
                 traceback.print_exc()  # the rank's log keeps the whole story
@@ -188,6 +190,23 @@ def _theirs(exc: BaseException, rank: int) -> BaseException:
     return DDPJobError(f"rank {rank}: your code raised {kind}: {' '.join(what.split())[:300]} "
                        f"at {os.path.basename(file)}:{line}",
                        f"fix it in {file}; the traceback is in this rank's log")
+
+
+def _out_of_memory(exc: BaseException, rank: int) -> BaseException:
+    """Running out of host or GPU memory is neither the user's bug nor ddpjob's: one line that says
+    which memory and what to change. (The kernel's OOM killer sends SIGKILL instead: nothing runs
+    here, and srun/the supervisor report the killed rank.)"""
+    text = " ".join(str(exc).split())
+    gpu = type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in text
+    host = isinstance(exc, MemoryError) or "can't allocate memory" in text or "DefaultCPUAllocator" in text
+    if not (gpu or host):
+        return exc
+    which = "GPU" if gpu else "host"
+    place = _user_frame(exc)
+    at = f" at {os.path.basename(place[0])}:{place[1]}" if place else ""
+    return DDPJobError(f"rank {rank} ran out of {which} memory{at} ({type(exc).__name__}: {text[:160]})",
+                       "lower train.batch_size (train.accumulation_steps keeps the global batch)"
+                       + ("" if gpu else ", or ask for more memory: [slurm] mem"))
 
 
 def _one_line(exc: BaseException) -> str:
