@@ -377,15 +377,21 @@ def events(run_dir: str | Path) -> list[dict[str, Any]]:
     return read_jsonl(Path(run_dir) / EVENTS)
 
 
+IN_PLACE = "in_allocation"  # requeued_by of a crash whose ranks ran again inside the allocation
+
+
 def run_restart(run_dir: str | Path, job_id: str | None, slurm_restart: int) -> int:
-    """This incarnation's restart number within the run: SLURM's count for this job id plus, for
-    a successor job (whose SLURM_RESTART_COUNT starts at 0 again), the restart of the stop that
-    submitted it plus one. Every rank computes the same from the file."""
-    base = 0
+    """This incarnation's restart number within the run: SLURM's count for this job id, plus
+    the crashes of this job retried inside its allocation (SLURM's count does not move then),
+    plus, for a successor job (whose SLURM_RESTART_COUNT starts at 0 again), the restart of the
+    stop that submitted it plus one. Every rank computes the same from the file."""
+    base = in_place = 0
     for e in events(run_dir):
         if e.get("requeued_by") == "successor" and str(e.get("next_job_id")) == str(job_id):
             base = int(e.get("restart") or 0) + 1
-    return base + slurm_restart
+        elif e.get("requeued_by") == IN_PLACE and str(e.get("job_id")) == str(job_id) and "rank" not in e:
+            in_place += 1
+    return base + slurm_restart + in_place
 
 
 def is_run_dir(path: str | Path) -> bool:

@@ -39,6 +39,11 @@ if mode == "ok":
     sys.exit(0)
 if mode == "always3":
     sys.exit(3)
+if mode == "fail1once" and rank == 1 and restart == 0:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "fail1once" and restart > 0:
+    sys.exit(0)
 if mode == "fail1" and rank == 1:
     time.sleep(0.5)
     sys.exit(1)
@@ -53,11 +58,12 @@ sys.exit(3 if stop else 0)
 
 
 def make_run(tmp_path: Path, mode: str, nodes: int = 1, tasks: int = 2, max_requeues: int = 3,
-             name: str = "run") -> Path:
+             name: str = "run", max_failures: int = 0) -> Path:
     run = tmp_path / name
     (run / "logs").mkdir(parents=True)
     cfg = config.from_dict({"name": "fake", "slurm": {"nodes": nodes, "tasks_per_node": tasks,
-                                                      "max_requeues": max_requeues}})
+                                                      "max_requeues": max_requeues,
+                                                      "max_failures": max_failures}})
     rundir.write_text_atomic(run / "config.json", cfg.to_json())
     (run / "fake.json").write_text(json.dumps({"mode": mode}))
     return run
@@ -157,6 +163,21 @@ def test_one_rank_failing_kills_the_others_within_seconds(tmp_path):
     assert state["state"] == "FAILED" and state["exit_codes"][1] == 1
     assert state["exit_codes"][0] == state["exit_codes"][2] == -signal.SIGKILL
     assert not (run / "fake-r0-s1.json").exists()  # a failure is not restarted
+
+
+def test_a_killed_rank_is_restarted_in_place_while_max_failures_lasts(tmp_path):
+    """kill -9 of rank 1: the others are killed, the ranks run again (restart 1), the crash is
+    recorded as a stop that spent max_failures; a second crash would end it FAILED."""
+    run = make_run(tmp_path, "fail1once", tasks=2, max_failures=1)
+    sup = start_supervisor(tmp_path, run)
+    assert sup.wait(timeout=120) == 0
+    state = local_state(run)
+    assert state["state"] == "COMPLETED" and state["restarts"] == 1, state
+    assert [h["exit_codes"][1] for h in state["history"]] == [-signal.SIGKILL, 0], state["history"]
+    (crash,) = [e for e in rundir.events(run) if e["event"] == "stop"]
+    assert crash["reason"] == "crash" and crash["requeued"] is True and crash["requeued_by"] == "supervisor"
+    assert "failure 1 of max_failures = 1" in crash["note"], crash
+    assert (run / "fake-r0-s1.json").exists() and (run / "fake-r1-s1.json").exists()
 
 
 def test_sigterm_cancels_without_restart(tmp_path):

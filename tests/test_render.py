@@ -328,7 +328,7 @@ def test_golden_container_script(runtime: str) -> None:
     assert subprocess.run([BASH, "-n"], input=text, text=True).returncode == 0
     plain = _stable(render.render_sbatch(_job("smoke"), run_dir=RUN_DIR, python=PYTHON))
     changed = [ln for ln in text.splitlines() if ln not in plain.splitlines()]
-    assert changed and all(ln.startswith("srun ") or "-m ddpjob run" in ln for ln in changed), \
+    assert changed and all(ln.lstrip().startswith("srun ") or "-m ddpjob run" in ln for ln in changed), \
         changed  # only the srun command differs
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from ranks import LAG, write_job
 from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob,
-                                   events, job_env, job_file, poll, preempt, preempt_and_finish, reference,
+                                   events, job_env, job_file, preempt, preempt_and_finish, reference,
                                    release, wait_step, wait_stop)
 
 __all__ = ["reference"]  # the module-scoped fixture, shared with test_preemption_slurm
@@ -85,19 +85,43 @@ def test_a_crash_is_retried_only_within_max_failures(slurm_cluster: Any, tmp_pat
                     slurm={**SLURM, "nodes": 1, "tasks_per_node": 2, "max_failures": max_failures})
     # rank 1 raises in its 25th training forward call (step 13), first incarnation only
     run, jid = sbatch(tmp_path, job, DDPJOB_TEST_SIGNAL="1:25:0:crash")
-    if max_failures:  # the retry is a requeue: skip SLURM's BeginTime hold
-        poll("the crash record", 300, lambda: [e for e in events(run, "stop")
-                                               if e["reason"] == "crash" and "rank" not in e])
-        try:
-            slurmtools.wait_state(jid, {"PENDING"}, timeout=60)
-            release(jid)
-        except slurmtools.SlurmError:
-            pass  # already started again
     assert slurmtools.wait_done(jid, 600) == final
     stops = [e for e in events(run, "stop") if "rank" not in e]
     crash = [e for e in stops if e["reason"] == "crash"]
     assert len(crash) == 1 and crash[0]["requeued"] is (True if max_failures else None), stops
     assert (stops[-1]["reason"] == "finished") is bool(max_failures), stops
+    if max_failures:  # retried inside the allocation: the same job, never requeued, no queue wait
+        assert crash[0]["requeued_by"] == "in_allocation", crash
+        assert slurmtools.job_info(jid)["Restarts"] == "0"
+        starts = events(run, "start")
+        assert [(s["job_id"], s["restart"]) for s in starts] == [(jid, 0), (jid, 1)], starts
+        assert starts[1]["resumed_step"] == crash[0]["step"] == 10  # the newest checkpoint
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_kill_9_of_one_rank_restarts_inside_the_allocation_bit_exact(
+        slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
+    """A rank SIGKILLed (no ddpjob code runs on its way down) on 2 nodes x 2 tasks: srun ends the
+    others, the batch script's decision runs the ranks again in the same allocation, the same job
+    id finishes from the newest checkpoint, bit-equal to the uninterrupted run."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    reference.start()
+    # rank 2's 67th training forward call: micro-step 1 of step 34, 3 steps past the checkpoint at 30
+    run, jid = sbatch(tmp_path, job_file(tmp_path, max_failures=1), DDPJOB_TEST_SIGNAL="2:67:0:kill")
+    assert slurmtools.wait_done(jid, 900) == "COMPLETED"
+    stops = [e for e in events(run, "stop") if "rank" not in e]
+    assert [e["reason"] for e in stops] == ["crash", "finished"], stops
+    crash = stops[0]
+    assert crash["requeued_by"] == "in_allocation" and crash["step"] == 30 and crash["steps_lost"] == 3, crash
+    assert slurmtools.job_info(jid)["Restarts"] == "0"  # never through the queue
+    starts = events(run, "start")
+    assert [(s["job_id"], s["restart"], s["resumed_step"]) for s in starts] == [(jid, 0, None), (jid, 1, 30)]
+    assert_same_as_reference(run, reference.run_dir())
+    status = ddpjob("status", str(run), cwd=tmp_path).stdout
+    assert "crash at step 30" in status and "restarted inside the allocation" in status, status
 
 
 def node_pids(job_id: str, node: str) -> list[int]:

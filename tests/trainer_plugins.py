@@ -9,7 +9,7 @@ on the ranks' PYTHONPATH.
   Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
   SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
   SLURM path, to every task of the job) and waits in this forward call until the signal has
-  reached this process; HOW = "crash" raises instead; HOW = "pause" prints "paused at call N"
+  reached this process; HOW = "crash" raises instead, HOW = "kill" SIGKILLs this process; HOW = "pause" prints "paused at call N"
   and waits in this forward call until ddpjob's stop flag has a signal (or 120 s): the test sends
   the signal from outside (tests/ranks.py: signal_when_paused), and it lands in that very step. RANK falls back to SLURM_PROCID (submitit sets no RANK).
   DDPJOB_TEST_SLOW="SECONDS[:RESTART]" sleeps that long in every training forward call (of that
@@ -50,7 +50,10 @@ class SignallingCNN(TinyCNN):
         spec = env.get("DDPJOB_TEST_SIGNAL", "")
         rank, call, restart, self._how = (spec.split(":") + ["", "", "", ""])[:4] if spec else ("",) * 4
         my_rank = env.get("RANK") or env.get("SLURM_PROCID") or "0"
-        my_restart = env.get("DDPJOB_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT") or "0"
+        # the incarnation: the local supervisor's count, else SLURM's plus the template's runs
+        # inside the allocation after a crash (SLURM's count does not move then)
+        my_restart = env.get("DDPJOB_RESTART_COUNT") or str(
+            int(env.get("SLURM_RESTART_COUNT") or 0) + int(env.get("DDPJOB_ATTEMPT") or 0))
         self._armed = spec != "" and rank == my_rank and restart in ("", my_restart)
         self._at = int(call) if call else 0
         self._calls = 0
@@ -74,6 +77,8 @@ class SignallingCNN(TinyCNN):
                     self._wait_for_signal(120)
                 elif self._how == "crash":  # a rank raising: srun --kill-on-bad-exit ends the rest
                     raise RuntimeError(f"test crash at training forward call {self._calls}")
+                elif self._how == "kill":  # kill -9: no ddpjob code runs on the way down
+                    os.kill(os.getpid(), signal.SIGKILL)
                 else:
                     os.kill(os.getpid(), signal.SIGUSR2)
         return super().forward(x)

@@ -193,6 +193,8 @@ class Supervisor:
                     continue
                 state = "FAILED"
                 reason = f"stopped for a requeue but max_requeues={max_requeues} is used up"
+            elif self.retry_crash(codes):
+                continue
             else:
                 state, reason = "FAILED", f"exit codes {codes}"
             self.write(state, reason=reason, exit_codes=codes)
@@ -200,6 +202,31 @@ class Supervisor:
                                 restart=self.restarts, state=state, reason=reason)
             log(f"{state}: {reason}")
             return state
+
+
+    def retry_crash(self, codes: list[int]) -> bool:
+        """A rank failed (raised, was killed): run the ranks again from the newest checkpoint
+        while slurm.max_failures lasts, as the sbatch script does inside its allocation. The
+        stop is recorded here (no rank lived to); a retry spends max_failures."""
+        from ddpjob.store import manifest
+
+        failures = sum(1 for e in rundir.events(self.run_dir) if e.get("event") == "stop" and "rank" not in e
+                       and e.get("reason") in ("crash", "node_failure") and e.get("requeued")
+                       and str(e.get("job_id")) == self.job_id)
+        retry = failures < self.cfg.slurm.max_failures
+        found = manifest.newest_valid(self.run_dir / rundir.CHECKPOINTS)
+        note = (f"rank exit codes {codes}; " + (f"restarting the ranks (failure {failures + 1} of "
+                f"max_failures = {self.cfg.slurm.max_failures})" if retry else
+                f"max_failures = {self.cfg.slurm.max_failures} reached: not retrying"))
+        rundir.record_event(self.run_dir, "stop", reason="crash", step=found[0] if found else 0,
+                            job_id=self.job_id, restart=self.restarts, status=max(codes),
+                            requeued=True if retry else None, requeued_by="supervisor" if retry else None,
+                            note=note, source="local-supervisor")
+        log(note)
+        if retry:
+            self.restarts += 1
+            self.write("RESTARTING")
+        return retry
 
 
 def supervise(run_dirs: Sequence[Path], command: list[str] | None = None) -> int:

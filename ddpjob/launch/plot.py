@@ -264,6 +264,7 @@ def ledger(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
         back = (f"resumed step {nxt.get('resumed_step') or 0} after {nxt['time'] - t0:.0f} s"
                 if nxt and isinstance(t0, (int, float)) and "time" in nxt else "not resumed")
         how = e.get("requeued_by") or ("requeued" if e.get("requeued") else "not requeued")
+        how = "restarted inside the allocation" if how == rundir.IN_PLACE else how
         if e.get("next_job_id"):
             how += f" -> job {e['next_job_id']}"
         lost = e.get("steps_lost")

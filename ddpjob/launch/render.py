@@ -127,6 +127,7 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         "umask": "0027" if s.share_group else "0077",  # rundir.private_umask's
         "exit_ok": str(exitcodes.OK),  # ddpjob/exitcodes.py: the ranks' statuses, one definition
         "exit_requeue": str(exitcodes.REQUEUE),
+        "exit_restart": str(exitcodes.RESTART),
         "signal": shlex.quote(signal),
         "forward_signal": shlex.quote("" if signal in _NOT_FORWARDED else signal),
     }

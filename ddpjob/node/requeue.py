@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpjob import console, requests, rundir
+from ddpjob import console, exitcodes, requests, rundir
 from ddpjob.config import JobConfig
 from ddpjob.launch import slurm
 from ddpjob.node import preemption
@@ -31,6 +31,7 @@ from ddpjob.node.cluster import ClusterEnv
 from ddpjob.store import manifest
 
 FAILURES = ("crash", "node_failure")  # spend max_failures; every other stop spends max_requeues
+IN_PLACE = rundir.IN_PLACE  # requeued_by of a crash retried inside the allocation
 CHECK_TRIES, CHECK_PAUSE_S = 3, 2.0
 sleep: Callable[[float], None] = time.sleep  # tests skip the pauses
 
@@ -168,7 +169,7 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
 
 
 def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, reason: str, restart: int,
-            prefix: str | None) -> dict[str, Any]:
+            prefix: str | None, in_place: bool = False) -> dict[str, Any]:
     requeues, failures = used(run_dir, restart, env.job_id)
     if requests.stop_requested(run_dir, env.job_id):
         why = "stopped by `ddpjob stop`: not requeueing (`ddpjob resume RUN_DIR` continues)"
@@ -179,15 +180,22 @@ def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, reason: str, restart
     elif reason not in FAILURES and requeues >= cfg.slurm.max_requeues:
         why = f"max_requeues = {cfg.slurm.max_requeues} reached: not requeueing"
     else:
-        out = bring_back(cfg, env, run_dir)
+        out = (bring_back(cfg, env, run_dir) if not in_place else
+               {"requeued": True, "requeued_by": IN_PLACE,
+                "note": f"restarting the ranks inside allocation {env.job_id} (failure {failures + 1} "
+                        f"of max_failures = {cfg.slurm.max_failures})"})
         out["note"] = "; ".join(x for x in (prefix, out["note"]) if x)
         return out
     return {"requeued": None, "note": "; ".join(x for x in (prefix, why) if x)}
 
 
-def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int) -> bool | None:
+def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
+                in_place: bool = False) -> bool | None:
     """The ranks ended with `status` (not 0, not 3): a rank raised or was killed. Retry from the
-    newest checkpoint while max_failures lasts; returns whether the job was brought back."""
+    newest checkpoint while max_failures lasts; returns whether the job was brought back.
+    `in_place` (the batch script, which still holds the allocation): the retry runs the ranks
+    again in it (a crash then costs seconds, not a trip through the queue); else the job is
+    requeued (submitit's NodeTask is itself one of the ranks)."""
     if rundir.completed(run_dir) is not None or not env.job_id:
         return None
     restart = rundir.run_restart(run_dir, str(env.job_id), env.restart_count)
@@ -205,7 +213,8 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int) -> 
               "the stop is rank 0's or the next start's to record", flush=True)
         return None
     with _term_held():
-        fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}")
+        fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}",
+                         in_place=in_place)
         resume_at, lost = _resume_point(run_dir)
         rundir.record_event(run_dir, "stop", reason="crash", step=resume_at, job_id=env.job_id,
                             restart=restart, status=status, steps_lost=lost, **fields)
@@ -315,7 +324,14 @@ def main(argv: list[str]) -> int:
     from ddpjob import config
 
     run_dir, status = Path(argv[0]), int(argv[1])
-    after_crash(config.read_run_config(run_dir), ClusterEnv.batch_shell(), run_dir, status)
+    env = ClusterEnv.batch_shell()
+    after_crash(config.read_run_config(run_dir), env, run_dir, status, in_place=True)
+    restart = rundir.run_restart(run_dir, str(env.job_id), env.restart_count)
+    mine = [e for e in rundir.events(run_dir) if e.get("event") == "stop" and "rank" not in e
+            and str(e.get("job_id")) == str(env.job_id)]
+    # the decision just recorded (the last stop of this job, which moved the restart count on)
+    if mine and mine[-1].get("requeued_by") == IN_PLACE and mine[-1].get("restart") == restart - 1:
+        return exitcodes.RESTART
     return status
 
 
