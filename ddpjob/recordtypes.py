@@ -10,9 +10,11 @@ import math
 from typing import Any
 
 _INTS = frozenset({"step", "restart", "resumed_step", "world_size", "steps_lost", "status", "rank",
-                   "epoch", "accumulation", "master_port"})
+                   "accumulation", "master_port"})
+_NUMBERS = frozenset({"epoch"})  # a custom loop may log a fractional epoch
 _TIMES = frozenset({"time", "signal_time", "launched_time", "load_s", "updated_at"})
-_STRS = frozenset({"event", "reason", "kind", "note", "error", "host", "source"})
+# ddpjob's own words only: a loop's job.log() may use any other name for any value
+_STRS = frozenset({"event", "reason", "kind"})
 _BIG = 1 << 53  # past this an int no longer converts to float exactly (plot, rates)
 
 
@@ -23,11 +25,13 @@ def type_error(rec: dict[str, Any]) -> str | None:
             continue
         bad = ((isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _BIG)
                or (key in _INTS and (not isinstance(value, int) or isinstance(value, bool)))
+               or (key in _NUMBERS and (isinstance(value, bool) or not isinstance(value, (int, float))))
                or (key in _TIMES and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)))
                or (key in _STRS and not isinstance(value, str)))
         if bad:
             expected = ("an integer" if key in _INTS else "a finite number" if key in _TIMES
+                        else "a number" if key in _NUMBERS
                         else "text" if key in _STRS else "a number below 2**53")
             return f"{key!r} is {json.dumps(value)[:40]}, expected {expected}"
     return None

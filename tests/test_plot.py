@@ -147,14 +147,16 @@ def test_a_custom_loops_own_metrics_are_plotted_and_summarized(tmp_path: Path) -
     d = tmp_path / "mine"
     d.mkdir()
     (d / "config.json").write_text("{}")
-    recs = [{"kind": "train", "step": s, "restart": 0, "time": 1.0 + s, "loss": 1 / s, "grad_norm": 0.5}
-            for s in range(1, 9)] + [{"kind": "eval", "step": 8, "restart": 0, "eval_f1": 0.75}]
+    # a fractional epoch and a metric named like an event field ("source") are the loop's to log
+    recs = [{"kind": "train", "step": s, "restart": 0, "time": 1.0 + s, "epoch": s / 10, "loss": 1 / s,
+             "grad_norm": 0.5, "source": 2.0} for s in range(1, 9)] + [
+        {"kind": "eval", "step": 8, "restart": 0, "eval_f1": 0.75}]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (d / "events.jsonl").write_text(json.dumps({"event": "start", "restart": 0}) + "\n")
     record = plot.plot_runs([d], tmp_path / "mine.png")
     assert record.series["loss"] == ["mine"] and record.series["grad_norm"] == ["mine"]
     assert record.series["eval_f1"] == ["mine"] and record.series["img_s"] == []
-    assert "progress    step 8, loss 0.1250, grad_norm 0.5" in plot.summary(d)
+    assert "progress    step 8, epoch 0.8, loss 0.1250, grad_norm 0.5, source 2" in plot.summary(d)
     trainer_like = _fake_run(tmp_path, "built-in", 0.05, 30, None)  # the built-in trainer's line as before
     assert "progress    step 30, epoch 3, loss 1.3809, lr 0.05, 1100 img/s" in plot.summary(trainer_like)
 
