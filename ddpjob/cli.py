@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cancel", help="cancel a run's job")
     p.add_argument("run", type=_path("run directory"), help="run directory")
-    p.set_defaults(func=_handler("ddpjob.launch.control:cmd_cancel"))
+    p.set_defaults(func=_handler("ddpjob.launch.stop:cmd_cancel"))
 
     p = sub.add_parser("stop", help="checkpoint a run's job and end it (`ddpjob resume` continues)")
     p.add_argument("run", type=_path("run directory"), help="run directory")

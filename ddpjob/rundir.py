@@ -277,10 +277,11 @@ class RecordError(ValueError):
     """A run record that cannot be read as one: not a regular file, or larger than any record."""
 
 
-def read_bounded(path: str | Path, limit: int = RECORD_LIMIT) -> str:
+def read_bounded(path: str | Path, limit: int = RECORD_LIMIT, *, tail: bool = False) -> str:
     """The one rule for reading a run record: a regular file only (a FIFO would block `status`
-    forever, a device never end), of at most `limit` bytes. FileNotFoundError when it is not
-    there, RecordError when it is not a record; undecodable bytes are replaced."""
+    forever, a device never end), of at most `limit` bytes, or with `tail` its last `limit`
+    bytes whatever its size. FileNotFoundError when it is not there, RecordError when it is not
+    a record; undecodable bytes are replaced."""
     import stat
 
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO opens without a writer
@@ -288,9 +289,10 @@ def read_bounded(path: str | Path, limit: int = RECORD_LIMIT) -> str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise RecordError(f"{path} is not a regular file")
-        if st.st_size > limit:
+        if st.st_size > limit and not tail:
             raise RecordError(f"{path} is {st.st_size} bytes, more than a record may be ({limit})")
         with os.fdopen(os.dup(fd), "rb") as f:
+            f.seek(max(0, st.st_size - limit) if tail else 0)
             data = f.read(limit + 1)
     finally:
         os.close(fd)
@@ -378,6 +380,27 @@ def events(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 IN_PLACE = "in_allocation"  # requeued_by of a crash whose ranks ran again inside the allocation
+FAILURES = ("crash", "node_failure")  # spend max_failures; every other stop spends max_requeues
+
+
+def used(run_dir: str | Path, restart: int, job_id: str | None = None) -> tuple[int, int]:
+    """(requeues, failures) spent so far: failures are the crash and node-failure retries
+    recorded in events; every other restart of the run (SLURM's and successors') was a requeue.
+    With `job_id`, only its chain counts (the job and the jobs it succeeds): a new submission
+    of the run (`ddpjob resume`, submit to the same run dir) starts with fresh budgets. Read by
+    node/requeue.py's decision and by the local supervisor."""
+    evs = events(run_dir)
+    chain = None
+    if job_id is not None:
+        chain, cur = {str(job_id)}, str(job_id)
+        while prev := next((str(e.get("job_id")) for e in evs if e.get("requeued_by") == "successor"
+                            and str(e.get("next_job_id")) == cur and str(e.get("job_id")) not in chain), None):
+            chain.add(prev)
+            cur = prev
+    failures = sum(1 for e in evs if e.get("event") == "stop" and e.get("reason") in FAILURES
+                   and e.get("requeued") and "rank" not in e
+                   and (chain is None or str(e.get("job_id")) in chain))
+    return max(0, restart - failures), failures
 
 
 def run_restart(run_dir: str | Path, job_id: str | None, slurm_restart: int) -> int:

@@ -8,10 +8,7 @@ for the local backend). Never imports torch, so it answers in well under a secon
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
-import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -107,18 +104,10 @@ def pid_alive(pid: int | None, marker: str = "ddpjob.launch.local") -> bool:
 # ------------------------------------------------------------------ reading a run dir
 def last_metric(run_dir: Path) -> tuple[int | None, float | None]:
     """(step, loss) of the newest metrics record that has a loss; reads only the file's tail."""
-    path = run_dir / rundir.METRICS
     try:
-        # non-blocking and regular files only: a FIFO put there must not hang `status`
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        lines = rundir.read_bounded(run_dir / rundir.METRICS, 65536, tail=True).splitlines()
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
         return None, None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise rundir.RecordError(f"{path} is not a regular file")
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - 65536))
-        lines = f.read().decode(errors="replace").splitlines()
     import json
 
     for line in reversed(lines):
@@ -370,48 +359,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append([str(i.run_dir), i.backend, i.job_id, i.state, "" if i.step is None else i.step,
                      i.restarts, i.point])
     console.table("", ["run", "backend", "job id", "state", "step", "restarts", "point"], rows)
-    return 0
-
-
-def live_runs(target: str, verb: str) -> list[RunInfo]:
-    """The runs of `target` (a run, a sweep or a job id) that a cancel or stop can reach."""
-    path, is_sweep = resolve(target)
-    runs = sweep_points(path) if is_sweep else [(path, "")]
-    live = [i for i in infos(runs) if not i.finished]
-    never = [i for i in live if not i.job_id]
-    if never:  # a cancel event would only block its first requeue later
-        raise DDPJobError(f"'{never[0].run_dir}' has no job id (no job.json, no start recorded), expected a "
-                          "submitted run", "a script of `ddpjob sbatch` that you submitted yourself and that "
-                          "has not started yet is cancelled with `scancel JOBID`")
-    if not live:
-        raise DDPJobError(f"'{target}' has already finished, nothing to {verb}",
-                          f"`ddpjob status {target}` shows how it ended")
-    return live
-
-
-def skip_if_pending(i: RunInfo, reason: str) -> bool:
-    """A local sweep point not started yet: marked CANCELLED, which its supervisor skips."""
-    if i.state != "PENDING" or not (i.run_dir / LOCAL).is_file():
-        return False
-    rec = rundir.read_record(i.run_dir / LOCAL)
-    rundir.write_json_atomic(i.run_dir / LOCAL, {**rec, "state": "CANCELLED", "reason": reason})
-    return True
-
-
-def cmd_cancel(args: argparse.Namespace) -> int:
-    for i in live_runs(args.run, "cancel"):
-        # Recorded first: a rank deciding its requeue meanwhile must see it (no successor).
-        rundir.record_event(i.run_dir, "cancel", by="user", job_id=i.job_id, restart=i.restarts)
-        if i.backend == "slurm":
-            res = slurm.cancel(i.job_id)
-            if not res.ok:
-                raise DDPJobError(f"{res.error}, expected the job cancelled", "check `squeue -j "
-                                  f"{i.job_id}`; you may only cancel your own jobs")
-        elif i.backend == "local":
-            job = job_record(i.run_dir)
-            if not skip_if_pending(i, "cancelled before it started") and pid_alive(job.get("pid")):
-                os.kill(int(job["pid"]), signal.SIGTERM)  # the supervisor forwards it to the ranks
-        console.info(f"cancelled {i.job_id} ({i.run_dir})")
     return 0
 
 

@@ -210,9 +210,7 @@ class Supervisor:
         stop is recorded here (no rank lived to); a retry spends max_failures."""
         from ddpjob.store import manifest
 
-        failures = sum(1 for e in rundir.events(self.run_dir) if e.get("event") == "stop" and "rank" not in e
-                       and e.get("reason") in ("crash", "node_failure") and e.get("requeued")
-                       and str(e.get("job_id")) == self.job_id)
+        _, failures = rundir.used(self.run_dir, self.restarts, self.job_id)
         retry = failures < self.cfg.slurm.max_failures
         found = manifest.newest_valid(self.run_dir / rundir.CHECKPOINTS)
         note = (f"rank exit codes {codes}; " + (f"restarting the ranks (failure {failures + 1} of "

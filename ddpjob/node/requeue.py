@@ -30,29 +30,9 @@ from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.store import manifest
 
-FAILURES = ("crash", "node_failure")  # spend max_failures; every other stop spends max_requeues
-IN_PLACE = rundir.IN_PLACE  # requeued_by of a crash retried inside the allocation
+FAILURES, used = rundir.FAILURES, rundir.used  # the budgets: counted in rundir, for the supervisor too
 CHECK_TRIES, CHECK_PAUSE_S = 3, 2.0
 sleep: Callable[[float], None] = time.sleep  # tests skip the pauses
-
-
-def used(run_dir: Path, restart: int, job_id: str | None = None) -> tuple[int, int]:
-    """(requeues, failures) spent so far: failures are the crash and node-failure retries
-    recorded in events; every other restart of the run (SLURM's and successors') was a requeue.
-    With `job_id`, only its chain counts (the job and the jobs it succeeds): a new submission
-    of the run (`ddpjob resume`, submit to the same run dir) starts with fresh budgets."""
-    evs = rundir.events(run_dir)
-    chain = None
-    if job_id is not None:
-        chain, cur = {str(job_id)}, str(job_id)
-        while prev := next((str(e.get("job_id")) for e in evs if e.get("requeued_by") == "successor"
-                            and str(e.get("next_job_id")) == cur and str(e.get("job_id")) not in chain), None):
-            chain.add(prev)
-            cur = prev
-    failures = sum(1 for e in evs if e.get("event") == "stop" and e.get("reason") in FAILURES
-                   and e.get("requeued") and "rank" not in e
-                   and (chain is None or str(e.get("job_id")) in chain))
-    return max(0, restart - failures), failures
 
 
 def bring_back(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> dict[str, Any]:
@@ -181,7 +161,7 @@ def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, reason: str, restart
         why = f"max_requeues = {cfg.slurm.max_requeues} reached: not requeueing"
     else:
         out = (bring_back(cfg, env, run_dir) if not in_place else
-               {"requeued": True, "requeued_by": IN_PLACE,
+               {"requeued": True, "requeued_by": rundir.IN_PLACE,
                 "note": f"restarting the ranks inside allocation {env.job_id} (failure {failures + 1} "
                         f"of max_failures = {cfg.slurm.max_failures})"})
         out["note"] = "; ".join(x for x in (prefix, out["note"]) if x)
@@ -324,15 +304,10 @@ def main(argv: list[str]) -> int:
     from ddpjob import config
 
     run_dir, status = Path(argv[0]), int(argv[1])
-    env = ClusterEnv.batch_shell()
-    after_crash(config.read_run_config(run_dir), env, run_dir, status, in_place=True)
-    restart = rundir.run_restart(run_dir, str(env.job_id), env.restart_count)
-    mine = [e for e in rundir.events(run_dir) if e.get("event") == "stop" and "rank" not in e
-            and str(e.get("job_id")) == str(env.job_id)]
-    # the decision just recorded (the last stop of this job, which moved the restart count on)
-    if mine and mine[-1].get("requeued_by") == IN_PLACE and mine[-1].get("restart") == restart - 1:
-        return exitcodes.RESTART
-    return status
+    # in place, a retry is never a requeue: brought back means "run the ranks again here"
+    brought_back = after_crash(config.read_run_config(run_dir), ClusterEnv.batch_shell(), run_dir, status,
+                               in_place=True)
+    return exitcodes.RESTART if brought_back else status
 
 
 if __name__ == "__main__":
