@@ -164,6 +164,36 @@ def p10(b: Bench) -> list[Row]:
     return [row]
 
 
+# ------------------------------------------------------------------------------------ P13
+def p13(b: Bench) -> list[Row]:
+    """In-memory snapshots (checkpoint.snapshot_every, store/memsnap.py): the same run with a
+    snapshot after every step against none, side by side. By mean step time (window_rate): the
+    copy and the background write land in the steps around each snapshot, which a median
+    would leave out. The cost of one snapshot, as a fraction of a step, gives the interval
+    that keeps it within 1% (the goal): N >= cost / 0.01."""
+    import math
+
+    s = b.sizes
+    steps = s.warm + s.steps
+    rows = []
+    models = [("jobs/smoke.toml's network (cnn_tiny)", "cnn_tiny")] + ([] if s.tiny else [(s.model, s.model)])
+    for label, model in models:
+        over = [f"train.model={json.dumps(model)}", "checkpoint.every_steps=0"]
+        snap, none = b.lockstep(Arm("P13-snapshot", "fit", 2, {"config": b.config(2, *over, "checkpoint.snapshot_every=1")}),
+                                Arm("P13-none", "fit", 2, {"config": b.config(2, *over)}), steps=steps)
+        ratios = [harness.window_rate(y, s.warm, steps) / harness.window_rate(x, s.warm, steps)
+                  for x, y in zip(snap, none)]
+        cost = max(0.0, median(ratios) - 1.0)  # one snapshot, as a fraction of a step
+        every = max(1, math.ceil(cost / 0.01))
+        step_ms = 1000.0 / median([harness.window_rate(y, s.warm, steps) for y in none])
+        rows.append(Row("P13", f"a snapshot after every step / none, mean step time, {label} (2 ranks x 1 thread)",
+                        "<= 1% of the step time at the interval", f"{1 + cost:.3f}x: one snapshot = {100 * cost:.1f}% "
+                        f"of a {step_ms:.0f} ms step, so snapshot_every >= {every} keeps it <= 1%", True,
+                        {"trial_ratios": [round(r, 3) for r in ratios], "step_ms": round(step_ms, 1),
+                         "interval_for_1pct": every}))
+    return rows
+
+
 # ------------------------------------------------------------------------------------ P2
 def p2(b: Bench) -> list[Row]:
     s = b.sizes
@@ -505,7 +535,7 @@ def p11(b: Bench) -> list[Row]:
 
 BENCHMARKS: dict[str, Callable[[Bench], list[Row]]] = {
     "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9, "P10": p10,
-    "P11": p11}
+    "P11": p11, "P13": p13}
 # Run only when named: P11 needs the SLURM test cluster and ~15 minutes, so neither the default
 # set nor CI's `bench --tiny` (tests/test_bench.py) may start it.
 ON_DEMAND = frozenset({"P11"})

@@ -137,7 +137,8 @@ def _check_budget(cfg: JobConfig, env: ClusterEnv, path: Path, ctx: Any) -> tupl
     the others)."""
     from ddpjob.node import dist, requeue
 
-    lock, answer = None, None
+    lock: runlock.RunLock | None = None
+    answer: tuple[int, str | None, tuple[str, str] | None] | None = None
     if env.is_rank0:
         try:
             lock = runlock.RunLock.take(path, f"{env.source} job {env.job_id or '-'} (rank 0)")
@@ -201,7 +202,7 @@ class Job:
                                  code=lambda: _code_hash(cfg, run_dir),
                                  allow_code_change=bool(_launch and _launch.allow_code_change),
                                  from_scratch=bool(_launch and _launch.from_scratch),
-                                 sharded=cfg.train.strategy == "fsdp")
+                                 sharded=cfg.train.strategy == "fsdp", snapshots=_snapshots(cfg, ctx.env, run_dir))
         self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
         self._deadline = preemption.DeadlineWatch(_end_time(self.env))
         self._step: int | None = None  # set by resume()
@@ -370,6 +371,10 @@ class Job:
                 if now.stop:
                     self._stop_for_requeue(step, now.stop, lag=decider.lag, decided_time=decided,
                                            saved_time=time.time())
+                elif self._store.snapshot_due(step):  # node-local memory, no collective
+                    for s in samplers:
+                        s.set_step(step)
+                    self._store.snapshot(step, state)
                 decider.next_step(step)
         finally:
             self.vote_s += decider.vote_s
@@ -508,8 +513,17 @@ class Job:
             self._tb.close()
         if self._standalone:
             self._stop.uninstall()  # ddpjob run installed its own and removes it itself
+        snaps = self._store.snapshots
+        if snaps is not None:
+            snaps.close()
         # After a failure the peers are stuck in some collective, not in our exit barrier.
         self._ctx.destroy(barrier_timeout_s=None if failed else 30.0)
+        if snaps is not None and not failed and self.local_rank == 0:
+            # finished, or stopped with a checkpoint newer than any snapshot: past the exit
+            # barrier every rank of this node is done with them
+            from ddpjob.store import memsnap
+
+            memsnap.remove_job(self.run_dir, self.job_id)
         if self.is_rank0 and self.stopped_at is not None:  # the end of the recovery's exit phase
             rundir.record_event(self.run_dir, "exit", step=self.stopped_at, job_id=self.job_id,
                                 restart=self.restart)
@@ -537,6 +551,20 @@ def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Pat
         return rundir.prepare(Path(path).resolve(), cfg)
 
     return Path(dist.rank0_decides(env.is_rank0, choose, what="the choice of the run directory"))
+
+
+def _snapshots(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> Any:
+    """checkpoint.snapshot_every > 0: this rank's in-memory snapshots (store/memsnap.py)."""
+    every = cfg.checkpoint.snapshot_every
+    if every <= 0:
+        return None
+    from ddpjob.store import memsnap
+
+    root = memsnap.rank_root(run_dir, env.job_id, env.hostname, env.rank)
+    snaps = memsnap.Snapshots(root, every=every, config_hash=cfg.hash())
+    if snaps.why_not is not None:
+        console.print0(f"ddpjob: warning: no in-memory snapshots: {snaps.why_not}")
+    return snaps
 
 
 def _code_hash(cfg: JobConfig, run_dir: Path) -> tuple[str, tuple[str, ...]]:

@@ -69,6 +69,9 @@ class SlurmConfig:
     signal_lead_s: int = 120
     max_requeues: int = 20  # requeues after preemptions and time limits
     max_failures: int = 0  # retries after crashes / node failures (0: a crash ends the run FAILED)
+    # this many crashes in a row that got no further than the checkpoint they resumed from end
+    # the job before max_failures is spent (a crash loop: the same step keeps failing)
+    max_no_progress: int = 3
     setup: tuple[str, ...] = ()  # shell lines before the job (module load ...), written verbatim
     sbatch_extra: tuple[str, ...] = ()  # extra "--option=value" sbatch arguments
     requeue: bool = True
@@ -163,6 +166,9 @@ class CheckpointConfig:
     every_minutes: float = 0.0
     keep_last: int = 3
     async_save: bool = field(default=False, metadata={"key": "async"})
+    # > 0: every this many steps each rank's state also goes to node-local memory (/dev/shm) in
+    # the background; a crash retried inside the allocation resumes from it (store/memsnap.py)
+    snapshot_every: int = 0
     resume: bool = True
     # A fresh run (nothing to resume) starts from another run's checkpoint: "RUN_DIR" (its newest
     # valid one), "RUN_DIR/checkpoints/step-N", or a weights file ("model.pt": a state_dict).

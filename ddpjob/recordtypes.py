@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 _INTS = frozenset({"step", "restart", "resumed_step", "world_size", "steps_lost", "status", "rank",
-                   "accumulation", "master_port"})
+                   "accumulation", "master_port", "failed_rank", "no_progress"})
 _NUMBERS = frozenset({"epoch"})  # a custom loop may log a fractional epoch
 _TIMES = frozenset({"time", "signal_time", "launched_time", "load_s", "updated_at"})
 # ddpjob's own words only: a loop's job.log() may use any other name for any value

@@ -34,7 +34,7 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagrap
 # could exhaust memory on the login node or overflow a C int on the nodes.
 LIMITS: dict[str, int] = {
     "slurm.nodes": 100_000, "slurm.tasks_per_node": 1024, "slurm.gpus_per_node": 64,
-    "slurm.cpus_per_task": 4096, "slurm.max_requeues": 10_000,
+    "slurm.cpus_per_task": 4096, "slurm.max_requeues": 10_000, "slurm.max_no_progress": 10_000,
     "train.num_classes": 1_000_000, "train.epochs": 1_000_000, "train.max_steps": 10**12,
     "train.batch_size": 1 << 20, "train.global_batch_size": 1 << 30,
     "train.accumulation_steps": 65_536, "train.warmup_steps": 10**12,
@@ -42,10 +42,10 @@ LIMITS: dict[str, int] = {
     "train.log_every": 10**12, "train.threads": 1024, "train.dist_timeout_s": 7 * 86400,
     "data.num_workers": 256, "data.synthetic_train": 100_000_000,
     "data.synthetic_test": 100_000_000, "checkpoint.every_steps": 10**12,
-    "checkpoint.keep_last": 10_000,
+    "checkpoint.keep_last": 10_000, "checkpoint.snapshot_every": 10**12,
 }
 MAX_WORLD = 1 << 20
-_POSITIVE = {"slurm.nodes", "slurm.tasks_per_node", "slurm.cpus_per_task", "train.num_classes",
+_POSITIVE = {"slurm.nodes", "slurm.max_no_progress", "slurm.tasks_per_node", "slurm.cpus_per_task", "train.num_classes",
              "train.epochs", "train.batch_size", "train.accumulation_steps", "train.log_every",
              "train.dist_timeout_s", "train.lr_step_epochs", "data.synthetic_train",
              "data.synthetic_test", "checkpoint.keep_last"}

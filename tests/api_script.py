@@ -7,7 +7,9 @@ itself SIGUSR2 during that step: the stop is caused at that step, not by a timer
 (rank:step[:after]: that rank stops making progress in that step, before its backward pass
 or, with ":after", after its optimizer step, and prints "stalled at <unix time>"), raise_at
 (rank:step: that rank raises ValueError in that step, before its backward pass, while its
-peers go on into DDP's all-reduce), job (a job file for runs started alone).
+peers go on into DDP's all-reduce), die_at (rank:step: in the first incarnation only, that rank
+SIGKILLs itself in that step, before its backward pass: kill -9, no code of ours runs), job (a
+job file for runs started alone).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def main() -> None:
     stall_rank, _, stall_step = str(u.get("stall_at", "")).partition(":")
     stall_step, _, stall_after = stall_step.partition(":")
     raise_rank, _, raise_step = str(u.get("raise_at", "")).partition(":")
+    die_rank, _, die_step = str(u.get("die_at", "")).partition(":")
     for step in job.steps(state, steps):
         x, y, ids = next(batches)
         if who and int(who) == job.rank and int(when) == step and job.restart == 0:
@@ -82,6 +85,8 @@ def main() -> None:
         loss = nn.functional.mse_loss(model(x).squeeze(1), y)
         if stall_rank and int(stall_rank) == job.rank and int(stall_step) == step and not stall_after:
             stall()
+        if die_rank and int(die_rank) == job.rank and int(die_step) == step and job.restart == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
         if raise_rank and int(raise_rank) == job.rank and int(raise_step) == step:
             raise ValueError(f"a bug in the user's code at step {step}")
         opt.zero_grad()

@@ -19,7 +19,10 @@ From the environment, each hook acting when `job.steps()` hands out a step:
         preempt OUTFILE  as DDPJOB_TEST_PREEMPT_AT;
         requeue          `scontrol requeue JOB`, then wait in the step until the SIGTERM is recorded;
         kill MARKER      write MARKER.ready, wait until the test writes MARKER.go (it reads the
-                         task pids meanwhile), then SIGKILL this rank.
+                         task pids meanwhile), then SIGKILL this rank;
+        die              SIGKILL this rank at once (kill -9, the OOM killer: no ddpjob code runs);
+        crash            raise RuntimeError (a bug in the training code).
+      RESTART "*" acts in every incarnation (a crash that comes back each time).
 tests/trainer_plugins.py installs these hooks too, so they also drive the built-in trainer.
 """
 
@@ -101,7 +104,7 @@ def _actions(path: str) -> dict[tuple[int, int, int], list[str]]:
     out = {}
     for line in Path(path).read_text().splitlines() if path and os.path.isfile(path) else []:
         restart, step, rank, *action = line.split()
-        out[int(restart), int(step), int(rank)] = action
+        out[-1 if restart == "*" else int(restart), int(step), int(rank)] = action
     return out
 
 
@@ -113,6 +116,10 @@ def _act(job: api.Job, action: list[str]) -> None:
         _requeue(job)
     elif action[0] == "kill":
         _kill(action[1])
+    elif action[0] == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action[0] == "crash":
+        raise RuntimeError(f"example_slurm_hooks: crash at step {job._step}")
     else:
         raise ValueError(f"example_slurm_hooks: unknown action {action}")
 
@@ -143,8 +150,9 @@ def install() -> None:
                 _preempt(self, p_file)
             if self.rank == 0 and self.restart == int(u_restart) and step == int(u_step):
                 _usr2(self)
-            if (self.restart, step, self.rank) in actions:
-                _act(self, actions[self.restart, step, self.rank])
+            for when in (self.restart, -1):
+                if (when, step, self.rank) in actions:
+                    _act(self, actions[when, step, self.rank])
             yield step
 
     api.Job.steps = hooked  # type: ignore[method-assign]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ranks import (LAG, REPO, TESTS, Ranks, assert_bit_equal, base_env, events, free_port, metrics,
+from ranks import (LAG, REPO, TESTS, Ranks, assert_bit_equal, base_env, events, final_state, free_port, metrics,
                    write_job)
 
 SCRIPT = TESTS / "api_script.py"
@@ -131,6 +131,31 @@ def test_a_rank_that_raises_under_torchrun_ends_the_job_at_once(tmp_path: Path) 
     assert "terminate called" not in out.stderr and "SIGABRT" not in out.stderr, out.stderr
     (run,) = (tmp_path / "runs").iterdir()
     assert not (run / "COMPLETED").exists()
+
+
+def test_torchrun_max_restarts_resumes_a_killed_rank_bit_identical(tmp_path: Path) -> None:
+    """`torchrun --max-restarts 2` around the script, rank 1 SIGKILLed in step 7 (before its
+    backward): torchrun's agent ends rank 0 and starts both again. The new round finds the run
+    dir (runs/<name>-torchrun-<agent pid>), builds its group on keys of its own in the agent's
+    store (before, it read the last round's gloo addresses and hung), resumes from the
+    checkpoint at step 5 and ends bit-identical to an uninterrupted torchrun."""
+    runs = {}
+    for name, user in (("plain", {}), ("killed", {"die_at": "1:7"})):
+        folder = tmp_path / name
+        folder.mkdir()
+        job = write_job(folder / "job.toml", train={"threads": 1, "dist_timeout_s": 60},
+                        checkpoint={"every_steps": 5}, user={"steps": 20, **user})
+        cmd = _torchrun(SCRIPT, job)
+        cmd[3:3] = ["--max-restarts", "2"]
+        out = subprocess.run(cmd, cwd=folder, env=base_env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        (runs[name],) = (folder / "runs").iterdir()
+    starts = [e for e in events(runs["killed"]) if e["event"] == "start"]
+    assert [(s["restart"], s["resumed_step"]) for s in starts] == [(0, None), (1, 5)], starts
+    assert runs["killed"].name.startswith("t-torchrun-")
+    assert_bit_equal(final_state(runs["plain"]), final_state(runs["killed"]), "final")  # model, optimizer
+    done = [json.loads((runs[n] / "COMPLETED").read_text()) for n in ("plain", "killed")]
+    assert done[0]["note"] == done[1]["note"] == "at 20" and done[1]["step"] == 20
 
 
 SLOW_HOOK_SCRIPT = """

@@ -17,7 +17,7 @@ if str(REPO) not in sys.path:  # bench/ is a top-level folder of the repository,
 
 from bench import harness, run  # noqa: E402
 from bench.suite import BENCHMARKS, ON_DEMAND, Row  # noqa: E402
-IDS = [f"P{i}" for i in range(1, 11)]  # the default set; P11 (the cluster storm) only by name
+IDS = [f"P{i}" for i in range(1, 11)] + ["P13"]  # the default set; P11 (the cluster storm) only by name
 
 
 @pytest.mark.slow
@@ -48,6 +48,8 @@ def test_tiny_run_prints_every_id_with_measured_numbers(tmp_path: Path) -> None:
     assert "losses equal" in p10["measured"], p10  # nor does when the vote is read
     p7 = [r for r in rows if r["id"] == "P7"]
     assert p7[0]["measured"] == "0", p7  # a signalled stop loses no step
+    p13 = next(r for r in rows if r["id"] == "P13")
+    assert p13["details"]["interval_for_1pct"] >= 1 and len(p13["details"]["trial_ratios"]) == 1, p13
 
 
 def test_one_benchmark_runs_alone(tmp_path: Path) -> None:
@@ -86,7 +88,7 @@ def test_step_times_skip_gate_waits_and_take_the_slowest_rank() -> None:
 
 
 def test_every_id_has_a_benchmark_and_the_job_file_exists() -> None:
-    assert list(BENCHMARKS) == IDS + ["P11"]
+    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P13"]
     assert ON_DEMAND == {"P11"}  # never in the default set nor CI's --tiny run: it needs the cluster
     assert harness.JOB.is_file()
     # the benchmark's config is the user's job file plus overrides, and it validates

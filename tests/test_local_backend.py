@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +45,9 @@ if mode == "fail1once" and rank == 1 and restart == 0:
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "fail1once" and restart > 0:
     sys.exit(0)
+if mode == "kill1" and rank == 1:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
 if mode == "fail1" and rank == 1:
     time.sleep(0.5)
     sys.exit(1)
@@ -178,6 +182,26 @@ def test_a_killed_rank_is_restarted_in_place_while_max_failures_lasts(tmp_path):
     assert crash["reason"] == "crash" and crash["requeued"] is True and crash["requeued_by"] == "supervisor"
     assert "failure 1 of max_failures = 1" in crash["note"], crash
     assert (run / "fake-r0-s1.json").exists() and (run / "fake-r1-s1.json").exists()
+
+
+def test_a_rank_killed_at_the_same_point_every_time_ends_as_a_crash_loop(tmp_path):
+    """kill -9 of rank 1 in every attempt, before any checkpoint: with max_failures = 10 left,
+    slurm.max_no_progress = 3 attempts in a row that got nowhere end the run FAILED, with one
+    line naming the rank, its host and how it died."""
+    run = make_run(tmp_path, "kill1", tasks=2, max_failures=10)
+    sup = start_supervisor(tmp_path, run)
+    assert sup.wait(timeout=180) == 1
+    state = local_state(run)
+    assert state["state"] == "FAILED" and len(state["history"]) == 3, state
+    host = socket.gethostname()
+    assert state["reason"] == (
+        "crash loop: 3 attempts in a row crashed without getting past the checkpoint at step 0 "
+        f"(rank 1 on {host}: killed by SIGKILL); not retrying (slurm.max_no_progress = 3)"), state["reason"]
+    stops = [e for e in rundir.events(run) if e["event"] == "stop"]
+    assert [(s["no_progress"], s["requeued"]) for s in stops] == [(1, True), (2, True), (3, None)], stops
+    assert all(s["failed_rank"] == 1 and s["host_fault"] for s in stops)
+    log = (tmp_path / "supervisor.log").read_text()
+    assert "ddpjob: error: crash loop: 3 attempts" in log, log
 
 
 def test_sigterm_cancels_without_restart(tmp_path):

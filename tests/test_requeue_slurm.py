@@ -124,6 +124,32 @@ def test_kill_9_of_one_rank_restarts_inside_the_allocation_bit_exact(
     assert "crash at step 30" in status and "restarted inside the allocation" in status, status
 
 
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_kill_9_resumes_from_the_in_memory_snapshot_inside_the_allocation(
+        slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
+    """The same kill -9 of rank 2 in step 34, with checkpoint.snapshot_every = 2: every rank's
+    state of step 32 is in /dev/shm (the kill waits until it is committed), so the restart
+    inside the allocation resumes from step 32, not the checkpoint of step 30: 1 step lost, the
+    final state bit-equal to the uninterrupted run, nothing of the job left in /dev/shm."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    reference.start()
+    job = write_job(tmp_path / "job.toml", slurm={**SLURM, "max_failures": 1}, train=TRAIN, data=DATA,
+                    checkpoint={**CHECKPOINT, "snapshot_every": 2})
+    run, jid = sbatch(tmp_path, job, DDPJOB_TEST_SIGNAL="2:67:0:kill", DDPJOB_TEST_SNAP_WAIT="32")
+    assert slurmtools.wait_done(jid, 900) == "COMPLETED"
+    stops = [e for e in events(run, "stop") if "rank" not in e]
+    assert [e["reason"] for e in stops] == ["crash", "finished"], stops
+    crash = stops[0]
+    assert (crash["step"], crash["steps_lost"], crash["failed_rank"], crash["failed_host"]) == (32, 1, 2, "n2"), crash
+    starts = events(run, "start")
+    assert [(s["job_id"], s["resumed_step"]) for s in starts] == [(jid, None), (jid, 32)], starts
+    assert_same_as_reference(run, reference.run_dir())
+    assert not list(Path("/dev/shm").glob(f"ddpjob-{os.getuid()}/{jid}-*")), "snapshots left behind"
+
+
 def node_pids(job_id: str, node: str) -> list[int]:
     """Every process of the job on `node` (`scontrol listpids`: ranks and their children)."""
     out = subprocess.run(["scontrol", "listpids", job_id, node], capture_output=True, text=True,

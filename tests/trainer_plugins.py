@@ -12,6 +12,9 @@ on the ranks' PYTHONPATH.
   reached this process; HOW = "crash" raises instead, HOW = "kill" SIGKILLs this process; HOW = "pause" prints "paused at call N"
   and waits in this forward call until ddpjob's stop flag has a signal (or 120 s): the test sends
   the signal from outside (tests/ranks.py: signal_when_paused), and it lands in that very step. RANK falls back to SLURM_PROCID (submitit sets no RANK).
+  DDPJOB_TEST_SNAP_WAIT=STEP: before HOW = "kill", wait until every rank's in-memory snapshot
+  of STEP is committed (/dev/shm/ddpjob-<uid>/...; they are written in the background), so the
+  restart's choice of snapshot is caused by the test, not by how fast a thread wrote.
   DDPJOB_TEST_SLOW="SECONDS[:RESTART]" sleeps that long in every training forward call (of that
   incarnation only): stretches wall time without changing a single number.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -78,6 +82,7 @@ class SignallingCNN(TinyCNN):
                 elif self._how == "crash":  # a rank raising: srun --kill-on-bad-exit ends the rest
                     raise RuntimeError(f"test crash at training forward call {self._calls}")
                 elif self._how == "kill":  # kill -9: no ddpjob code runs on the way down
+                    _wait_for_snapshots()
                     os.kill(os.getpid(), signal.SIGKILL)
                 else:
                     os.kill(os.getpid(), signal.SIGUSR2)
@@ -91,6 +96,20 @@ class SignallingCNN(TinyCNN):
         deadline = time.monotonic() + timeout
         while getattr(flag, "code", 1) == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _wait_for_snapshots(timeout: float = 120) -> None:
+    step = os.environ.get("DDPJOB_TEST_SNAP_WAIT", "")
+    if not step:
+        return
+    world = int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+    job = os.environ.get("DDPJOB_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "nojob"
+    pattern = f"ddpjob-{os.getuid()}/{job}-*/*/rank-*/step-{int(step):09d}/manifest.json"
+    deadline = time.monotonic() + timeout
+    while len(list(Path("/dev/shm").glob(pattern))) < world:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"trainer_plugins: no snapshot of step {step} on all {world} ranks in {timeout} s")
+        time.sleep(0.02)
 
 
 def signalling_cnn(num_classes: int = 10) -> nn.Module:

@@ -81,7 +81,7 @@ def unused_overrides(cfg: JobConfig, overrides: list[str]) -> list[str]:
         text = source.read_text(errors="replace") if source is not None and source.suffix == ".py" else None
     except OSError:
         text = None
-    if text is None:
+    if text is None or source is None:
         return []
     return [f"--set train.{k}: {source.name} never reads train.{k}, which only the built-in trainer "
             f"uses, so it changes nothing. Hint: read it as job.config.train.{k}, or use a [user] key "

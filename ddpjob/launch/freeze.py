@@ -119,7 +119,9 @@ def collect(cfg: JobConfig) -> dict[str, Any]:
     import ddpjob
 
     files = _files_under(Path(ddpjob.__file__).resolve().parent, "python")
-    entry_rel, git_facts, missing, left_out = None, None, [], []
+    entry_rel, git_facts = None, None
+    missing: list[str] = []
+    left_out: list[tuple[Path, int]] = []
     data: list[tuple[str, Path]] = []
     if cfg.train.entry.endswith(".py"):
         script = Path(cfg.train.entry).resolve()

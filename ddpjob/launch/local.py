@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, exitcodes, requests, rundir, runlock
+from ddpjob import config, crashes, exitcodes, requests, rundir, runlock
+from ddpjob.store import memsnap
 
 LOCAL = "local.json"
 POLL_S = 0.1
@@ -75,6 +76,8 @@ class Supervisor:
         self.history: list[dict[str, Any]] = []
         self.pending: list[int] = []  # signals received, not yet forwarded
         self.lock: runlock.RunLock | None = None  # held from before the first write to the end
+        self.first_bad: tuple[int, int] | None = None  # (rank, returncode) that failed first
+        self.gave_up: str | None = None  # why a crash was not retried, where it is not the budget
 
     def write(self, state: str, **extra: Any) -> None:
         rundir.write_json_atomic(self.run_dir / LOCAL, {
@@ -156,6 +159,7 @@ class Supervisor:
             self.forward_pending()
             bad = [r for r, c in enumerate(codes) if c not in (None, 0, exitcodes.REQUEUE)]
             if bad and not killed:
+                self.first_bad = (bad[0], int(codes[bad[0]] or 0))  # the crash's culprit
                 log(f"rank {bad[0]} exited with {codes[bad[0]]}: killing the other ranks")
                 self.kill_ranks()
                 killed = True
@@ -196,8 +200,9 @@ class Supervisor:
             elif self.retry_crash(codes):
                 continue
             else:
-                state, reason = "FAILED", f"exit codes {codes}"
+                state, reason = "FAILED", self.gave_up or f"exit codes {codes}"
             self.write(state, reason=reason, exit_codes=codes)
+            memsnap.remove_job(self.run_dir, self.job_id)  # the ranks' in-memory snapshots
             rundir.record_event(self.run_dir, "local_end", source="local-supervisor", job_id=self.job_id,
                                 restart=self.restarts, state=state, reason=reason)
             log(f"{state}: {reason}")
@@ -208,19 +213,25 @@ class Supervisor:
         """A rank failed (raised, was killed): run the ranks again from the newest checkpoint
         while slurm.max_failures lasts, as the sbatch script does inside its allocation. The
         stop is recorded here (no rank lived to); a retry spends max_failures."""
-        from ddpjob.store import manifest
-
         _, failures = rundir.used(self.run_dir, self.restarts, self.job_id)
-        retry = failures < self.cfg.slurm.max_failures
-        found = manifest.newest_valid(self.run_dir / rundir.CHECKPOINTS)
+        evs = rundir.events(self.run_dir)
+        rank, code = self.first_bad or next(
+            ((r, c) for r, c in enumerate(codes) if c not in (0, exitcodes.REQUEUE)), (0, max(codes)))
+        culprit = crashes.with_rank_error(crashes.from_returncode(rank, socket.gethostname(), code),
+                                          evs, self.job_id, self.restarts)
+        resume_at, lost = crashes.resume_point(self.run_dir, self.job_id)
+        streak, _ = crashes.no_progress(evs, {self.job_id}, (self.job_id, self.restarts, resume_at))
+        loop = crashes.crash_loop(self.cfg.slurm.max_no_progress, streak, resume_at, lost, culprit)
+        retry = failures < self.cfg.slurm.max_failures and loop is None
         note = (f"rank exit codes {codes}; " + (f"restarting the ranks (failure {failures + 1} of "
-                f"max_failures = {self.cfg.slurm.max_failures})" if retry else
+                f"max_failures = {self.cfg.slurm.max_failures})" if retry else loop or
                 f"max_failures = {self.cfg.slurm.max_failures} reached: not retrying"))
-        rundir.record_event(self.run_dir, "stop", reason="crash", step=found[0] if found else 0,
-                            job_id=self.job_id, restart=self.restarts, status=max(codes),
+        rundir.record_event(self.run_dir, "stop", reason="crash", step=resume_at, steps_lost=lost,
+                            job_id=self.job_id, restart=self.restarts, status=max(codes), no_progress=streak,
                             requeued=True if retry else None, requeued_by="supervisor" if retry else None,
-                            note=note, source="local-supervisor")
-        log(note)
+                            note=note, source="local-supervisor", **(culprit.fields() if culprit else {}))
+        log(f"ddpjob: error: {loop}" if loop else note)
+        self.first_bad, self.gave_up = None, loop
         if retry:
             self.restarts += 1
             self.write("RESTARTING")

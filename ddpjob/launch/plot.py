@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, rundir
+from ddpjob import console, crashes, rundir
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import phases
 
@@ -242,6 +242,12 @@ def summary(run_dir: str | Path) -> list[str]:
         lines.append(f"attempt     {line}")
         if took:
             lines.append(f"  recovery  {took}")
+    failures = crashes.host_failures(h.events)
+    if failures:  # the run's host ledger: what a restart inside the allocation leaves out
+        out = set(crashes.excluded(h.events))
+        lines.append("hosts       " + ", ".join(
+            f"{host} {n} failure{'s' * (n != 1)}{' (excluded)' if host in out else ''}"
+            for host, n in sorted(failures.items())))
     return lines
 
 
@@ -268,7 +274,11 @@ def ledger(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
         if e.get("next_job_id"):
             how += f" -> job {e['next_job_id']}"
         lost = e.get("steps_lost")
-        out.append((f"{e.get('reason') or 'stopped'} at step {e.get('step')} (job {e.get('job_id')}), "
+        failed = e.get("failed_how")
+        who = (crashes.Culprit(e.get("failed_rank") if isinstance(e.get("failed_rank"), int) else None,
+                               e.get("failed_host") if isinstance(e.get("failed_host"), str) else None,
+                               failed, False).describe() + ", ") if isinstance(failed, str) else ""
+        out.append((f"{e.get('reason') or 'stopped'} at step {e.get('step')} (job {e.get('job_id')}), {who}"
                     f"steps lost {'?' if lost is None else lost}, {how}, {back}",
                     phases.describe(phases.recovery(events, i))))
     return out

@@ -8,6 +8,7 @@ argument. This is the only node-side code that reads os.environ; tests pass plai
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import time
@@ -138,6 +139,10 @@ class ClusterEnv:
     gpus: int = 0  # GPUs this process can see (passed in: cluster.py never imports torch)
     slurm_step: bool = False  # inside an srun step (not the batch shell / an salloc shell)
     partition: str | None = None
+    # torchrun's restart round when its agent hosts the store at MASTER_ADDR:MASTER_PORT
+    # (TORCHELASTIC_USE_AGENT_STORE): that store outlives the round, so each round's keys get a
+    # prefix of their own (node/dist.py). None: the store is rank 0's, new with every start.
+    agent_round: int | None = None
     submitit_folder: str | None = None
     ddpjob_vars: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     # cuBLAS's workspace setting as inherited (None: unset); node/determinism.py sets it
@@ -206,9 +211,11 @@ class ClusterEnv:
         job id, restart count, partition. For `python -m ddpjob.node.requeue` after srun failed;
         from_environ refuses this process (SLURM_NTASKS > 1 without SLURM_STEP_ID)."""
         v = _Vars(os.environ if environ is None else environ)
+        nodes = v.text("SLURM_JOB_NODELIST")  # the allocation: what a restart inside it may use
         return cls(job_id=v.text("SLURM_JOB_ID"), restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
                    source="slurm", hostname=v.text("SLURMD_NODENAME") or socket.gethostname(),
-                   partition=v.text("SLURM_JOB_PARTITION"))
+                   partition=v.text("SLURM_JOB_PARTITION"), num_nodes=len(parse_hostlist(nodes)) if nodes else 1,
+                   hosts=tuple(parse_hostlist(nodes)) if nodes else ())
 
 
 def _master(v: _Vars, addr: str, job_id: str | None) -> dict:
@@ -245,16 +252,34 @@ def _from_torchrun(v: _Vars, argv_local_rank: int | None) -> dict:
     node_rank = v.required("GROUP_RANK", default=rank // max(local_world, 1))
     num_nodes = v.required("GROUP_WORLD_SIZE", default=-(-world // max(local_world, 1)))
     local = bool(v.text("DDPJOB_JOB_ID"))
-    job_id = v.text("DDPJOB_JOB_ID", "SLURM_JOB_ID")
+    job_id = v.text("DDPJOB_JOB_ID", "SLURM_JOB_ID") or _elastic_run(v)
     if world > 1 and not v.text("MASTER_ADDR"):
         raise DDPJobError(f"WORLD_SIZE={world} but MASTER_ADDR is not set",
                           "launch with torchrun, which sets MASTER_ADDR and MASTER_PORT")
     restarts = (_restart_count(v, "DDPJOB_RESTART_COUNT") if local else
                 _restart_count(v, "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
+    agent = v.text("TORCHELASTIC_USE_AGENT_STORE") == "True" and not local
     return dict(rank=rank, local_rank=local_rank, world_size=world, local_world_size=local_world,
                 node_rank=node_rank, num_nodes=num_nodes, job_id=job_id, restart_count=restarts,
                 source="local" if local else "torchrun", slurm_step=bool(v.text("SLURM_STEP_ID")),
+                agent_round=_restart_count(v, "TORCHELASTIC_RESTART_COUNT") if agent else None,
                 **_master(v, "127.0.0.1", job_id))
+
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
+
+
+def _elastic_run(v: _Vars) -> str | None:
+    """The job, for torchrun outside SLURM: what stays the same across its restarts, so that a
+    restarted round finds the run dir (runs/<name>-<job id>) and resumes. --rdzv-id (TORCHELASTIC_
+    RUN_ID) where one was given; torchrun's own default "none" names nothing, and then the agent
+    that restarts the ranks (their parent process) is the job: "torchrun-<its pid>"."""
+    run = v.text("TORCHELASTIC_RUN_ID")
+    if run is None:
+        return None
+    if run != "none" and _RUN_ID.fullmatch(run):
+        return f"torchrun-{run}"
+    return f"torchrun-{os.getppid()}"
 
 
 def _single(v: _Vars) -> dict:

@@ -74,7 +74,8 @@ class Watch:
     """One rank's hang watch. The main thread only sets attributes (`step`, and `enter`/`leave`
     around a collective): no cost per step beyond that."""
 
-    def __init__(self, rank: int, world_size: int, host: str, master_addr: str, master_port: int) -> None:
+    def __init__(self, rank: int, world_size: int, host: str, master_addr: str, master_port: int,
+                 agent_round: int | None = None) -> None:
         import torch.distributed as dist
 
         self.rank, self.world_size, self.host = rank, world_size, host
@@ -88,10 +89,9 @@ class Watch:
         self._store = _LockedStore(dist.TCPStore(master_addr, master_port, is_master=False,
                                                  timeout=timedelta(seconds=REPORT_S),
                                                  wait_for_workers=False))
-        # Keys of this process group only: torchrun's agent keeps its store across restarts. The
-        # ranks of one attempt all join before any rank of the next, so they share a generation.
-        generation = (int(self._store.add("ddpjob/hang/joined", 1)) - 1) // world_size
-        self._prefix = f"ddpjob/hang/{generation}/"
+        # Keys of this process group only: torchrun's agent keeps its store across its restart
+        # rounds (a round that crashed before all its ranks joined would shift a count).
+        self._prefix = f"ddpjob/hang/{0 if agent_round is None else agent_round}/"
         self._alarm_key, self._reported_key = self._key("alarm"), self._key("reported")
         self._store.set(self._key(f"host/{rank}"), host)  # named even if it never reports
         self._closed = threading.Event()
@@ -296,7 +296,7 @@ def _enable_faulthandler() -> None:
 def make(env: Any) -> Watch | None:
     """The watch for a process group built on rank 0's TCPStore at MASTER_ADDR:MASTER_PORT."""
     try:
-        return Watch(env.rank, env.world_size, env.hostname, env.master_addr, env.master_port)
+        return Watch(env.rank, env.world_size, env.hostname, env.master_addr, env.master_port, env.agent_round)
     except Exception as exc:  # noqa: BLE001 - no watch is no reason to stop training
         print(f"ddpjob: warning: rank {env.rank}: no hang watch ({' '.join(str(exc).split())[:120]})",
               file=sys.stderr, flush=True)

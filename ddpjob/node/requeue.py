@@ -23,12 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpjob import console, exitcodes, requests, rundir
+from ddpjob import console, crashes, exitcodes, requests, rundir
 from ddpjob.config import JobConfig
 from ddpjob.launch import slurm
 from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv
-from ddpjob.store import manifest
+from ddpjob.store import memsnap
 
 FAILURES, used = rundir.FAILURES, rundir.used  # the budgets: counted in rundir, for the supervisor too
 CHECK_TRIES, CHECK_PAUSE_S = 3, 2.0
@@ -149,12 +149,14 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
 
 
 def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, reason: str, restart: int,
-            prefix: str | None, in_place: bool = False) -> dict[str, Any]:
+            prefix: str | None, in_place: bool = False, loop: str | None = None) -> dict[str, Any]:
     requeues, failures = used(run_dir, restart, env.job_id)
     if requests.stop_requested(run_dir, env.job_id):
         why = "stopped by `ddpjob stop`: not requeueing (`ddpjob resume RUN_DIR` continues)"
     elif not cfg.slurm.requeue:
         why = "slurm.requeue = false: not requeueing"
+    elif loop is not None:
+        why = loop
     elif reason in FAILURES and failures >= cfg.slurm.max_failures:
         why = f"max_failures = {cfg.slurm.max_failures} reached: not retrying"
     elif reason not in FAILURES and requeues >= cfg.slurm.max_requeues:
@@ -164,7 +166,7 @@ def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, reason: str, restart
                {"requeued": True, "requeued_by": rundir.IN_PLACE,
                 "note": f"restarting the ranks inside allocation {env.job_id} (failure {failures + 1} "
                         f"of max_failures = {cfg.slurm.max_failures})"})
-        out["note"] = "; ".join(x for x in (prefix, out["note"]) if x)
+        out["note"] = "; ".join(str(x) for x in (prefix, out["note"]) if x)
         return out
     return {"requeued": None, "note": "; ".join(x for x in (prefix, why) if x)}
 
@@ -192,14 +194,52 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
         print(f"ddpjob: job {env.job_id} was requeued by SLURM (status {status}); "
               "the stop is rank 0's or the next start's to record", flush=True)
         return None
+    evs = rundir.events(run_dir)
+    chain = rundir.job_chain(evs, env.job_id)
+    culprit = crashes.with_rank_error(crashes.from_srun(_attempt_log(run_dir, str(env.job_id))) if in_place
+                                      else None, evs, env.job_id, restart)
     with _term_held():
+        resume_at, lost = crashes.resume_point(run_dir, str(env.job_id) if in_place else None)
+        streak, _ = crashes.no_progress(evs, chain, (env.job_id, restart, resume_at))
+        loop = crashes.crash_loop(cfg.slurm.max_no_progress, streak, resume_at, lost, culprit)
         fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}",
-                         in_place=in_place)
-        resume_at, lost = _resume_point(run_dir)
+                         in_place=in_place, loop=loop)
         rundir.record_event(run_dir, "stop", reason="crash", step=resume_at, job_id=env.job_id,
-                            restart=restart, status=status, steps_lost=lost, **fields)
-    print(f"ddpjob: job {env.job_id} crashed (status {status}): {fields['note']}", flush=True)
+                            restart=restart, status=status, steps_lost=lost, no_progress=streak,
+                            **(culprit.fields() if culprit else {}), **fields)
+    if loop is not None:
+        who = "the ranks'" if culprit is None or culprit.rank is None else f"rank {culprit.rank}'s"
+        print(f"ddpjob: error: {loop}. Hint: {who} log in {run_dir / rundir.LOGS} says why; fix it and "
+              f"`ddpjob resume {run_dir}`", file=sys.stderr, flush=True)
+    else:
+        print(f"ddpjob: job {env.job_id} crashed (status {status})"
+              f"{f', {culprit.describe()}' if culprit else ''}: {fields['note']}", file=sys.stderr, flush=True)
     return fields["requeued"]
+
+
+# The batch script's line before each srun (templates/sbatch.sh.tmpl): what srun wrote after
+# it is this attempt's.
+ATTEMPT_MARK = "ddpjob: attempt "
+
+
+def _attempt_log(run_dir: Path, job_id: str) -> str:
+    """The batch log from this attempt's srun on (its last 64 KiB): srun's lines name the task
+    that failed and its host. '' where it cannot be read (a custom --output)."""
+    try:
+        text = rundir.read_bounded(run_dir / rundir.LOGS / f"batch-{job_id}.out", 1 << 16, tail=True)
+    except (OSError, rundir.RecordError):
+        return ""
+    return text[text.rfind(ATTEMPT_MARK):] if ATTEMPT_MARK in text else text
+
+
+def restart_layout(run_dir: Path, env: ClusterEnv, tasks_per_node: int) -> tuple[int, list[str]] | None:
+    """(nodes, excluded hosts) for the next srun inside the allocation: every node of it but the
+    hosts the run's ledger quarantines (crashes.QUARANTINE_AFTER host failures). None: no
+    node is left to run on."""
+    evs = rundir.events(run_dir)
+    out = [h for h in crashes.excluded(evs, rundir.job_chain(evs, env.job_id)) if h in env.hosts]
+    nodes = (len(env.hosts) or env.num_nodes) - len(out)
+    return (nodes, out) if nodes > 0 and tasks_per_node > 0 else None
 
 
 @contextlib.contextmanager
@@ -221,16 +261,6 @@ def _term_held() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
         if came:
             signal.raise_signal(signal.SIGTERM)
-
-
-def _resume_point(run_dir: Path) -> tuple[int, int | None]:
-    """(the step the next start resumes from, steps trained past it that are lost; None: no
-    metrics to tell)."""
-    found = manifest.newest_valid(run_dir / rundir.CHECKPOINTS)
-    resume_at = found[0] if found else 0
-    trained = [int(r["step"]) for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
-               if isinstance(r.get("step"), int)]
-    return resume_at, (max(0, max(trained) - resume_at) if trained else None)
 
 
 # How sacct's state of an attempt that ended unseen maps to the ledger's reasons.
@@ -272,7 +302,7 @@ def record_unseen(run_dir: Path, job_id: str | None) -> list[dict[str, Any]]:
             fields.update(requeued=True, requeued_by="slurm")
         else:
             fields["requeued"] = False
-        fields["step"], fields["steps_lost"] = _resume_point(run_dir)
+        fields["step"], fields["steps_lost"] = crashes.resume_point(run_dir)
         rundir.record_event(run_dir, "stop", job_id=old, restart=start.get("restart"), **fields)
         written.append(fields)
     return written
@@ -304,10 +334,25 @@ def main(argv: list[str]) -> int:
     from ddpjob import config
 
     run_dir, status = Path(argv[0]), int(argv[1])
+    cfg, env = config.read_run_config(run_dir), ClusterEnv.batch_shell()
     # in place, a retry is never a requeue: brought back means "run the ranks again here"
-    brought_back = after_crash(config.read_run_config(run_dir), ClusterEnv.batch_shell(), run_dir, status,
-                               in_place=True)
-    return exitcodes.RESTART if brought_back else status
+    if not after_crash(cfg, env, run_dir, status, in_place=True):
+        memsnap.remove_job(run_dir, env.job_id)  # the job ends here: its snapshots with it
+        return status
+    layout = restart_layout(run_dir, env, cfg.slurm.tasks_per_node)
+    if layout is None:
+        print(f"ddpjob: error: every node of allocation {env.job_id} is excluded after failing "
+              f"{crashes.QUARANTINE_AFTER} times, expected one left to restart on. Hint: `ddpjob resume "
+              f"{run_dir}` submits the run again on other nodes", file=sys.stderr, flush=True)
+        memsnap.remove_job(run_dir, env.job_id)
+        return status
+    nodes, out = layout
+    if out:
+        print(f"ddpjob: excluding {','.join(out)} ({crashes.QUARANTINE_AFTER} failures each): the ranks "
+              f"restart on {nodes} node(s)", file=sys.stderr, flush=True)
+    # stdout is the batch script's: "NODES [EXCLUDED,HOSTS]" (hostnames: crashes.HOST, no shell)
+    print(nodes, ",".join(out), flush=True)
+    return exitcodes.RESTART
 
 
 if __name__ == "__main__":

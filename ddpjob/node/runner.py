@@ -134,7 +134,7 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
         if where is not None and not isinstance(reported, SystemExit):
             why = reported.line() if isinstance(reported, DDPJobError) else _one_line(reported)
             # the run's restart number (as the decision's record has it), SLURM's count before init
-            rundir.record_event(where, "stop", reason="crash", rank=env.rank, job_id=env.job_id,
+            rundir.record_event(where, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
                                 restart=job.restart if job is not None else env.restart_count, error=why)
             if not isinstance(reported, (DDPJobError, KeyboardInterrupt)):
                 traceback.print_exc()  # a bug: the log keeps the full story on every rank

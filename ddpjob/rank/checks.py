@@ -55,8 +55,8 @@ def state_gaps(state: dict[str, Any]) -> list[str]:
             # shuffled: a training loader (an evaluation's sequential order has nothing to resume)
             if isinstance(sampler, RandomSampler) or (isinstance(sampler, DistributedSampler)
                                                       and getattr(sampler, "shuffle", False)):
-                kind = type(sampler).__name__
-                out.append(f"a DataLoader draws its batches from a {kind}, which has no position to "
+                name = type(sampler).__name__
+                out.append(f"a DataLoader draws its batches from a {name}, which has no position to "
                            "resume from: after a resume the data order starts again at epoch 0. "
                            "Hint: use batch_sampler=ddpjob.StepSampler(...) and put it in state")
                 break

@@ -27,7 +27,7 @@ from ddpjob import rundir
 from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist
-from ddpjob.store import rng, sharded
+from ddpjob.store import memsnap, rng, sharded
 from ddpjob.store.commit import CheckpointInfo, CheckpointStore
 from ddpjob.store.snapshot import AsyncWrite
 
@@ -102,8 +102,11 @@ class StateStore:
                  rank: int, world_size: int, restart: int, job_id: str | None,
                  control: dist.Control, init_from: str = "", init_keys: tuple[str, ...] = ("model",),
                  code: Callable[[], tuple[str, tuple[str, ...]]] | None = None,
-                 allow_code_change: bool = False, sharded: bool = False, from_scratch: bool = False) -> None:
+                 allow_code_change: bool = False, sharded: bool = False, from_scratch: bool = False,
+                 snapshots: memsnap.Snapshots | None = None) -> None:
         self.store = CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
+        # checkpoint.snapshot_every: this rank's in-memory copies (memsnap.py); not with fsdp
+        self.snapshots = None if sharded else snapshots
         self.sharded = sharded  # train.strategy = "fsdp": models and optimizers through DCP
         self.init_from, self.init_keys = init_from, init_keys
         # (hash of the code this process runs, hashes it accepts): launch/freeze.py. Asked on
@@ -138,6 +141,12 @@ class StateStore:
             # checkpoint that verifies but does not load is skipped like a damaged one.
             info = dist.rank0_decides(self.rank == 0, lambda: self._pick(state, sharded.keys(units)),
                                       what="the choice of the checkpoint to resume from")
+        store = self.store
+        if self.snapshots is not None and enabled:
+            snap = self._newest_snapshot(state, None if info is None else info.step)
+            if snap is not None:
+                store, info = self.snapshots.store, snap
+                print0(f"resuming from the in-memory snapshot of step {info.step}, newer than any checkpoint")
         self._rng_seed = (seed, 0 if info is None else info.step)
         if info is None:
             if self.init_from:
@@ -147,14 +156,44 @@ class StateStore:
             return 0
         if units:
             sharded.load(info.path, units, self.control)
-        self._load_into(state, info, skip=set(sharded.keys(units)))
+        self._load_into(state, info, skip=set(sharded.keys(units)), store=store)
         rng_file = f"rank-{self.rank}.pt"
         if rng_file in info.manifest.get("files", {}):
-            self._rng = self.store.load(info, rng_file)
+            self._rng = store.load(info, rng_file)
         self.saved_step = info.step
         self.resumed_meta = dict(info.manifest)
         print0(f"resumed from {info.path.name} (step {info.step}, restart {self.restart})")
         return info.step
+
+    def _newest_snapshot(self, state: State, durable: int | None) -> CheckpointInfo | None:
+        """Collective: the newest snapshot step that every rank holds, verified, with all of
+        its state, if it is newer than the durable checkpoint `durable`; None otherwise (a
+        requeue onto other nodes finds none, a rank that lost its node has none)."""
+        assert self.snapshots is not None
+        names = [f"{k}.pt" for k, v in state.items() if _stateful(v)] + [f"rank-{self.rank}.pt"]
+        mine = self.snapshots.newest(names)
+        every = dist.all_gather_object(mine, what="the choice of an in-memory snapshot")
+        common = set(every[0]).intersection(*every[1:]) if every else set()
+        best = max(common, default=None)
+        if best is None or (durable is not None and best <= durable):
+            return None
+        return self.snapshots.info(best)
+
+    def snapshot_due(self, step: int) -> bool:
+        return self.snapshots is not None and self.snapshots.due(step) and self.saved_step != step
+
+    def snapshot(self, step: int, state: State) -> None:
+        """This rank's whole state into node-local memory, written in the background: its own
+        replica of every stateful key, its RNG streams and the plain values. No collective."""
+        assert self.snapshots is not None
+        files: dict[str, Any] = {f"rank-{self.rank}.pt": rng.capture_rng_state()}
+        for key, obj in state.items():
+            if _stateful(obj):
+                files[f"{key}.pt"] = _target(obj).state_dict()
+        values = {k: v for k, v in state.items() if not _stateful(v)}
+        if values:
+            files["values.pt"] = values
+        self.snapshots.take(step, files, self._meta(step, {"snapshot": True}))
 
     def _units(self, state: State) -> list[sharded.Unit]:
         """With fsdp: the state's models and their optimizers, which go through DCP."""
@@ -201,14 +240,16 @@ class StateStore:
             print0(f"--from-scratch: {info.path.name} moved to {aside}")
         return None
 
-    def _load_into(self, state: State, info: CheckpointInfo, skip: set[str]) -> None:
+    def _load_into(self, state: State, info: CheckpointInfo, skip: set[str],
+                   store: CheckpointStore | None = None) -> None:
+        store = self.store if store is None else store
         files = info.manifest.get("files", {})
-        values = self.store.load(info, "values.pt") if "values.pt" in files else {}
+        values = store.load(info, "values.pt") if "values.pt" in files else {}
         for key, obj in list(state.items()):
             if key in skip:
                 continue  # loaded through DCP
             if _stateful(obj):
-                loaded = self.store.load(info, f"{key}.pt")
+                loaded = store.load(info, f"{key}.pt")
                 try:
                     _target(obj).load_state_dict(loaded)
                 except DDPJobError:
