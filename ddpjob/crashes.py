@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import rundir
-from ddpjob.store import manifest, memsnap
 
 # Two failures on one host: once may be the job's bad luck, twice is the host (NVRx and Llama 3's
 # operators exclude on repeats too). Preemptions, time limits and the job's own exceptions never
@@ -153,14 +152,11 @@ def no_progress(evs: Sequence[dict[str, Any]], chain: set[str] | None, now: tupl
     return streak, point
 
 
-def resume_point(run_dir: Path, job_id: str | None = None) -> tuple[int, int | None]:
-    """(the step the next start resumes from, steps trained past it that are lost; None: no
-    metrics to tell). With `job_id`, the job's in-memory snapshots on this machine count too
-    (a restart inside the allocation resumes from the newest one all its ranks hold)."""
-    found = manifest.newest_valid(run_dir / rundir.CHECKPOINTS)
-    resume_at = found[0] if found else 0
-    snap = memsnap.newest_common(run_dir, job_id) if job_id is not None else None
-    resume_at = max(resume_at, snap or 0)
+def resume_point(run_dir: Path, *saved: int | None) -> tuple[int, int | None]:
+    """(the step the next start resumes from: the newest of `saved`, the steps of the newest
+    checkpoint and snapshot the caller found; steps trained past it that are lost, None: no
+    metrics to tell)."""
+    resume_at = max((s for s in saved if s is not None), default=0)
     trained = [int(r["step"]) for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
                if isinstance(r.get("step"), int)]
     return resume_at, (max(0, max(trained) - resume_at) if trained else None)

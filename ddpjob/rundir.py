@@ -386,25 +386,21 @@ FAILURES = ("crash", "node_failure")  # spend max_failures; every other stop spe
 def used(run_dir: str | Path, restart: int, job_id: str | None = None) -> tuple[int, int]:
     """(requeues, failures) spent so far: failures are the crash and node-failure retries
     recorded in events; every other restart of the run (SLURM's and successors') was a requeue.
-    With `job_id`, only its chain counts (the job and the jobs it succeeds): a new submission
-    of the run (`ddpjob resume`, submit to the same run dir) starts with fresh budgets. Read by
-    node/requeue.py's decision and by the local supervisor."""
+    With `job_id`, only its job_chain counts: a new submission of the run (`ddpjob resume`)
+    starts with fresh budgets. Read by node/requeue.py's decision and the local supervisor."""
     evs = events(run_dir)
     chain = None if job_id is None else job_chain(evs, job_id)
-    failures = sum(1 for e in evs if e.get("event") == "stop" and e.get("reason") in FAILURES
-                   and e.get("requeued") and "rank" not in e
-                   and (chain is None or str(e.get("job_id")) in chain))
+    failures = sum(1 for e in evs if e.get("event") == "stop" and e.get("reason") in FAILURES and e.get("requeued")
+                   and "rank" not in e and (chain is None or str(e.get("job_id")) in chain))
     return max(0, restart - failures), failures
 
 
 def job_chain(evs: list[dict[str, Any]], job_id: Any) -> set[str]:
-    """The job and the jobs it succeeds (successors submitted when `scontrol requeue` was
-    refused): what one submission's budgets, host ledger and crash streak count over."""
+    """The job and the jobs it succeeds: what a submission's budgets and crash ledger count over."""
     chain, cur = {str(job_id)}, str(job_id)
     while prev := next((str(e.get("job_id")) for e in evs if e.get("requeued_by") == "successor"
                         and str(e.get("next_job_id")) == cur and str(e.get("job_id")) not in chain), None):
-        chain.add(prev)
-        cur = prev
+        chain, cur = chain | {prev}, prev
     return chain
 
 

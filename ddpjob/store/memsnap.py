@@ -143,7 +143,10 @@ class Snapshots:
             self.skipped += 1
             self.why_not = f"{need >> 20} MiB needed for {KEEP + 1} snapshots, {free >> 20} MiB free in {self.store.root}"
             return False
-        self._pending = self._async(lambda: self.store.save(step, snap, meta) and None, self.store.root)
+        def write() -> None:
+            self.store.save(step, snap, meta)
+
+        self._pending = self._async(write, self.store.root)
         self.taken += 1
         return True
 
