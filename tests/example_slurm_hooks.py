@@ -57,12 +57,21 @@ def _slurm_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 
 
+def _ignore_usr2() -> None:
+    """In the child before exec (an ignored signal stays ignored across exec): `scancel
+    --signal=USR2 JOB` signals every process of the job's steps, and the scancel a rank starts
+    is one of them. Seen in CI under stress-ng: it died of its own USR2 (returncode -12) before
+    it exited 0, and the rank raised."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
 def slurm(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
     """Run a SLURM command from inside a rank. A controller too busy to answer ("Socket timed
     out", "Unable to contact", seen under stress-ng) is asked again instead of failing the rank,
     as tests/slurmtools.py does for the test's own commands."""
     for attempt in range(4):
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=_slurm_env(), **kwargs)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=90, env=_slurm_env(),
+                             preexec_fn=_ignore_usr2, **kwargs)
         if out.returncode == 0:
             return out
         if attempt == 3 or not re.search(r"timed out|Unable to contact", out.stderr):
