@@ -182,6 +182,7 @@ class Job:
         self._standalone, self._lock = standalone, lock
         from ddpjob.node import dist, preemption
         from ddpjob.store.schedule import SaveSchedule
+        from ddpjob.store import memsnap
         from ddpjob.store.state import StateStore
 
         self.config, self.env, self._ctx, self.run_dir, self._stop = cfg, ctx.env, ctx, run_dir, stop
@@ -202,7 +203,7 @@ class Job:
                                  code=lambda: _code_hash(cfg, run_dir),
                                  allow_code_change=bool(_launch and _launch.allow_code_change),
                                  from_scratch=bool(_launch and _launch.from_scratch),
-                                 sharded=cfg.train.strategy == "fsdp", snapshots=_snapshots(cfg, ctx.env, run_dir))
+                                 sharded=cfg.train.strategy == "fsdp", snapshots=memsnap.for_rank(cfg, ctx.env, run_dir))
         self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
         self._deadline = preemption.DeadlineWatch(_end_time(self.env))
         self._step: int | None = None  # set by resume()
@@ -551,20 +552,6 @@ def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Pat
         return rundir.prepare(Path(path).resolve(), cfg)
 
     return Path(dist.rank0_decides(env.is_rank0, choose, what="the choice of the run directory"))
-
-
-def _snapshots(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> Any:
-    """checkpoint.snapshot_every > 0: this rank's in-memory snapshots (store/memsnap.py)."""
-    every = cfg.checkpoint.snapshot_every
-    if every <= 0:
-        return None
-    from ddpjob.store import memsnap
-
-    root = memsnap.rank_root(run_dir, env.job_id, env.hostname, env.rank)
-    snaps = memsnap.Snapshots(root, every=every, config_hash=cfg.hash())
-    if snaps.why_not is not None:
-        console.print0(f"ddpjob: warning: no in-memory snapshots: {snaps.why_not}")
-    return snaps
 
 
 def _code_hash(cfg: JobConfig, run_dir: Path) -> tuple[str, tuple[str, ...]]:

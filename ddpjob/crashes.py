@@ -51,7 +51,7 @@ class Culprit:
 
     def describe(self) -> str:
         who = "a rank" if self.rank is None else f"rank {self.rank}"
-        return f"{who}{'' if self.host is None else f' on {self.host}'}: {self.how}"
+        return f"{who}{'' if self.host is None else f' on {self.host}'}{f': {self.how}' if self.how else ''}"
 
 
 def from_srun(text: str) -> Culprit | None:
@@ -152,11 +152,10 @@ def no_progress(evs: Sequence[dict[str, Any]], chain: set[str] | None, now: tupl
     return streak, point
 
 
-def resume_point(run_dir: Path, *saved: int | None) -> tuple[int, int | None]:
-    """(the step the next start resumes from: the newest of `saved`, the steps of the newest
-    checkpoint and snapshot the caller found; steps trained past it that are lost, None: no
-    metrics to tell)."""
-    resume_at = max((s for s in saved if s is not None), default=0)
+def resume_point(run_dir: Path, saved: int | None) -> tuple[int, int | None]:
+    """(the step the next start resumes from: `saved`, what the caller found (store/memsnap.py:
+    newest_saved), else 0; steps trained past it that are lost, None: no metrics to tell)."""
+    resume_at = saved or 0
     trained = [int(r["step"]) for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
                if isinstance(r.get("step"), int)]
     return resume_at, (max(0, max(trained) - resume_at) if trained else None)

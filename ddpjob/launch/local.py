@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import config, crashes, exitcodes, requests, rundir, runlock
-from ddpjob.store import manifest, memsnap
+from ddpjob.store import memsnap
 
 LOCAL = "local.json"
 POLL_S = 0.1
@@ -219,9 +219,7 @@ class Supervisor:
             ((r, c) for r, c in enumerate(codes) if c not in (0, exitcodes.REQUEUE)), (0, max(codes)))
         culprit = crashes.with_rank_error(crashes.from_returncode(rank, socket.gethostname(), code),
                                           evs, self.job_id, self.restarts)
-        found = manifest.newest_valid(self.run_dir / rundir.CHECKPOINTS)
-        resume_at, lost = crashes.resume_point(self.run_dir, found[0] if found else None,
-                                               memsnap.newest_common(self.run_dir, self.job_id))
+        resume_at, lost = crashes.resume_point(self.run_dir, memsnap.newest_saved(self.run_dir, self.job_id))
         streak, _ = crashes.no_progress(evs, {self.job_id}, (self.job_id, self.restarts, resume_at))
         loop = crashes.crash_loop(self.cfg.slurm.max_no_progress, streak, resume_at, lost, culprit)
         retry = failures < self.cfg.slurm.max_failures and loop is None

@@ -278,9 +278,9 @@ def ledger(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
         if "failed_how" in e:  # who died where; how only for a death by a signal (`last event`
             # already gives an exception, in one line)
             rank, host, died = e.get("failed_rank"), e.get("failed_host"), e.get("failed_how")
-            who = ("a rank" if not isinstance(rank, int) else f"rank {rank}") + \
-                (f" on {host}" if isinstance(host, str) else "") + \
-                (f": {died}" if e.get("host_fault") is True and isinstance(died, str) else "") + ", "
+            who = crashes.Culprit(rank if isinstance(rank, int) else None, host if isinstance(host, str) else None,
+                                  died if e.get("host_fault") is True and isinstance(died, str) else "",
+                                  False).describe() + ", "
         out.append((f"{e.get('reason') or 'stopped'} at step {e.get('step')} (job {e.get('job_id')}), {who}"
                     f"steps lost {'?' if lost is None else lost}, {how}, {back}",
                     phases.describe(phases.recovery(events, i))))

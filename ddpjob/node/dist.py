@@ -208,19 +208,16 @@ def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float 
         # tcp:// with explicit rank/world, not env://: the values come from ClusterEnv (which may
         # have derived them), not from whatever MASTER_* this process happens to inherit.
         # device_id binds NCCL to this rank's GPU up front (no guessing in the first barrier).
-        if env.agent_round is not None:
-            # torchrun's agent hosts the store, and keeps it across its restart rounds: a round
-            # that used it bare read the last round's gloo addresses and hung on refused
-            # connections. Each round gets keys of its own (as torch itself did up to 2.x).
-            store = dist.PrefixStore(f"ddpjob/round_{env.agent_round}/", dist.TCPStore(
-                env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=timeout_s)))
-            dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
-                                    timeout=timedelta(seconds=timeout_s),
-                                    device_id=device if backend == "nccl" else None)
-        else:
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{env.master_port}", rank=env.rank,
-                                    world_size=env.world_size, timeout=timedelta(seconds=timeout_s),
-                                    device_id=device if backend == "nccl" else None)
+        # torchrun's agent hosts the store and keeps it across its restart rounds: a round that
+        # used it bare read the last round's gloo addresses and hung on refused connections, so
+        # each round gets keys of its own (as torch itself did up to 2.x).
+        where: dict[str, Any] = ({"init_method": f"tcp://{host}:{env.master_port}"} if env.agent_round is None else
+                                 {"store": dist.PrefixStore(f"ddpjob/round_{env.agent_round}/", dist.TCPStore(
+                                     env.master_addr, env.master_port, is_master=False,
+                                     timeout=timedelta(seconds=timeout_s)))})
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None, **where)
     except (RuntimeError, ValueError, OSError) as exc:
         cause = " ".join(str(exc).split("\n")[0].split())[:200].rstrip(".")
         if env.rank == 0 and "in use" in cause.lower():

@@ -28,7 +28,7 @@ from ddpjob.config import JobConfig
 from ddpjob.launch import slurm
 from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv
-from ddpjob.store import manifest, memsnap
+from ddpjob.store import memsnap
 
 FAILURES, used = rundir.FAILURES, rundir.used  # the budgets: counted in rundir, for the supervisor too
 CHECK_TRIES, CHECK_PAUSE_S = 3, 2.0
@@ -199,7 +199,8 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
     culprit = crashes.with_rank_error(crashes.from_srun(_attempt_log(run_dir, str(env.job_id))) if in_place
                                       else None, evs, env.job_id, restart)
     with _term_held():
-        resume_at, lost = _resume_point(run_dir, str(env.job_id) if in_place else None)
+        # in place the job's snapshots count too (the restart resumes from them)
+        resume_at, lost = crashes.resume_point(run_dir, memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None))
         streak, _ = crashes.no_progress(evs, chain, (env.job_id, restart, resume_at))
         loop = crashes.crash_loop(cfg.slurm.max_no_progress, streak, resume_at, lost, culprit)
         fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}",
@@ -215,14 +216,6 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
         print(f"ddpjob: job {env.job_id} crashed (status {status})"
               f"{f', {culprit.describe()}' if culprit else ''}: {fields['note']}", file=sys.stderr, flush=True)
     return fields["requeued"]
-
-
-def _resume_point(run_dir: Path, job_id: str | None) -> tuple[int, int | None]:
-    """crashes.resume_point from the newest valid checkpoint and, with `job_id` (a restart inside
-    the allocation), the newest snapshot every rank folder of the job on this machine holds."""
-    found = manifest.newest_valid(run_dir / rundir.CHECKPOINTS)
-    return crashes.resume_point(run_dir, found[0] if found else None,
-                                memsnap.newest_common(run_dir, job_id) if job_id else None)
 
 
 # The batch script's line before each srun (templates/sbatch.sh.tmpl): what srun wrote after
@@ -310,7 +303,7 @@ def record_unseen(run_dir: Path, job_id: str | None) -> list[dict[str, Any]]:
             fields.update(requeued=True, requeued_by="slurm")
         else:
             fields["requeued"] = False
-        fields["step"], fields["steps_lost"] = _resume_point(run_dir, None)
+        fields["step"], fields["steps_lost"] = crashes.resume_point(run_dir, memsnap.newest_saved(run_dir, None))
         rundir.record_event(run_dir, "stop", job_id=old, restart=start.get("restart"), **fields)
         written.append(fields)
     return written

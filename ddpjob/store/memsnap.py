@@ -26,6 +26,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddpjob import console, rundir
 from ddpjob.store import manifest
 
 if TYPE_CHECKING:  # torch: imported by a rank only (the crash decision reads the paths too)
@@ -95,11 +96,31 @@ def newest_common(run_dir: Path, job_id: str | None, base: Path = SHM) -> int | 
     return max(steps, default=None) if steps else None
 
 
+def newest_saved(run_dir: Path, job_id: str | None) -> int | None:
+    """The step a restart of the job on this machine would resume from: the newest valid
+    checkpoint, or with `job_id` the newest snapshot all its ranks hold when newer."""
+    found = manifest.newest_valid(Path(run_dir) / rundir.CHECKPOINTS)
+    snap = newest_common(run_dir, job_id) if job_id else None
+    return max((s for s in (found[0] if found else None, snap) if s is not None), default=None)
+
+
 def remove_job(run_dir: Path, job_id: str | None, base: Path = SHM) -> None:
     """The job's snapshots on this machine: at the end of the job (the folder is ours to drop)."""
     root = job_root(run_dir, job_id, base)
     if root.is_dir() and refuse(root, base) is None:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def for_rank(cfg: Any, env: Any, run_dir: Path) -> Snapshots | None:
+    """This rank's snapshots as `cfg` (a JobConfig) asks: None with snapshot_every = 0; a tree
+    that may not be used gets one warning and no snapshots."""
+    if cfg.checkpoint.snapshot_every <= 0:
+        return None
+    root = rank_root(run_dir, env.job_id, env.hostname, env.rank)
+    snaps = Snapshots(root, every=cfg.checkpoint.snapshot_every, config_hash=cfg.hash())
+    if snaps.why_not is not None:
+        console.print0(f"ddpjob: warning: no in-memory snapshots: {snaps.why_not}")
+    return snaps
 
 
 class Snapshots:

@@ -186,14 +186,7 @@ class StateStore:
         """This rank's whole state into node-local memory, written in the background: its own
         replica of every stateful key, its RNG streams and the plain values. No collective."""
         assert self.snapshots is not None
-        files: dict[str, Any] = {f"rank-{self.rank}.pt": rng.capture_rng_state()}
-        for key, obj in state.items():
-            if _stateful(obj):
-                files[f"{key}.pt"] = _target(obj).state_dict()
-        values = {k: v for k, v in state.items() if not _stateful(v)}
-        if values:
-            files["values.pt"] = values
-        self.snapshots.take(step, files, self._meta(step, {"snapshot": True}))
+        self.snapshots.take(step, self._files(state, [], whole=True), self._meta(step, {"snapshot": True}))
 
     def _units(self, state: State) -> list[sharded.Unit]:
         """With fsdp: the state's models and their optimizers, which go through DCP."""
@@ -295,14 +288,14 @@ class StateStore:
                 plan[key] = 1 + i % (self.world_size - 1)
         return plan
 
-    def _files(self, state: State, skip: list[str]) -> dict[str, Any]:
+    def _files(self, state: State, skip: list[str], whole: bool = False) -> dict[str, Any]:
         """The files this rank writes: its RNG streams, the stateful keys writers() gives it and,
-        on rank 0, values.pt."""
+        on rank 0, values.pt; `whole` (a snapshot): every key and the values, from this rank."""
         files: dict[str, Any] = {f"rank-{self.rank}.pt": rng.capture_rng_state()}
         for key, rank in self.writers(state, skip).items():
-            if rank == self.rank:
+            if whole or rank == self.rank:
                 files[f"{key}.pt"] = _target(state[key]).state_dict()
-        if self.rank == 0:
+        if whole or self.rank == 0:
             values = {k: v for k, v in state.items() if k not in skip and not _stateful(v)}
             if values:
                 files["values.pt"] = values
