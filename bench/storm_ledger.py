@@ -1,6 +1,6 @@
 """P11's figures from what a run recorded: RUN_DIR/events.jsonl and the train lines of
 RUN_DIR/metrics.jsonl. Pure functions over parsed JSON (no torch, no SLURM), so that
-tests/test_bench.py can check them on a hand-written ledger.
+tests/unit/test_bench.py can check them on a hand-written ledger.
 
 Definitions (bench/README.md, P11, says the same):
   attempt        one start of the job: a `start` event of rank 0 up to its end

@@ -204,7 +204,7 @@ def p2(b: Bench) -> list[Row]:
     img = 2 * s.batch
     rows = [c.row("P2", "default recipe / seeds' recipe, images/s (2 ranks x 1 thread)", ">= 1.5x", 1.5,
                   ddpjob_img_s=round(img * c.a_rate, 1), seeds_img_s=round(img * c.b_rate, 1))]
-    if s.tiny:  # a cold compile takes minutes: tests/test_compile.py checks the path in CI
+    if s.tiny:  # a cold compile takes minutes: tests/unit/test_compile.py checks the path in CI
         return rows
     # train.compile: the same steps compiled (the compile falls in the warm-up steps; P7 counts it)
     a, seeds = b.lockstep(Arm("P2c-ddpjob", "fit", 2, {"config": b.config(2, "train.compile=true")}),
@@ -454,7 +454,7 @@ def _first_step_time(run_dir: Path, restart: int, timeout: float, ranks: _Ranks,
 
 def p7(b: Bench) -> list[Row]:
     rows = _p7(b, compiled=False)
-    if not b.sizes.tiny:  # a cold compile takes minutes: tests/test_compile.py checks the path in CI
+    if not b.sizes.tiny:  # a cold compile takes minutes: tests/unit/test_compile.py checks the path in CI
         rows += _p7(b, compiled=True)
     return rows
 
@@ -537,7 +537,7 @@ BENCHMARKS: dict[str, Callable[[Bench], list[Row]]] = {
     "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9, "P10": p10,
     "P11": p11, "P13": p13}
 # Run only when named: P11 needs the SLURM test cluster and ~15 minutes, so neither the default
-# set nor CI's `bench --tiny` (tests/test_bench.py) may start it.
+# set nor CI's `bench --tiny` (tests/unit/test_bench.py) may start it.
 ON_DEMAND = frozenset({"P11"})
 # Ids that do not read the CIFAR-10-format data set (a first run would write 50,000 images).
 NO_DATA = frozenset({"P8", "P11"})

@@ -38,7 +38,7 @@ def _key(f: dataclasses.Field) -> str:  # TOML key of a field ("async" is a Pyth
 CONTAINER_RUNTIMES = ("pyxis", "apptainer", "singularity")  # launch/container.py
 
 # The resume identity, declared by every field: a checkpoint resumes only under a config whose
-# Match fields are all equal (JobConfig.hash). tests/test_config.py fails for a field that
+# Match fields are all equal (JobConfig.hash). tests/unit/test_config.py fails for a field that
 # declares nothing.
 T = TypeVar("T")
 MATCH, FREE, MATCH_IF_SET = "resume: match", "resume: free", "resume: match unless default"

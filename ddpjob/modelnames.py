@@ -2,7 +2,7 @@
 
 config validation (login node) checks train.model against these, so an unknown name fails in
 one line at submit time instead of on every rank after the job waited in the queue.
-train/models.py builds them; tests/test_models.py checks both lists against the real builders
+train/models.py builds them; tests/unit/test_models.py checks both lists against the real builders
 (BUILTIN and torchvision.models.list_models), so this copy cannot drift silently.
 """
 

@@ -1,4 +1,4 @@
-"""A user script on ddpjob's public API, for tests/test_api.py: a small regression MLP with
+"""A user script on ddpjob's public API, for tests/ranks/test_api.py: a small regression MLP with
 dropout (so the RNG matters), AdamW + a LambdaLR scheduler, a map-style dataset through a plain
 DataLoader with a StepSampler, a stateful object of the user's own and a plain value.
 

@@ -1,4 +1,9 @@
-"""Shared pytest plumbing: the real SLURM test cluster for tests marked `cluster`.
+"""Shared pytest plumbing: the test tiers, and the real SLURM test cluster for tests marked `cluster`.
+
+The tiers (README "Tests"): tests/unit runs in-process (the default `pytest`), tests/ranks starts
+real processes (ranks, `ddpjob run`, the local backend, torchrun), tests/cluster submits to real
+SLURM. A `cluster` test outside tests/cluster, or one in it without the marker, is a collection
+error: the marker is what makes CI fail on a skip, and the folder is what a tier run selects.
 
 `slurm_cluster` (session) checks that tests/cluster/start.sh's cluster answers; tests marked
 `cluster` get it automatically. Without the cluster they skip, except under CI=true, where a
@@ -84,6 +89,28 @@ def _cluster_problem() -> str | None:
     if rc != 0:
         return f"sacct failed (accounting is needed): {out}"
     return None
+
+
+TESTS = Path(__file__).resolve().parent
+TIERS = ("unit", "ranks", "cluster")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test sits in its tier's folder: `cluster` tests, and only they, in tests/cluster."""
+    wrong = []
+    for item in items:
+        try:
+            tier = item.path.resolve().relative_to(TESTS).parts[0]
+        except ValueError:
+            continue
+        if tier not in TIERS:
+            continue  # test_conftest.py's throwaway copies of this file
+        marked = item.get_closest_marker("cluster") is not None
+        if marked != (tier == "cluster"):
+            wrong.append(f"{item.nodeid} ({'marked' if marked else 'not marked'} `cluster`, in tests/{tier})")
+    if wrong:
+        raise pytest.UsageError("ddpjob: error: tests in the wrong tier: " + "; ".join(wrong)
+                                + ". Hint: `cluster` tests go in tests/cluster, the others in tests/unit or tests/ranks")
 
 
 @pytest.fixture

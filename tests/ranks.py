@@ -1,6 +1,6 @@
 """Start N local `ddpjob run` ranks the way torchrun does (RANK, WORLD_SIZE, MASTER_* ...).
 
-Shared by tests/test_runner.py, test_trainer.py, test_preemption_local.py, test_equivalence.py:
+Shared by tests/ranks/test_runner.py, test_trainer.py, test_preemption_local.py, test_equivalence.py:
 real processes, one per rank, each with its own log file, on a fresh port.
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one lent GPU machine, as one short script (issue 25): tests/test_gpu.py runs
+# The GPU checks of one lent GPU machine, as one short script (issue 25): tests/ranks/test_gpu.py runs
 # beside bench P8's cold compiles (compiling is host work), then P8 times its arms alone, then the
 # async-snapshot test runs again alone (its figure is a blocking time). Uses the python3 on the
 # PATH as it is (a GPU image's own torch); writes everything into OUT.
@@ -27,7 +27,7 @@ cat "$OUT/env.txt"
 hold=$WORK/tests-running
 touch "$hold"
 workers=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 4")  # pytest-xdist, where installed
-(python3 -m pytest tests/test_gpu.py -q -rP $workers -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+(python3 -m pytest tests/ranks/test_gpu.py -q -rP $workers -p no:cacheprovider >"$OUT/pytest.log" 2>&1
  echo "pytest exit $?" >>"$OUT/pytest.log"; rm -f "$hold") &
 tests=$!
 (while sleep 15; do cp "$WORK/P8/arms.jsonl" "$OUT/" 2>/dev/null; done) &
@@ -39,7 +39,7 @@ echo "bench exit $?" >>"$OUT/bench.log"
 wait "$tests"
 kill "$copier" 2>/dev/null
 cp "$WORK/P8/arms.jsonl" "$OUT/" 2>/dev/null
-python3 -m pytest tests/test_gpu.py -q -rP -p no:cacheprovider -k async_snapshot >"$OUT/snapshot.log" 2>&1
+python3 -m pytest tests/ranks/test_gpu.py -q -rP -p no:cacheprovider -k async_snapshot >"$OUT/snapshot.log" 2>&1
 tail -5 "$OUT/pytest.log"
 grep -E "blocked|amp auto on" "$OUT/pytest.log" "$OUT/snapshot.log"
 grep -E "^\| P8|exit" "$OUT/bench.log"

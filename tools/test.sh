@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The project's test command: set up .venv, start the real SLURM test cluster, run pytest.
-# Extra arguments go to pytest, e.g. `bash tools/test.sh -k hostlist`. Exits with pytest's status;
-# "no tests collected" (pytest's 5) counts as a failure.
+# The project's test command: set up .venv, start the real SLURM test cluster, run pytest over the
+# three tiers in one session (tests/unit, then tests/ranks, then tests/cluster).
+# Extra arguments go to pytest, e.g. `bash tools/test.sh -k hostlist` (across all tiers); when one of
+# them names a test path (`bash tools/test.sh tests/ranks`), only what they name runs.
+# Exits with pytest's status; "no tests collected" (pytest's 5) counts as a failure.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -12,8 +14,15 @@ if [ "${CI:-}" = true ]; then
 else
     bash tests/cluster/start.sh
 fi
+tiers=(tests/unit tests/ranks tests/cluster)
+for arg in "$@"; do
+    if [[ "$arg" != -* && ( -e "${arg%%::*}" ) ]]; then
+        tiers=()
+        break
+    fi
+done
 status=0
-.venv/bin/python -m pytest "$@" || status=$?
+.venv/bin/python -m pytest "${tiers[@]}" "$@" || status=$?
 if [ "$status" -eq 5 ]; then
     echo "[test] pytest collected no tests: treating that as a failure" >&2
     exit 1

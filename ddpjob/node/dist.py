@@ -4,7 +4,7 @@ Second step on the nodes: runner.py / selftest.py hand the ClusterEnv from clust
 `init_process_group`, which picks backend and device and returns a DistContext. The only
 module that sets torch.distributed up and the only one that calls its collectives (the
 trainer, the checkpoint state, the stop vote, SyncBatchNorm and selftest call the helpers
-below; tests/test_layout.py checks it). With one process there is no group and the helpers on
+below; tests/unit/test_layout.py checks it). With one process there is no group and the helpers on
 the default group become no-ops, so the trainer has a single code path.
 """
 

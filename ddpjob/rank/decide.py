@@ -11,7 +11,7 @@ while step s+1 computes and is read after it: nothing waits for it, and a stop l
 later. With `lag` 0 it is read at once (one blocking all-reduce per step).
 
 No torch and no process group: the channel is anything with `agree` / `start_agree` (node/dist's
-Control, or a fake in tests/test_decide.py), the clock a plain function.
+Control, or a fake in tests/unit/test_decide.py), the clock a plain function.
 """
 
 from __future__ import annotations

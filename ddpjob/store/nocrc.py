@@ -11,7 +11,7 @@ off only while one of our saves needs it and the caller's value comes back after
 own torch.save, before or after ours, keeps its CRC. torch reads the switch when torch.save opens
 its zip writer and its first write comes once the object is pickled (a state dict: milliseconds),
 so the switch comes back at that first write, and at the latest when the save ends or fails
-(tests/test_checkpoint.py checks that every record still has CRC 0: a torch that read the switch
+(tests/unit/test_checkpoint.py checks that every record still has CRC 0: a torch that read the switch
 later would fail it, not break a checkpoint); a user's torch.save in another thread that opens its writer inside that window would go without
 CRC (still loadable). Saves of ours that overlap (threads) share one window: a count, not each its
 own get/set pair, or the last to finish could put back the first one's False. An older torch

@@ -1,0 +1,155 @@
+"""`ddpjob status / logs / cancel / ls` on local runs (real supervisor, fake ranks), the parsing
+of sacct/squeue output (fake binaries on PATH), and on real SLURM jobs (test cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ranks import LAG
+from test_local_backend import wait_for
+
+from ddpjob import config, rundir
+from ddpjob.launch import control, submit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def ddpjob(*argv: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+_started: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    """A failed test must not leave a supervisor and its fake ranks behind."""
+    yield
+    while _started:
+        run = _started.pop()
+        pids = [(rundir.read_json(run / "job.json") or {}).get("pid")]
+        pids += (rundir.read_json(run / "local.json") or {}).get("rank_pids", [])
+        for pid in filter(None, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ------------------------------------------------------------------ real SLURM jobs
+@pytest.mark.cluster
+def test_status_logs_cancel_ls_on_a_real_slurm_job(slurm_cluster, tmp_path):
+    import slurmtools
+    from slurmtools import wait_done, wait_state
+
+    run = tmp_path / "runs" / "long"
+    out = ddpjob("submit", str(ROOT / "jobs" / "smoke.toml"), "--backend", "slurm", "--run-dir", str(run),
+                 "--set", "train.max_steps=100000", "--set", "train.eval_every=0",
+                 cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job_id = rundir.read_json(run / "job.json")["job_id"]
+    slurmtools.submitted.append(job_id)
+    wait_state(job_id, ("RUNNING",), timeout=120)
+    wait_for(lambda: ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path).returncode == 0, timeout=60,
+             what="rank 1's log")
+    out = ddpjob("status", job_id, cwd=tmp_path)
+    assert "state       RUNNING" in out.stdout and f"job         {job_id} (slurm)" in out.stdout
+    out = ddpjob("ls", cwd=tmp_path)
+    assert any(ln.split()[1:4] == ["slurm", job_id, "RUNNING"] for ln in out.stdout.splitlines()[1:])
+    rec = json.loads(ddpjob("status", str(run), "--json", cwd=tmp_path).stdout)
+    assert (rec["backend"], rec["job_ids"], rec["state"], rec["completed"]) == ("slurm", [job_id], "RUNNING", False)
+    out = ddpjob("cancel", str(run), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert wait_done(job_id, timeout=120) == "CANCELLED"
+    wait_for(lambda: "CANCELLED" in ddpjob("status", str(run), cwd=tmp_path).stdout, timeout=30,
+             what="status CANCELLED")
+    assert any(e["event"] == "cancel" for e in rundir.events(run))
+
+
+@pytest.mark.cluster
+def test_a_preempted_submitit_job_is_requeued_by_slurm_and_resumes(slurm_cluster, tmp_path):
+    """PreemptMode=REQUEUE: SIGTERM -> checkpoint, exit 3 (NodeTask leaves no result), SLURM
+    requeues the job itself; the next incarnation resumes and completes."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    run = tmp_path / "runs" / "pre"
+    out = ddpjob("submit", str(ROOT / "jobs" / "smoke.toml"), "--backend", "slurm", "--run-dir", str(run),
+                 "--set", "train.max_steps=300", "--set", "train.eval_every=0", "--set", "train.log_every=5",
+                 cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    job_id = rundir.read_json(run / "job.json")["job_id"]
+    slurmtools.submitted.append(job_id)
+    slurmtools.wait_state(job_id, ("RUNNING",), timeout=120)
+    wait_for(lambda: (control.last_metric(run)[0] or 0) >= 10, timeout=120, what="step 10")
+    high = slurmtools.submit("#!/bin/bash\n#SBATCH -p high -N 2 --ntasks-per-node=2 -t 2 -J pre-high\n"
+                             "srun sleep 3\n", cwd=tmp_path)
+    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
+    if slurmtools.wait_state(job_id, ("PENDING", "RUNNING", "COMPLETED"), timeout=60) == "PENDING":
+        slurmtools.release_now(job_id)  # skip the ~11 s hold of a requeued job
+    assert slurmtools.wait_done(job_id, timeout=400) == "COMPLETED"
+    stops = [e for e in rundir.events(run) if e["event"] == "stop"]
+    assert stops[0]["reason"] == "preemption" and stops[-1]["reason"] == "finished"
+    assert stops[-1]["restart"] == 1 and rundir.completed(run)["step"] == 300
+    out = ddpjob("status", str(run), cwd=tmp_path)
+    assert "state       COMPLETED" in out.stdout and "restarts    1" in out.stdout
+
+
+@pytest.mark.cluster
+def test_status_and_logs_of_a_run_started_with_ddpjob_sbatch(slurm_cluster, tmp_path):
+    """rank-<R>.log and the job id from events.jsonl: runs that `ddpjob submit` did not make."""
+    import slurmtools
+
+    run = tmp_path / "runs" / "sb"
+    out = ddpjob("sbatch", str(ROOT / "jobs" / "smoke.toml"), "-o", str(tmp_path / "job.sbatch"),
+                 "--run-dir", str(run), "--set", "train.max_steps=3", "--set", "train.eval_every=0",
+                 cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job_id = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path)
+    assert slurmtools.wait_done(job_id, timeout=300) == "COMPLETED"
+    out = ddpjob("status", job_id, cwd=tmp_path)
+    assert f"job         {job_id} (slurm)" in out.stdout and "state       COMPLETED" in out.stdout
+    assert "completed   yes" in out.stdout
+    out = ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout == (run / "logs" / "rank-1.log").read_text()
+
+
+@pytest.mark.cluster
+def test_resume_of_a_cancelled_sbatch_run_finishes_it(slurm_cluster, tmp_path):
+    """`ddpjob resume` of a run made by `ddpjob sbatch` + sbatch and cancelled: the template is
+    rendered again and submitted; the run resumes from the checkpoint written at the cancel."""
+    import slurmtools
+
+    run = tmp_path / "runs" / "sb"
+    keys = ["--set", "train.eval_every=0", "--set", 'train.model="trainer_plugins:signalling_cnn"']
+    out = ddpjob("sbatch", str(ROOT / "jobs" / "smoke.toml"), "-o", str(tmp_path / "job.sbatch"),
+                 "--run-dir", str(run), "--set", "train.max_steps=30", *keys, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    # rank 0 waits in its 6th forward call until the cancel's SIGTERM has reached it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+           "DDPJOB_TEST_SIGNAL": "0:6:0:pause"}
+    first = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=env)
+    slurmtools.read_when(run / "logs" / "rank-0.log", "paused at call 6", timeout=300)
+    assert ddpjob("cancel", str(run), cwd=tmp_path).returncode == 0
+    assert slurmtools.wait_done(first, timeout=120) == "CANCELLED"
+    [stop] = [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e]
+    assert (stop["reason"], stop["step"], stop["requeued"]) == ("signal", 6 + LAG, None), stop
+    env.pop("DDPJOB_TEST_SIGNAL")  # sbatch passes resume's environment on to the job
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "resume", str(run), "--set", "train.max_steps=12"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = rundir.read_json(run / "job.json")
+    assert job["via"] == "sbatch" and job["job_ids"] == [first, job["job_id"]]
+    slurmtools.submitted.append(job["job_id"])
+    assert slurmtools.wait_done(job["job_id"], timeout=300) == "COMPLETED"
+    starts = [e for e in rundir.events(run) if e.get("event") == "start"]
+    assert [(s["job_id"], s.get("resumed_step")) for s in starts] == [(first, None), (job["job_id"], 6 + LAG)]
+    assert rundir.completed(run)["step"] == 12
+    assert "#SBATCH" in (run / "job.sbatch").read_text() and config.read_run_config(run).train.max_steps == 12

@@ -1,0 +1,101 @@
+"""Sweeps: `--sweep KEY=V1,V2` -> the cartesian product, one run dir per point, sweep.json;
+points run one after another on the local backend and as one job array on SLURM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpjob import rundir
+from ddpjob.launch import submit
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = str(ROOT / "jobs" / "smoke.toml")
+
+
+def ddpjob(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.cluster
+def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
+    import slurmtools
+
+    from ddpjob.launch import control
+
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "ddpjob", "submit", SMOKE, "--backend", "slurm",
+                             "--run-dir", str(sweep), "--sweep", "train.lr=0.1,0.05", "--wait",
+                             "--set", "train.max_steps=2", "--set", "train.eval_every=0"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (sweep / "sweep.json").is_file():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    base = rundir.read_json(sweep / "sweep.json")["job_id"]
+    slurmtools.submitted.append(base)
+    try:
+        out, err = proc.communicate(timeout=300)  # --wait: streams each point's rank 0, then returns
+        assert proc.returncode == 0, out[-2000:] + err[-2000:]
+        assert f"{sweep}/0: COMPLETED" in out and f"{sweep}/1: COMPLETED" in out
+        ids = [rundir.read_json(sweep / str(i) / "job.json")["job_id"] for i in range(2)]
+        assert ids == [f"{base}_0", f"{base}_1"]
+        assert "#SBATCH --array=0-1%2" in (sweep / "0" / "job.sbatch").read_text()
+        deadline = time.monotonic() + 300  # (slurmtools.wait_done takes plain job ids, not A_i)
+        while not all(control.slurm_states(ids).get(j, {}).get("state") in control.TERMINAL for j in ids):
+            assert time.monotonic() < deadline, control.slurm_states(ids)
+            time.sleep(1)
+        acct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", base],
+                              capture_output=True, text=True, timeout=30).stdout.split()
+        assert f"{base}_0|COMPLETED" in acct and f"{base}_1|COMPLETED" in acct
+        for i in range(2):
+            assert rundir.completed(sweep / str(i)) is not None
+        status = ddpjob("status", base, "--runs-root", ".", cwd=tmp_path)  # the array id finds the sweep
+        assert status.returncode == 0 and status.stdout.count("COMPLETED") == 2
+    finally:  # (conftest's cleanup looks jobs up by plain id: cancel the array here)
+        proc.kill()
+        subprocess.run(["scancel", base], capture_output=True, timeout=30)
+
+
+@pytest.mark.cluster
+def test_slurm_sweep_points_import_their_own_frozen_code(slurm_cluster, tmp_path):
+    """Each array task of a submitit sweep imports ddpjob (and its entry) from its own point's
+    frozen copy, SWEEP/<index>/code, and the code hash its checkpoint records is that copy's.
+    (It used to put SWEEP/code/python, which does not exist, first: the points ran the live code.)"""
+    import json
+
+    import slurmtools
+
+    entry = tmp_path / "where.py"
+    entry.write_text("import ddpjob\nprint('ddpjob imported from', ddpjob.__file__, flush=True)\n"
+                     "from ddpjob.train.trainer import main\nmain()\n")
+    sweep = tmp_path / "sweep"
+    out = ddpjob("submit", SMOKE, "--backend", "slurm", "--run-dir", str(sweep), "--sweep", "train.lr=0.1,0.05",
+                 "--set", "train.max_steps=2", "--set", "train.eval_every=0", "--set", f"train.entry={json.dumps(str(entry))}",
+                 cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    base = rundir.read_json(sweep / "sweep.json")["job_id"]
+    slurmtools.submitted.append(base)
+    try:
+        for i in range(2):
+            deadline = time.monotonic() + 300
+            while rundir.completed(sweep / str(i)) is None:
+                assert time.monotonic() < deadline, f"point {i} did not complete"
+                time.sleep(1)
+        logs = {p.name: p.read_text() for p in (sweep / "logs").glob("*_log.out")}
+        for i in range(2):
+            frozen = (sweep / str(i) / "code" / "python").resolve()
+            mine = [t for name, t in logs.items() if name.startswith(f"{base}_{i}_")]
+            assert len(mine) == 2, sorted(logs)  # both ranks of the point
+            for text in mine:
+                assert f"ddpjob imported from {frozen}/ddpjob/__init__.py" in text, text[-2000:]
+            code = rundir.read_json(sweep / str(i) / "code.json")["hash"]
+            manifests = list((sweep / str(i) / "checkpoints").glob("step-*/manifest.json"))
+            assert manifests and all(json.loads(m.read_text())["code_hash"] == code for m in manifests)
+    finally:
+        subprocess.run(["scancel", base], capture_output=True, timeout=30)

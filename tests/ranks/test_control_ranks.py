@@ -1,0 +1,154 @@
+"""`ddpjob status / logs / cancel / ls` on local runs (real supervisor, fake ranks), the parsing
+of sacct/squeue output (fake binaries on PATH), and on real SLURM jobs (test cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ranks import base_env
+from test_local_backend import fake_command, local_state, make_run, wait_for
+
+from ddpjob import config, rundir
+from ddpjob.launch import control, submit
+
+
+def ddpjob(*argv: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+_started: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    """A failed test must not leave a supervisor and its fake ranks behind."""
+    yield
+    while _started:
+        run = _started.pop()
+        pids = [(rundir.read_json(run / "job.json") or {}).get("pid")]
+        pids += (rundir.read_json(run / "local.json") or {}).get("rank_pids", [])
+        for pid in filter(None, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def submit_fake(tmp_path: Path, mode: str, name: str = "run", **kw) -> Path:
+    """A local run as `ddpjob submit` makes it, with fake ranks instead of `ddpjob run`."""
+    run = make_run(tmp_path / "runs", mode, name=name, **kw)
+    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"],
+                              rank_command=fake_command(tmp_path))[0]
+    rundir.write_json_atomic(run / "job.json", rec)
+    _started.append(run)
+    return run
+
+
+# ------------------------------------------------------------------ local runs
+def test_status_ls_logs_cancel_on_a_local_run(tmp_path):
+    run = submit_fake(tmp_path, "wait")
+    wait_for(lambda: local_state(run).get("state") == "RUNNING", what="RUNNING")
+    wait_for(lambda: "mode wait" in (run / "logs" / "rank-1.log").read_text(), what="rank 1 log")
+    job_id = rundir.read_json(run / "job.json")["job_id"]
+
+    out = ddpjob("status", str(run), cwd=tmp_path)
+    assert out.returncode == 0 and "state       RUNNING" in out.stdout and job_id in out.stdout
+    out = ddpjob("status", job_id, cwd=tmp_path)  # by job id, found under ./runs
+    assert out.returncode == 0 and "run         runs/run\n" in out.stdout
+    out = ddpjob("ls", cwd=tmp_path)
+    row = next(ln.split() for ln in out.stdout.splitlines() if job_id in ln)
+    assert row[1:4] == ["local", job_id, "RUNNING"]
+    [line] = ddpjob("ls", "--json", cwd=tmp_path).stdout.splitlines()
+    rec = json.loads(line)
+    assert (rec["run_dir"], rec["backend"], rec["job_id"], rec["state"]) == ("runs/run", "local", job_id, "RUNNING")
+    by_path = json.loads(ddpjob("status", str(run), "--json", cwd=tmp_path).stdout)
+    assert by_path == {**rec, "run_dir": str(run)}  # the run dir as given
+    out = ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path)
+    assert out.returncode == 0 and "fake rank 1 restart 0 mode wait" in out.stdout
+    assert "fake rank 0" not in out.stdout
+
+    out = ddpjob("cancel", str(run), cwd=tmp_path)
+    assert out.returncode == 0 and f"cancelled {job_id}" in out.stdout
+    wait_for(lambda: local_state(run).get("state") == "CANCELLED", what="CANCELLED")
+    assert any(e["event"] == "cancel" and e["by"] == "user" for e in rundir.events(run))
+    out = ddpjob("status", str(run), cwd=tmp_path)
+    assert "state       CANCELLED" in out.stdout and "completed   no" in out.stdout
+    out = ddpjob("cancel", str(run), cwd=tmp_path)  # twice: nothing left to cancel
+    assert out.returncode == 1 and out.stderr.startswith("ddpjob: error: ")
+    assert "already finished" in out.stderr
+
+
+def test_cancel_of_a_local_sweep_cancels_the_running_point_and_the_pending_ones(tmp_path):
+    sweep = tmp_path / "runs" / "sw"
+    runs = [make_run(sweep, "wait", name=str(i)) for i in range(3)]
+    rundir.write_json_atomic(sweep / "sweep.json", {"job_id": "x", "points": [
+        {"id": str(i), "index": i, "values": {"train.lr": i}} for i in range(3)]})
+    recs = submit.submit_local(runs, sweep / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))
+    for run, rec in zip(runs, recs):
+        rundir.write_json_atomic(run / "job.json", rec)
+        _started.append(run)
+    wait_for(lambda: local_state(runs[0]).get("state") == "RUNNING", what="point 0 RUNNING")
+    assert [local_state(r)["state"] for r in runs[1:]] == ["PENDING", "PENDING"]
+    out = ddpjob("cancel", str(sweep), cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.count("cancelled ") == 3, out.stderr
+    wait_for(lambda: all(local_state(r).get("state") == "CANCELLED" for r in runs), what="all CANCELLED")
+    assert not (runs[1] / "fake-r0-s0.json").exists()  # the pending points never started
+    out = ddpjob("ls", cwd=tmp_path)
+    assert out.stdout.count("CANCELLED") == 3 and "train.lr=2" in out.stdout
+
+
+def test_logs_follow_keeps_going_across_a_restart_until_the_end(tmp_path):
+    run = submit_fake(tmp_path, "wait")
+    pid = rundir.read_json(run / "job.json")["pid"]
+    follower = subprocess.Popen([sys.executable, "-m", "ddpjob", "logs", str(run), "--follow"],
+                                stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    wait_for(lambda: (run / "fake-r1-s0.json").is_file(), what="ranks to start")
+    os.kill(pid, signal.SIGUSR2)  # ranks exit 3, the supervisor restarts them, they finish
+    out, _ = follower.communicate(timeout=60)
+    assert follower.returncode == 0
+    assert "fake rank 0 restart 0 mode wait" in out and "fake rank 0 restart 1 mode wait" in out
+    assert local_state(run)["state"] == "COMPLETED"
+
+
+def test_a_dead_supervisor_is_reported_not_trusted(tmp_path):
+    run = submit_fake(tmp_path, "wait")
+    pid = rundir.read_json(run / "job.json")["pid"]
+    wait_for(lambda: local_state(run).get("state") == "RUNNING", what="RUNNING")
+    os.kill(pid, 9)  # no chance to write its final state
+    os.waitpid(pid, 0)
+    info = control.run_info(run)
+    assert info.state == "FAILED" and "supervisor died" in info.reason
+    for rec in rundir.read_json(run / "local.json")["rank_pids"]:  # clean up the orphaned ranks
+        try:
+            os.kill(rec, 9)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_completed_run_is_not_submitted_again_with_another_length(tmp_path, capsys, monkeypatch):
+    """`submit ... --run-dir R --set train.max_steps=60` on a COMPLETED run used to rewrite its
+    config.json, and nothing trained; `sbatch` the same. Both refuse, and point at init_from."""
+    from ddpjob.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    job = str(Path(__file__).resolve().parents[2] / "jobs" / "smoke.toml")
+    run = tmp_path / "done"
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "run", job, "--run-dir", str(run), "--set", "train.max_steps=2"],
+                         capture_output=True, text=True, timeout=300, env=base_env())
+    assert out.returncode == 0 and (run / "COMPLETED").is_file(), out.stderr[-2000:]
+    before = (run / "config.json").read_text()
+    capsys.readouterr()
+    for argv in (["submit", job, "--backend", "local", "--run-dir", str(run)],
+                 ["sbatch", job, "--run-dir", str(run), "-o", str(tmp_path / "x.sbatch")]):
+        assert main([*argv, "--set", "train.max_steps=60"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"ddpjob: error: run directory '{run}' completed at step 2"), err
+        assert "checkpoint.init_from" in err[0]
+    assert (run / "config.json").read_text() == before and not (tmp_path / "x.sbatch").exists()

@@ -1,0 +1,268 @@
+"""The local backend's supervisor (ddpjob/launch/local.py) with real processes.
+
+Fake ranks (a few lines of Python, FAKE_RANK) make the supervisor's own behaviour fast and
+deterministic: the torchrun environment, signal forwarding and restart, kill-on-bad-exit,
+cancel, max_requeues. The end-to-end test at the bottom runs the real trainer (`ddpjob run`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ddpjob import config, rundir
+
+# A fake `ddpjob run RUN_DIR`: records its environment, then behaves as RUN_DIR/fake.json says.
+FAKE_RANK = r'''
+import json, os, signal, sys, time
+run_dir = sys.argv[-1]
+rank, restart = int(os.environ["RANK"]), int(os.environ["DDPJOB_RESTART_COUNT"])
+mode = json.load(open(os.path.join(run_dir, "fake.json")))["mode"]
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+        "MASTER_ADDR", "MASTER_PORT", "DDPJOB_JOB_ID", "DDPJOB_RESTART_COUNT", "OMP_NUM_THREADS"]
+rec = {k: os.environ.get(k) for k in keys}
+rec["pid"] = os.getpid()
+path = os.path.join(run_dir, f"fake-r{rank}-s{restart}.json")
+stop = []
+for s in (signal.SIGUSR2, signal.SIGTERM):
+    signal.signal(s, lambda n, f: stop.append(n))
+with open(path + ".tmp", "w") as f:
+    json.dump(rec, f)
+os.replace(path + ".tmp", path)
+print(f"fake rank {rank} restart {restart} mode {mode}", flush=True)
+if mode == "ok":
+    sys.exit(0)
+if mode == "always3":
+    sys.exit(3)
+if mode == "fail1once" and rank == 1 and restart == 0:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "fail1once" and restart > 0:
+    sys.exit(0)
+if mode == "kill1" and rank == 1:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "fail1" and rank == 1:
+    time.sleep(0.5)
+    sys.exit(1)
+if mode == "wait" and restart > 0:
+    sys.exit(0)
+deadline = time.time() + 60
+while not stop and time.time() < deadline:
+    time.sleep(0.05)
+print(f"fake rank {rank} got signal {stop}", flush=True)
+sys.exit(3 if stop else 0)
+'''
+
+
+def make_run(tmp_path: Path, mode: str, nodes: int = 1, tasks: int = 2, max_requeues: int = 3,
+             name: str = "run", max_failures: int = 0) -> Path:
+    run = tmp_path / name
+    (run / "logs").mkdir(parents=True)
+    cfg = config.from_dict({"name": "fake", "slurm": {"nodes": nodes, "tasks_per_node": tasks,
+                                                      "max_requeues": max_requeues,
+                                                      "max_failures": max_failures}})
+    rundir.write_text_atomic(run / "config.json", cfg.to_json())
+    (run / "fake.json").write_text(json.dumps({"mode": mode}))
+    return run
+
+
+def fake_command(tmp_path: Path) -> str:
+    prog = tmp_path / "fake_rank.py"
+    prog.write_text(FAKE_RANK)
+    return f"{sys.executable} -u {prog}"
+
+
+def start_supervisor(tmp_path: Path, *runs: Path) -> subprocess.Popen:
+    log = open(tmp_path / "supervisor.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "ddpjob.launch.local", *map(str, runs),
+                             "--rank-command", fake_command(tmp_path)],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def fake_records(run: Path, restart: int, world: int) -> list[dict]:
+    return [json.loads((run / f"fake-r{r}-s{restart}.json").read_text()) for r in range(world)]
+
+
+def all_started(run: Path, restart: int, world: int) -> bool:
+    return all((run / f"fake-r{r}-s{restart}.json").is_file() for r in range(world))
+
+
+def local_state(run: Path) -> dict:
+    return rundir.read_json(run / "local.json", {}) or {}
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def test_ranks_get_the_torchrun_environment_and_the_job_completes(tmp_path):
+    run = make_run(tmp_path, "ok", nodes=2, tasks=2)
+    sup = start_supervisor(tmp_path, run)
+    assert sup.wait(timeout=60) == 0
+    recs = fake_records(run, 0, 4)
+    assert [r["RANK"] for r in recs] == ["0", "1", "2", "3"]
+    assert [r["LOCAL_RANK"] for r in recs] == ["0", "1", "0", "1"]
+    assert [r["GROUP_RANK"] for r in recs] == ["0", "0", "1", "1"]
+    assert {r["WORLD_SIZE"] for r in recs} == {"4"} and {r["LOCAL_WORLD_SIZE"] for r in recs} == {"2"}
+    assert {r["MASTER_ADDR"] for r in recs} == {"127.0.0.1"}
+    assert len({r["MASTER_PORT"] for r in recs}) == 1 and 0 < int(recs[0]["MASTER_PORT"]) < 65536
+    assert {r["DDPJOB_JOB_ID"] for r in recs} == {f"local-{sup.pid}"}
+    assert {r["DDPJOB_RESTART_COUNT"] for r in recs} == {"0"}
+    assert {r["OMP_NUM_THREADS"] for r in recs} == {"1"}
+    state = local_state(run)
+    assert state["state"] == "COMPLETED" and state["restarts"] == 0 and state["pid"] == sup.pid
+    assert "fake rank 3 restart 0 mode ok" in (run / "logs" / "rank-3.log").read_text()
+    assert [e["event"] for e in rundir.events(run)] == ["local_start", "local_end"]
+
+
+def test_sigusr2_is_forwarded_ranks_exit_3_and_are_restarted(tmp_path):
+    run = make_run(tmp_path, "wait")
+    sup = start_supervisor(tmp_path, run)
+    wait_for(lambda: all_started(run, 0, 2), what="2 ranks to start")
+    sup.send_signal(signal.SIGUSR2)
+    assert sup.wait(timeout=60) == 0
+    first, second = fake_records(run, 0, 2), fake_records(run, 1, 2)
+    assert {r["DDPJOB_RESTART_COUNT"] for r in second} == {"1"}
+    assert {r["DDPJOB_JOB_ID"] for r in second} == {r["DDPJOB_JOB_ID"] for r in first}
+    state = local_state(run)
+    assert state["state"] == "COMPLETED" and state["restarts"] == 1
+    assert [h["exit_codes"] for h in state["history"]] == [[3, 3], [0, 0]]
+    log0 = (run / "logs" / "rank-0.log").read_text()  # appended across the restart
+    assert "restart 0 mode wait" in log0 and "got signal [12]" in log0 and "restart 1 mode wait" in log0
+    events = [e["event"] for e in rundir.events(run)]
+    assert events == ["local_start", "signal", "local_requeue", "local_start", "local_end"]
+
+
+def test_one_rank_failing_kills_the_others_within_seconds(tmp_path):
+    run = make_run(tmp_path, "fail1", tasks=3)
+    sup = start_supervisor(tmp_path, run)
+    wait_for(lambda: all_started(run, 0, 3), what="3 ranks to start")
+    t0 = time.monotonic()
+    assert sup.wait(timeout=60) == 1
+    assert time.monotonic() - t0 < 10  # the others sleep 60 s unless killed
+    pids = [r["pid"] for r in fake_records(run, 0, 3)]
+    assert all(pid_gone(p) for p in pids)
+    state = local_state(run)
+    assert state["state"] == "FAILED" and state["exit_codes"][1] == 1
+    assert state["exit_codes"][0] == state["exit_codes"][2] == -signal.SIGKILL
+    assert not (run / "fake-r0-s1.json").exists()  # a failure is not restarted
+
+
+def test_a_killed_rank_is_restarted_in_place_while_max_failures_lasts(tmp_path):
+    """kill -9 of rank 1: the others are killed, the ranks run again (restart 1), the crash is
+    recorded as a stop that spent max_failures; a second crash would end it FAILED."""
+    run = make_run(tmp_path, "fail1once", tasks=2, max_failures=1)
+    sup = start_supervisor(tmp_path, run)
+    assert sup.wait(timeout=120) == 0
+    state = local_state(run)
+    assert state["state"] == "COMPLETED" and state["restarts"] == 1, state
+    assert [h["exit_codes"][1] for h in state["history"]] == [-signal.SIGKILL, 0], state["history"]
+    (crash,) = [e for e in rundir.events(run) if e["event"] == "stop"]
+    assert crash["reason"] == "crash" and crash["requeued"] is True and crash["requeued_by"] == "supervisor"
+    assert "failure 1 of max_failures = 1" in crash["note"], crash
+    assert (run / "fake-r0-s1.json").exists() and (run / "fake-r1-s1.json").exists()
+
+
+def test_a_rank_killed_at_the_same_point_every_time_ends_as_a_crash_loop(tmp_path):
+    """kill -9 of rank 1 in every attempt, before any checkpoint: with max_failures = 10 left,
+    slurm.max_no_progress = 3 attempts in a row that got nowhere end the run FAILED, with one
+    line naming the rank, its host and how it died."""
+    run = make_run(tmp_path, "kill1", tasks=2, max_failures=10)
+    sup = start_supervisor(tmp_path, run)
+    assert sup.wait(timeout=180) == 1
+    state = local_state(run)
+    assert state["state"] == "FAILED" and len(state["history"]) == 3, state
+    host = socket.gethostname()
+    assert state["reason"] == (
+        "crash loop: 3 attempts in a row crashed without getting past the checkpoint at step 0 "
+        f"(rank 1 on {host}: killed by SIGKILL); not retrying (slurm.max_no_progress = 3)"), state["reason"]
+    stops = [e for e in rundir.events(run) if e["event"] == "stop"]
+    assert [(s["no_progress"], s["requeued"]) for s in stops] == [(1, True), (2, True), (3, None)], stops
+    assert all(s["failed_rank"] == 1 and s["host_fault"] for s in stops)
+    log = (tmp_path / "supervisor.log").read_text()
+    assert "ddpjob: error: crash loop: 3 attempts" in log, log
+
+
+def test_sigterm_cancels_without_restart(tmp_path):
+    run = make_run(tmp_path, "wait")
+    sup = start_supervisor(tmp_path, run)
+    wait_for(lambda: all_started(run, 0, 2), what="2 ranks to start")
+    sup.send_signal(signal.SIGTERM)
+    assert sup.wait(timeout=60) == 1
+    state = local_state(run)
+    assert state["state"] == "CANCELLED" and state["exit_codes"] == [3, 3]
+    assert not (run / "fake-r0-s1.json").exists()
+
+
+def test_requeues_stop_at_max_requeues(tmp_path):
+    run = make_run(tmp_path, "always3", max_requeues=2)
+    sup = start_supervisor(tmp_path, run)
+    assert sup.wait(timeout=60) == 1
+    state = local_state(run)
+    assert state["state"] == "FAILED" and state["restarts"] == 2
+    assert "max_requeues=2" in state["reason"] and len(state["history"]) == 3
+
+
+def test_sweep_points_run_one_after_another(tmp_path):
+    runs = [make_run(tmp_path, "ok", name=f"p{i}") for i in range(2)]
+    sup = start_supervisor(tmp_path, *runs)
+    assert sup.wait(timeout=60) == 0
+    ids = [fake_records(r, 0, 2)[0]["DDPJOB_JOB_ID"] for r in runs]
+    assert ids == [f"local-{sup.pid}_0", f"local-{sup.pid}_1"]
+    a, b = (local_state(r)["history"][0]["time"] for r in runs)
+    assert a <= b and all(local_state(r)["state"] == "COMPLETED" for r in runs)
+
+
+def test_submit_local_detaches_a_supervisor(tmp_path):
+    """submit --backend local returns at once; the supervisor lives in its own session."""
+    from ddpjob.launch import submit
+
+    run = make_run(tmp_path, "wait")
+    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"],
+                              rank_command=fake_command(tmp_path))[0]
+    pid = rec["pid"]
+    assert rec["job_id"] == f"local-{pid}" and rec["backend"] == "local"
+    wait_for(lambda: all_started(run, 0, 2), what="2 ranks to start")
+    assert os.getsid(pid) == pid  # new session: a Ctrl-C in the submitting terminal misses it
+    os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: local_state(run).get("state") == "CANCELLED", what="CANCELLED")
+    assert "supervisor: got SIGTERM" in (run / "logs" / "supervisor.log").read_text()
+    wait_for(lambda: pid_gone(pid) or os.waitpid(pid, os.WNOHANG)[0] == pid, what="supervisor exit")
+
+
+def test_submit_local_wait_trains_to_completion_with_two_ranks(tmp_path):
+    """The README's main command, shortened: real `ddpjob run` ranks on gloo."""
+    run = tmp_path / "smoke"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", "jobs/smoke.toml", "--backend", "local",
+                          "--wait", "--run-dir", str(run), "--set", "train.max_steps=6",
+                          "--set", "train.eval_every=0", "--set", "checkpoint.every_steps=3"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"{run}: COMPLETED" in out.stdout
+    assert local_state(run)["state"] == "COMPLETED"
+    assert rundir.completed(run) is not None
+    assert "finished: step 6" in (run / "logs" / "rank-0.log").read_text()
+    assert [e["event"] for e in rundir.events(run)][0] == "local_start"
+    print(f"local 2-rank smoke (6 steps) took {time.monotonic() - t0:.1f}s")

@@ -1,0 +1,119 @@
+"""bench/: the --tiny smoke run prints every benchmark id with measured numbers (CI keeps the
+harness working; the real figures are never asserted), plus the pieces it is made of."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # bench/ is a top-level folder of the repository, not installed
+    sys.path.insert(0, str(REPO))
+
+from bench import harness, run  # noqa: E402
+from bench.suite import BENCHMARKS, ON_DEMAND, Row  # noqa: E402
+IDS = [f"P{i}" for i in range(1, 11)] + ["P13"]  # the default set; P11 (the cluster storm) only by name
+
+
+def test_unknown_id_is_a_usage_error(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "bench", "P99", "--work", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "unknown benchmark id(s) P99" in out.stderr
+
+
+def test_table_marks_pass_fail_and_unmeasured() -> None:
+    rows = [Row("P1", "m1", ">= 1x", "1.20x", True), Row("P2", "m2", ">= 2x", "1.00x", False),
+            Row("P8", "m8", "report", "not measured: no GPU lent", None)]
+    lines = run.table(rows)
+    assert [ln.split("|")[5].strip() for ln in lines[2:]] == ["pass", "FAIL", "-"]
+    assert len({len(ln) for ln in lines}) == 1  # aligned columns
+
+
+def test_step_times_skip_gate_waits_and_take_the_slowest_rank() -> None:
+    # marks: [wall end, CPU end, wall go-on, CPU go-on]; rank 0 waited 0.5 s at gate 1
+    r0 = {"marks": {"0": [100.0, 10.0, 100.0, 10.0], "1": [101.0, 10.9, 101.5, 10.9],
+                    "2": [103.0, 12.0, 103.0, 12.0]}}
+    r1 = {"marks": {"0": [100.0, 20.0, 100.0, 20.0], "1": [101.2, 21.0, 101.5, 21.0],
+                    "2": [103.0, 22.5, 103.0, 22.5]}}
+    assert harness.step_costs([r0, r1], 0, 2) == pytest.approx([1.2, 1.5])
+    assert harness.step_costs([r0, r1], 0, 2, "cpu") == pytest.approx([1.0, 1.5])
+    assert harness.rate([r0, r1], 0, 2) == pytest.approx(1 / 1.35)
+    assert harness.median([3.0, 1.0, 2.0]) == 2.0
+
+
+def test_every_id_has_a_benchmark_and_the_job_file_exists() -> None:
+    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P13"]
+    assert ON_DEMAND == {"P11"}  # never in the default set nor CI's --tiny run: it needs the cluster
+    assert harness.JOB.is_file()
+    # the benchmark's config is the user's job file plus overrides, and it validates
+    from ddpjob import config
+
+    cfg = config.from_json(harness.job_config(Path("/data"), harness.FULL, 2))
+    assert (cfg.train.model, cfg.train.batch_size, cfg.train.threads) == ("resnet18", 128, 1)
+    assert cfg.train.amp == "auto" and cfg.train.channels_last  # the job file's recipe, kept
+
+
+# ------------------------------------------------------------------ P11: the preemption storm
+from bench import p11 as p11_rows, storm_ledger  # noqa: E402
+
+STORM_EVENTS = REPO / "tests" / "golden" / "p11-storm-events.jsonl"  # recorded: `bench P11 --tiny`
+
+
+def test_storm_figures_from_a_recorded_ledger() -> None:
+    events = storm_ledger.read_jsonl(STORM_EVENTS)
+    f = storm_ledger.figures(events, list(range(1, 1501)))
+    assert [(r.restart, r.stop_step, r.resumed_step, r.steps_lost) for r in f.recoveries] == \
+        [(0, 433, 433, 0), (1, 574, 574, 0)]
+    assert f.steps_lost == 0 and f.unknown_lost == 0 and f.resumed_where_stopped and f.replayed_steps == 0
+    first = f.recoveries[0].phases
+    assert list(first) == ["stop vote", "save", "exit", "requeue", "start-up", "load", "first step"]
+    # the earliest rank's signal (rank 1) to the vote; rank 0's exit to the next process start
+    assert first["stop vote"] == pytest.approx(1795604583.253516 - 1795604583.2189524, abs=1e-3)
+    assert first["requeue"] == pytest.approx(1795604589.3022904 - 1795604583.3248732, abs=1e-3)
+    assert f.median_phases["requeue"] == pytest.approx((5.978 + 5.910) / 2, abs=2e-3)
+    # loops: each start's loop to its stop's decision, the last one to the finished stop
+    assert f.loop_s == pytest.approx([12.301, 5.109, 21.408], abs=1e-3)
+    assert f.wall_s == pytest.approx(1795604630.4187195 - 1795604567.1524684, abs=1e-3)
+    assert f.ratio == pytest.approx(sum(f.loop_s) / f.wall_s)
+    # the wall time is the cold start, the loops and the gaps between them, nothing left over
+    assert f.cold_s + sum(f.loop_s) + sum(f.between_s) == pytest.approx(f.wall_s, abs=5e-3)
+    assert f.recoveries[0].total_s == pytest.approx(sum(first.values()), abs=1e-3)
+
+
+def test_storm_figures_count_replays_and_refuse_an_unfinished_run() -> None:
+    events = storm_ledger.read_jsonl(STORM_EVENTS)
+    f = storm_ledger.figures(events, [1, 2, 3, 2, 3, 4])  # a resume from step 1: 2 and 3 again
+    assert f.replayed_steps == 2
+    with pytest.raises(ValueError, match="did not complete"):
+        storm_ledger.figures(events[:-1], [1])
+    lost = [dict(e, steps_lost=1) if e.get("reason") == "preemption" else e for e in events]
+    assert storm_ledger.figures(lost, [1]).steps_lost == 2
+
+
+def test_storm_losses_are_compared_bit_for_bit_replays_included() -> None:
+    ref = [{"step": s, "loss": 1.0 / s} for s in range(1, 5)]
+    run = [{"step": s, "loss": 1.0 / s, "restart": 0} for s in (1, 2, 3)] + \
+        [{"step": s, "loss": 1.0 / s, "restart": 1} for s in (3, 4)]
+    assert storm_ledger.loss_mismatches(run, ref, 4) == []
+    run[3]["loss"] = 1.0 / 3 + 1e-16  # the replayed step 3 differs in the last bit
+    assert storm_ledger.loss_mismatches(run, ref, 4) == [
+        f"step 3 (restart 1): {1.0 / 3 + 1e-16!r} vs {1.0 / 3!r}"]
+    assert "lacks 1 step(s), first [4]" in storm_ledger.loss_mismatches(run[:3], ref, 4)[0]
+
+
+def test_storm_rows_pass_only_when_identical_and_nothing_lost() -> None:
+    f = storm_ledger.figures(storm_ledger.read_jsonl(STORM_EVENTS), list(range(1, 1501)))
+    rows = p11_rows.rows_of(f, [], 40, [], 1500, True, {}, p11_rows.storm.TINY)
+    assert [r.id for r in rows] == ["P11"] * 4
+    assert rows[0].passed is True and rows[0].measured.startswith("bit-identical")
+    assert rows[1].passed is True and rows[1].measured.startswith("0 ")
+    assert rows[2].passed is None and rows[2].measured.startswith(f"{f.ratio:.3f}")
+    assert "requeue 5.94" in rows[3].measured
+    bad = p11_rows.rows_of(f, [".model.fc.weight"], 40, [], 1500, True, {}, p11_rows.storm.TINY)
+    assert bad[0].passed is False and "DIFFERS: .model.fc.weight" in bad[0].measured
+    replayed = storm_ledger.figures(storm_ledger.read_jsonl(STORM_EVENTS), [1, 2, 2])
+    assert p11_rows.rows_of(replayed, [], 40, [], 3, True, {}, p11_rows.storm.TINY)[1].passed is False

@@ -1,0 +1,201 @@
+"""`ddpjob status / logs / cancel / ls` on local runs (real supervisor, fake ranks), the parsing
+of sacct/squeue output (fake binaries on PATH), and on real SLURM jobs (test cluster)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import fake_checkpoint
+import pytest
+from test_local_backend import make_run
+
+from ddpjob import config, rundir
+from ddpjob.errors import DDPJobError
+from ddpjob.launch import control, submit
+
+
+def ddpjob(*argv: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout)
+
+
+_started: list[Path] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftovers():
+    """A failed test must not leave a supervisor and its fake ranks behind."""
+    yield
+    while _started:
+        run = _started.pop()
+        pids = [(rundir.read_json(run / "job.json") or {}).get("pid")]
+        pids += (rundir.read_json(run / "local.json") or {}).get("rank_pids", [])
+        for pid in filter(None, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ------------------------------------------------------------------ pure parts
+def test_format_status_is_a_compact_summary(tmp_path):
+    info = control.RunInfo(run_dir=Path("runs/smoke-1"), backend="slurm", job_id="123", state="RUNNING",
+                           restarts=2, step=150, loss=1.23456, checkpoint="step-000000100")
+    assert control.format_status(info).splitlines() == [
+        "run         runs/smoke-1", "job         123 (slurm)", "state       RUNNING", "restarts    2",
+        "last step   150  loss 1.2346", "checkpoint  step-000000100", "completed   no"]
+
+
+def test_last_checkpoint_is_the_newest_valid_one_and_last_metric_skips_torn_lines(tmp_path):
+    # what a resume would pick: step 20's save never finished, step 16 is truncated on disk
+    fake_checkpoint.committed(tmp_path, 5)
+    fake_checkpoint.committed(tmp_path, 12)
+    fake_checkpoint.committed(tmp_path, 16, damaged=True)
+    (fake_checkpoint.committed(tmp_path, 20) / "manifest.json").unlink()
+    assert control.last_checkpoint(tmp_path) == "step-000000012"
+    assert control.last_checkpoint(tmp_path / "nothing-here") == ""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 2.5}\n{"step": 20, "eval_acc": 0.1}\n'
+                                            '{"step": 30, "loss": 1.5}\n{"step": 40, "lo')
+    assert control.last_metric(tmp_path) == (30, 1.5)
+
+
+def test_array_ids_expand():
+    assert control._expand_array_id("77_[0-2,5%2]") == ["77_0", "77_1", "77_2", "77_5"]
+    assert control._expand_array_id("77_3") == ["77_3"] and control._expand_array_id("78") == ["78"]
+
+
+def test_slurm_states_counts_requeues_and_prefers_squeue(tmp_path, monkeypatch):
+    """sacct -D lists each incarnation of a requeued job; squeue knows the live state first."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho \"$@\" > %s/sacct.args\ncat <<'EOF'\n"
+                                   "100|REQUEUED|0:0|n[1-2]\n100|PREEMPTED|0:0|n[1-2]\n100|RUNNING|0:0|n[1-2]\n"
+                                   "200_0|COMPLETED|0:0|n1\n200_1|CANCELLED by 0|0:15|n2\nEOF\n" % tmp_path)
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho '200_[2-3]|PENDING|Priority'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    states = control.slurm_states(["100", "200_0", "200_1", "200_2"])
+    assert states["100"]["state"] == "RUNNING" and states["100"]["restarts"] == 2
+    assert states["200_0"]["state"] == "COMPLETED" and states["200_1"]["state"] == "CANCELLED"
+    assert states["200_2"]["state"] == "PENDING" and states["200_3"]["reason"] == "Priority"
+    assert "-j 100,200" in (tmp_path / "sacct.args").read_text()  # one call for all jobs
+
+
+def test_a_run_without_job_json_is_found_through_the_job_id_its_ranks_recorded(tmp_path, monkeypatch):
+    """`ddpjob sbatch` + `sbatch` writes no job.json: the runner's events carry the job id."""
+    run = make_run(tmp_path, "ok")
+    assert control.run_info(run).state == "UNKNOWN"
+    rundir.record_event(run, "start", job_id="4242", restart=0)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho '4242|RUNNING|0:0|n1'\n")
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    info = control.run_info(run)
+    assert (info.backend, info.job_id, info.state) == ("slurm", "4242", "RUNNING")
+    assert control.resolve("4242", tmp_path) == (run, False)
+
+
+def test_unknown_run_and_bad_rank_are_one_line_errors(tmp_path):
+    out = ddpjob("status", "nope", cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1
+    assert "neither a run directory nor a job id" in out.stderr and "Hint: `ddpjob ls`" in out.stderr
+    run = make_run(tmp_path, "ok")
+    out = ddpjob("logs", str(run), "--rank", "2", cwd=tmp_path)
+    assert out.returncode == 2 and "rank 2 does not exist" in out.stderr and "between 0 and 1" in out.stderr
+    out = ddpjob("logs", str(run), cwd=tmp_path)
+    assert out.returncode == 1 and "no log for rank 0" in out.stderr
+    out = ddpjob("ls", cwd=tmp_path)
+    assert out.returncode == 0 and "no runs under runs/" in out.stdout
+
+
+def test_the_json_record_of_a_run(tmp_path):
+    # what `status --json` says of a run requeued once after a node failure, with a NaN loss
+    import fake_checkpoint
+    from ddpjob.launch import report
+
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    rundir.write_json_atomic(run / "config.json", {})
+    rundir.write_json_atomic(run / "job.json", {"backend": "slurm", "job_id": "78", "job_ids": ["77", "78"]})
+    for rec in ({"event": "start", "job_id": "77", "restart": 0},
+                {"event": "stop", "reason": "node_failure", "step": 10, "job_id": "77", "restart": 0,
+                 "steps_lost": 3, "requeued": True, "requeued_by": "slurm", "time": 5.0, "note": "n"},
+                {"event": "stop", "reason": "crash", "rank": 1, "job_id": "77"},  # a rank's: not the ledger
+                {"event": "start", "job_id": "78", "restart": 1, "resumed_step": 10}):
+        rundir.append_jsonl(run / "events.jsonl", rec)
+    for rec in ({"kind": "train", "step": 12, "loss": 0.5}, {"kind": "eval", "step": 12, "eval_acc": 0.75},
+                {"kind": "eval", "step": 14, "eval_acc": 0.5}, {"kind": "train", "step": 14, "loss": math.nan}):
+        rundir.append_jsonl(run / "metrics.jsonl", rec)
+    fake_checkpoint.committed(run, 10)
+    fake_checkpoint.committed(run, 14, damaged=True)
+    info = control.RunInfo(run_dir=run, backend="slurm", job_id="78", state="RUNNING", restarts=1,
+                           step=14, loss=math.nan, checkpoint=control.last_checkpoint(run))
+    rec = json.loads(report.dumps(report.record(info)))  # strict JSON: NaN would not parse back
+    assert rec == {
+        "schema": "ddpjob.run/1", "run_dir": str(run), "point": None, "backend": "slurm",
+        "job_id": "78", "job_ids": ["77", "78"], "state": "RUNNING", "reason": None, "completed": False,
+        "restarts": 1,
+        "stops": [{"reason": "node_failure", "step": 10, "job_id": "77", "restart": 0, "steps_lost": 3,
+                   "requeued": True, "requeued_by": "slurm", "next_job_id": None, "time": 5.0, "note": "n",
+                   "phases": {}}],  # no phase has both of its ends recorded here
+        "step": 14, "loss": None,
+        "checkpoint": {"step": 10, "path": str(run / "checkpoints" / "step-000000010")},
+        "best_accuracy": {"value": 0.75, "step": 12}, "final_accuracy": None, "code": None}
+    # a damaged run dir is still one line, and no runs are no lines
+    (tmp_path / "runs" / "bad").mkdir()
+    (tmp_path / "runs" / "bad" / "config.json").write_text("{}")
+    (tmp_path / "runs" / "bad" / "job.json").write_text("[1, 2]")
+    lines = ddpjob("ls", "--json", cwd=tmp_path).stdout.splitlines()
+    assert [json.loads(ln)["run_dir"] for ln in lines] == ["runs/bad", "runs/r"]
+    empty = ddpjob("status", "--json", "--runs-root", str(tmp_path / "none"), cwd=tmp_path)
+    assert empty.returncode == 0 and empty.stdout == ""
+
+
+def test_cancel_of_an_empty_name_or_of_a_run_never_submitted_cancels_nothing(tmp_path, capsys, monkeypatch):
+    """`ddpjob cancel ''` used to match every run without a job id, and a cancel of a run never
+    submitted said "cancelled" and recorded a cancel event that later blocked its requeue."""
+    from ddpjob.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    never = tmp_path / "runs" / "never"
+    assert main(["sbatch", str(Path(__file__).resolve().parents[2] / "jobs" / "smoke.toml"),
+                 "--run-dir", str(never), "-o", str(tmp_path / "x.sbatch")]) == 0
+    capsys.readouterr()
+    assert main(["cancel", ""]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "ddpjob: error: run directory is empty, expected a path. Hint: give a non-empty run directory."]
+    with pytest.raises(control.UsageError, match="the run is ''"):  # the same without the CLI's check
+        control.resolve("")
+    assert main(["cancel", str(never)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"ddpjob: error: '{never}' has no job id"), err
+    assert rundir.events(never) == []  # nothing recorded that could block a later requeue
+
+
+def test_resume_waits_a_bounded_time_for_a_job_that_is_completing(tmp_path, fake_slurm, monkeypatch, capsys):
+    """`ddpjob resume` right after scancel found the job COMPLETING and refused; now it waits for
+    the end (bounded), and refuses with one line only if the job is still there after it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rundir.write_json_atomic(run / "job.json", {"backend": "slurm", "job_id": "77"})
+    monkeypatch.setattr(submit, "sleep", lambda s: None)
+    fake_slurm.answer("sacct", "77|CANCELLED by 0|0:15|n1\n")
+    fake_slurm.answer("squeue", "77|COMPLETING|None\n", then=[{"stdout": "77|COMPLETING|None\n"}, {"stdout": ""}])
+    submit._check_idle(run)  # ended after two polls: nothing to refuse
+    assert "job 77 is COMPLETING; waiting up to 60 s" in capsys.readouterr().out
+    assert len(fake_slurm.called("squeue")) == 3
+    clock = iter(range(0, 1000, 30))
+    monkeypatch.setattr(submit.time, "monotonic", lambda: float(next(clock)))
+    fake_slurm.answer("squeue", "77|COMPLETING|None\n")  # stuck, past the bound
+    with pytest.raises(DDPJobError, match="has job 77 still COMPLETING"):
+        submit._check_idle(run)

@@ -1,0 +1,182 @@
+"""ddpjob/crashes.py and the in-allocation decision that uses it (node/requeue.py): who failed
+first and where (srun's own lines, the rank's recorded error), the per-host failure ledger and
+its quarantine, the no-progress streak that ends a crash loop, and the layout the batch script
+gets for its next srun. Pure functions and the decision against the scripted fake SLURM; the
+same paths run on the real cluster in tests/cluster/test_crashes_slurm.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import fake_checkpoint
+
+from ddpjob import config, crashes, exitcodes, rundir
+from ddpjob.launch import plot
+from ddpjob.node import requeue
+from ddpjob.node.cluster import ClusterEnv
+
+ENV = ClusterEnv(source="slurm", job_id="77", restart_count=0, hosts=("n1", "n2"), num_nodes=2)
+KILLED = ("ddpjob: attempt 0: ranks on 2 node(s)\n"
+          "srun: error: n2: task 2: Killed\n"
+          "srun: Job step aborted: Waiting up to 7 seconds for job step to finish.\n"
+          "slurmstepd: error: *** STEP 77.0 ON n1 CANCELLED AT 2026-11-26T12:00:00 ***\n"
+          "srun: error: n1: tasks 0-1: Killed\n"
+          "srun: error: n2: task 3: Exited with exit code 1\n")
+
+
+def test_srun_names_the_task_that_failed_first_and_whether_it_is_the_hosts_fault() -> None:
+    assert crashes.from_srun(KILLED) == crashes.Culprit(2, "n2", "Killed", True)
+    exited = crashes.from_srun("srun: error: n1: tasks 0-1: Exited with exit code 1\n")
+    assert exited == crashes.Culprit(0, "n1", "Exited with exit code 1", False)  # the program's own end
+    assert crashes.from_srun("srun: error: n1: task 1: Segmentation fault (core dumped)\n").host_fault
+    assert crashes.from_srun("srun: error: Unable to create step for job 77\n") is None
+    assert crashes.from_srun("") is None
+    # a hostname that could be shell is no hostname: the line is not srun's
+    assert crashes.from_srun("srun: error: n1;rm -rf /: task 1: Killed\n") is None
+
+
+def test_the_ranks_own_error_tells_the_story_and_never_blames_the_host() -> None:
+    evs = [{"event": "stop", "reason": "crash", "rank": 1, "host": "n1", "job_id": "77", "restart": 0,
+            "error": "ddpjob: error: rank 1: RuntimeError: boom (train.py:12). Hint: it is yours."},
+           {"event": "stop", "reason": "crash", "rank": 0, "host": "n1", "job_id": "77", "restart": 0,
+            "error": "ddpjob: error: rank 0: peer gone."}]
+    srun = crashes.from_srun("srun: error: n1: task 1: Exited with exit code 1\n")
+    assert crashes.with_rank_error(srun, evs, "77", 0) == crashes.Culprit(
+        1, "n1", "RuntimeError: boom (train.py:12)", False)
+    # no srun line (the local backend, a custom template): the first recorded error names the rank
+    assert crashes.with_rank_error(None, evs, "77", 0).rank == 1
+    assert crashes.with_rank_error(None, evs, "77", 1) is None  # another attempt's records
+    assert crashes.from_returncode(3, "box", -9) == crashes.Culprit(3, "box", "killed by SIGKILL", True)
+    assert crashes.from_returncode(0, "box", 1) == crashes.Culprit(0, "box", "exited with status 1", False)
+
+
+def crash(job: str, restart: int, step: int, host: str | None = None, fault: bool = True) -> dict:
+    return {"event": "stop", "reason": "crash", "job_id": job, "restart": restart, "step": step,
+            "requeued": True, "requeued_by": "in_allocation", "failed_host": host, "host_fault": fault}
+
+
+def start(job: str, restart: int, resumed: int | None) -> dict:
+    return {"event": "start", "job_id": job, "restart": restart, "resumed_step": resumed}
+
+
+def test_two_host_failures_exclude_a_host_preemptions_and_exceptions_never_count() -> None:
+    evs = [start("77", 0, None), crash("77", 0, 30, "n2"),
+           {"event": "stop", "reason": "preemption", "job_id": "77", "restart": 1, "step": 40,
+            "failed_host": "n1", "host_fault": True},
+           crash("77", 2, 40, "n1", fault=False), crash("77", 3, 50, "n2")]
+    assert crashes.host_failures(evs) == {"n2": 2}
+    assert crashes.excluded(evs) == ["n2"]
+    assert crashes.excluded(evs[:2]) == []
+    assert crashes.excluded(evs, chain={"78"}) == []  # another submission of the run: a fresh ledger
+    bad = crash("77", 4, 60, "n2; reboot")  # a record edited by hand is no host name
+    assert crashes.host_failures([*evs, bad]) == {"n2": 2}
+
+
+def test_the_no_progress_streak_counts_attempts_that_got_nowhere_in_a_row() -> None:
+    evs = [start("77", 0, None), crash("77", 0, 10),  # progress: 0 -> 10
+           start("77", 1, 10), crash("77", 1, 10),  # nowhere
+           start("77", 2, 10), crash("77", 2, 10)]  # nowhere
+    assert crashes.no_progress(evs, None, None) == (2, 10)
+    assert crashes.no_progress(evs, None, ("77", 3, 10)) == (3, 10)  # a third, not recorded yet
+    assert crashes.no_progress(evs, None, ("77", 3, 20)) == (0, None)  # it got past 10
+    # a preemption between them ends the streak: it is no crash loop
+    pre = {"event": "stop", "reason": "preemption", "job_id": "77", "restart": 2, "step": 10}
+    assert crashes.no_progress([*evs[:4], pre], None, ("77", 3, 10)) == (1, 10)
+    # an attempt that died before its first step (no start record) began where the last ended
+    assert crashes.no_progress(evs[:2], None, ("77", 1, 10)) == (1, 10)
+    # from scratch, dying before the first checkpoint is no progress either
+    assert crashes.no_progress([start("77", 0, None)], None, ("77", 0, 0)) == (1, 0)
+    line = crashes.crash_loop(3, 3, 10, 5, crashes.Culprit(2, "n2", "Killed", True))
+    assert line == ("crash loop: 3 attempts in a row crashed without getting past the checkpoint at step 10, "
+                    "the last after step 15 (rank 2 on n2: Killed); not retrying (slurm.max_no_progress = 3)")
+    assert crashes.crash_loop(3, 2, 10, 5, None) is None
+
+
+def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
+    cfg = config.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, **slurm_keys}})
+    rundir.write_text_atomic(tmp_path / "config.json", cfg.to_json())
+    rundir.write_json_atomic(tmp_path / "job.json", {"backend": "slurm", "job_id": "77"})
+    (tmp_path / "logs").mkdir()
+    return cfg, tmp_path
+
+
+def batch_log(d: Path, text: str) -> None:
+    with open(d / "logs" / "batch-77.out", "a") as f:
+        f.write(text)
+
+
+def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_path) -> None:
+    cfg, d = run_dir(tmp_path, max_failures=5)
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
+    fake_checkpoint.committed(d, 30)
+    rundir.append_jsonl(d / "events.jsonl", start("77", 0, None))
+    batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: n2: task 2: Killed\n")
+    assert requeue.after_crash(cfg, ENV, d, 137, in_place=True) is True
+    first = [e for e in rundir.events(d) if e["event"] == "stop"][-1]
+    assert (first["failed_rank"], first["failed_host"], first["host_fault"]) == (2, "n2", True)
+    assert requeue.restart_layout(d, ENV, 2) == (2, [])  # once is not yet the host
+    fake_checkpoint.committed(d, 60)
+    rundir.append_jsonl(d / "events.jsonl", start("77", 1, 30))
+    # the first attempt's line is still in the log: only the newest attempt's lines count
+    batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n2: task 3: Bus error\n")
+    assert requeue.after_crash(cfg, ENV, d, 135, in_place=True) is True
+    assert [e.get("failed_rank") for e in rundir.events(d) if e["event"] == "stop"] == [2, 3]
+    assert requeue.restart_layout(d, ENV, 2) == (1, ["n2"])
+    lines = "\n".join(plot.summary(d))  # what `ddpjob status` shows
+    assert "n2 2 failures (excluded)" in lines and "rank 3 on n2: Bus error" in lines, lines
+
+
+def test_the_decision_prints_the_layout_for_the_batch_script(fake_slurm, tmp_path, monkeypatch,
+                                                              capsys) -> None:
+    """`python -m ddpjob.node.requeue RUN STATUS` as the template runs it: exit RESTART and, on
+    stdout's last line, "NODES HOSTS" for `read`; the crash's story goes to the batch log."""
+    cfg, d = run_dir(tmp_path, max_failures=5)
+    for restart in (0, 1):
+        rundir.append_jsonl(d / "events.jsonl", {**crash("77", restart, 10, "n1"), "failed_rank": 0})
+    rundir.append_jsonl(d / "events.jsonl", start("77", 2, 10))
+    fake_checkpoint.committed(d, 20)
+    batch_log(d, "ddpjob: attempt 2: ranks on 2 node(s)\nsrun: error: n2: task 2: Killed\n")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
+    assert requeue.main([str(d), "137"]) == exitcodes.RESTART
+    out = capsys.readouterr()
+    assert out.out.splitlines()[-1] == "1 n1", out.out
+    assert "excluding n1" in out.err and "rank 2 on n2: Killed" in out.err, out.err
+    # with n2 failing twice as well, no node is left: the crash is not retried in the allocation
+    rundir.append_jsonl(d / "events.jsonl", {**crash("77", 3, 20, "n2"), "failed_rank": 2})
+    batch_log(d, "ddpjob: attempt 3: ranks on 1 node(s), excluding n1\nsrun: error: n2: task 0: Killed\n")
+    assert requeue.main([str(d), "137"]) == 137
+    assert "every node of allocation 77 is excluded" in capsys.readouterr().err
+
+
+def test_a_crash_loop_ends_the_job_with_one_line(fake_slurm, tmp_path, capsys) -> None:
+    cfg, d = run_dir(tmp_path, max_failures=10, max_no_progress=3)
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
+    fake_checkpoint.committed(d, 10)
+    rundir.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 15})
+    rundir.append_jsonl(d / "events.jsonl", start("77", 0, None))
+    answers = []
+    for restart in range(4):
+        if restart:
+            rundir.append_jsonl(d / "events.jsonl", start("77", restart, 10))
+        rundir.append_jsonl(d / "events.jsonl", {
+            "event": "stop", "reason": "crash", "rank": 0, "host": "n1", "job_id": "77", "restart": restart,
+            "error": "ddpjob: error: rank 0: RuntimeError: step 15 fails (train.py:9). Hint: yours."})
+        batch_log(d, f"ddpjob: attempt {restart}: ranks on 2 node(s)\n"
+                     "srun: error: n1: task 0: Exited with exit code 1\n")
+        answers.append(requeue.after_crash(cfg, ENV, d, 1, in_place=True))
+    # the first attempt got from 0 to 10; the next three got nowhere: the third of them ends it
+    assert answers == [True, True, True, None]
+    stops = [e for e in rundir.events(d) if e["event"] == "stop" and "rank" not in e]
+    assert [s["no_progress"] for s in stops] == [0, 1, 2, 3]
+    assert requeue.used(d, 4, "77")[1] == 3  # 7 retries of max_failures were left
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("ddpjob: error: crash loop: 3 attempts in a row crashed without getting past "
+                          "the checkpoint at step 10, the last after step 15 (rank 0 on n1: "
+                          "RuntimeError: step 15 fails (train.py:9)); not retrying (slurm.max_no_progress = 3). "
+                          "Hint: rank 0's log in "), err
+    assert "slurm.max_no_progress = 3" in stops[-1]["note"]

@@ -1,0 +1,67 @@
+"""store/memsnap.py: one rank's in-memory snapshots (taken in the background, verified like a
+checkpoint, KEEP of them, never in a tree someone else made or can change) and the job-wide
+view the crash decision takes of them. The restart that resumes from them runs with real ranks
+in tests/ranks/test_failure.py (local backend) and tests/cluster/test_requeue_slurm.py (sbatch)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ddpjob.store import memsnap
+
+
+def snaps(base: Path, rank: int = 0, host: str = "n1", every: int = 2) -> memsnap.Snapshots:
+    root = memsnap.rank_root(base / "run", "77", host, rank, base)
+    return memsnap.Snapshots(root, every=every, config_hash="abc", base=base)
+
+
+def files(value: float) -> dict:
+    return {"model.pt": {"w": torch.full((4,), value)}, "rank-0.pt": {"seed": 1}}
+
+
+def test_snapshots_are_taken_when_due_kept_two_deep_and_verified(tmp_path: Path) -> None:
+    s = snaps(tmp_path)
+    assert [st for st in range(7) if s.due(st)] == [2, 4, 6]
+    for step in (2, 4, 6):
+        assert s.take(step, files(step), {"step": step})
+        s.close()  # the background write is done
+    assert s.newest(["model.pt", "rank-0.pt"]) == [6, 4]  # KEEP = 2
+    assert s.newest(["model.pt", "optimizer.pt"]) == []  # not the state this run holds
+    info = s.info(6)
+    assert torch.equal(s.store.load(info, "model.pt")["w"], torch.full((4,), 6.0))
+    root = s.store.root
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [root, *root.parents] if tmp_path in p.parents)
+    # a damaged file: that snapshot no longer counts
+    (info.path / "model.pt").write_bytes(b"garbage")
+    assert s.newest(["model.pt"]) == [4]
+
+
+def test_a_tree_someone_else_can_change_is_never_used(tmp_path: Path) -> None:
+    top = memsnap.top(tmp_path)
+    top.mkdir(mode=0o777)
+    os.chmod(top, 0o777)
+    s = snaps(tmp_path)
+    assert s.why_not is not None and "others may change it" in s.why_not
+    assert not s.due(2) and s.newest(["model.pt"]) == []
+    os.chmod(top, 0o700)
+    link = memsnap.job_root(tmp_path / "run", "77", tmp_path)
+    link.symlink_to(tmp_path)  # a link planted where the job's tree goes
+    assert "is not a folder" in (memsnap.refuse(memsnap.rank_root(tmp_path / "run", "77", "n1", 0, tmp_path),
+                                                tmp_path) or "")
+
+
+def test_the_decision_sees_the_newest_step_every_rank_holds_and_the_job_end_removes_it(tmp_path: Path) -> None:
+    ranks = [snaps(tmp_path, rank, host) for rank, host in ((0, "n1"), (1, "n1"), (2, "n2"))]
+    for s in ranks:
+        s.take(2, files(2), {"step": 2})
+        s.close()
+    ranks[0].take(4, files(4), {"step": 4})  # ranks 1 and 2 died before their step 4
+    ranks[0].close()
+    assert memsnap.newest_common(tmp_path / "run", "77", tmp_path) == 2
+    assert memsnap.newest_common(tmp_path / "run", "78", tmp_path) is None  # another job
+    memsnap.remove_job(tmp_path / "run", "77", tmp_path)
+    assert not memsnap.job_root(tmp_path / "run", "77", tmp_path).exists()
+    assert memsnap.top(tmp_path).is_dir()  # other jobs' trees live beside it

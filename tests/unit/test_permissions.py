@@ -1,0 +1,99 @@
+"""Run-dir permissions: 0700 (or 0750 with slurm.share_group), files 0600/0640, whatever the
+umask; `ddpjob run` and submitit's script refuse a run dir others can write (submitit unpickles
+RUN_DIR/logs/*_submitted.pkl at every start: a writable folder is code run as the job's user)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpjob import config, rundir
+from ddpjob.launch import submit
+
+REPO = Path(__file__).resolve().parents[2]
+DDPJOB = [sys.executable, "-m", "ddpjob"]
+
+
+def _modes(d: Path) -> dict[str, int]:
+    return {str(p.relative_to(d)): p.stat().st_mode & 0o777 for p in [d, *d.rglob("*")]}
+
+
+@pytest.mark.parametrize("share, dmode, fmode", [(False, 0o700, 0o600), (True, 0o750, 0o640)])
+@pytest.mark.parametrize("umask", [0o000, 0o077])
+def test_sbatch_run_dir_modes_ignore_the_umask(share: bool, dmode: int, fmode: int, umask: int,
+                                               tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    r = subprocess.run(DDPJOB + ["sbatch", str(REPO / "jobs/smoke.toml"), "--run-dir", str(d),
+                                 "-o", "-", "--set", f"slurm.share_group={str(share).lower()}"],
+                       cwd=tmp_path, capture_output=True, text=True, preexec_fn=lambda: os.umask(umask))
+    assert r.returncode == 0, r.stderr
+    modes = _modes(d)
+    code = {k: v for k, v in modes.items() if k.split("/")[0] in ("code", "code.json")}
+    assert code and all(v == (dmode if (d / k).is_dir() else fmode) for k, v in code.items())
+    rest = {k: v for k, v in modes.items() if k not in code}
+    assert rest == {".": dmode, "logs": dmode, "config.json": fmode, "job.sbatch": fmode}
+    rundir.append_jsonl(d / rundir.EVENTS, {"event": "start"})
+    assert (d / rundir.EVENTS).stat().st_mode & 0o777 == fmode
+
+
+def test_submit_root_is_private(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        submit._make_root(tmp_path / "a" / "run")
+        submit._make_root(tmp_path / "shared", share_group=True)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a" / "run").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "shared").stat().st_mode & 0o777 == 0o750
+
+
+@pytest.mark.parametrize("mode, refused", [(0o700, False), (0o750, False), (0o770, True),
+                                           (0o702, True)])
+def test_check_private(mode: int, refused: bool, tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    (d / rundir.LOGS).mkdir(parents=True)
+    d.chmod(mode)
+    if refused:
+        with pytest.raises(rundir.DDPJobError, match="group/world-writable"):
+            rundir.check_private(d)
+    else:
+        rundir.check_private(d)
+    d.chmod(0o700)
+    (d / rundir.LOGS).chmod(0o777)  # the pickle's folder alone is enough
+    with pytest.raises(rundir.DDPJobError, match="logs"):
+        rundir.check_private(d)
+
+
+@pytest.mark.parametrize("mode, ok", [(0o700, True), (0o750, True), (0o775, False), (0o707, False)])
+def test_submitit_script_refuses_a_pickle_folder_others_can_write(mode: int, ok: bool,
+                                                                   tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    run.chmod(0o700)
+    (run / "logs").chmod(mode)
+    cfg = config.from_dict({"name": "t"})
+    lines = submit.slurm_parameters(cfg, run / "logs")["setup"]
+    script = "\n".join([*lines, "echo started"]) + "\n"
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert (r.returncode == 0 and r.stdout == "started\n") if ok else \
+        (r.returncode == 1 and "refusing to unpickle" in r.stderr), (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("mode, ok", [(0o600, True), (0o640, True), (0o664, False), (0o606, False)])
+def test_submitit_script_refuses_a_pickle_others_can_write_in_a_private_folder(mode: int, ok: bool,
+                                                                              tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    for d in (run, run / "logs"):
+        d.chmod(0o750)
+    pickle = run / "logs" / "17_submitted.pkl"
+    pickle.write_bytes(b"x")
+    pickle.chmod(mode)
+    lines = submit.slurm_parameters(config.from_dict({"name": "t"}), run / "logs")["setup"]
+    r = subprocess.run(["bash", "-c", "\n".join([*lines, "echo started"]) + "\n"], capture_output=True, text=True)
+    assert (r.returncode == 0 and r.stdout == "started\n") if ok else \
+        (r.returncode == 1 and f"{pickle} is writable by others" in r.stderr), (r.stdout, r.stderr)

@@ -1,0 +1,218 @@
+"""`ddpjob submit`: parameter mapping to submitit, NodeTask's exit-code contract, dry runs,
+one-line errors that leave nothing behind, and (on the test cluster) real submitit jobs."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddpjob import cli, config
+from ddpjob.launch import submit
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = str(ROOT / "jobs" / "smoke.toml")
+
+
+def cfg_with(**slurm) -> config.JobConfig:
+    return config.from_dict({"name": "t", "slurm": slurm})
+
+
+def run_cli(*argv: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120
+            ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=timeout)
+
+
+# ------------------------------------------------------------------ parameter mapping
+def test_slurm_parameters_map_every_field():
+    cfg = cfg_with(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, mem="64G",
+                   partition="gpu", account="proj1", qos="high", time="1-02:03:04", constraint="a100",
+                   signal_lead_s=300, setup=["module load cuda"],
+                   sbatch_extra=["--exclusive", "--mail-type=END"])
+    p = submit.slurm_parameters(cfg)
+    keys = ("job_name", "nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task", "mem",
+            "partition", "account", "qos", "constraint", "signal_delay_s", "setup")
+    assert {k: p[k] for k in keys} == {
+        "job_name": "t", "nodes": 2, "ntasks_per_node": 4, "gpus_per_node": 4, "cpus_per_task": 8,
+        "mem": "64G", "partition": "gpu", "account": "proj1", "qos": "high", "constraint": "a100",
+        "signal_delay_s": 300, "setup": [*submit._guard_lines(cfg, None), "module load cuda"]}
+    # submitit's bare srun takes SLURM_NTASKS: after a shrink to 1 node it must be 1 x 4, not 8
+    for nodes, expected in (("1", "4 4"), ("2", "8 8"), (None, "8 8")):
+        env = {"PATH": "/usr/bin:/bin", **({"SLURM_JOB_NUM_NODES": nodes} if nodes else {})}
+        lines = "\n".join([*submit._guard_lines(cfg, None)[1:], 'echo "$SLURM_NTASKS $SLURM_NPROCS"'])
+        out = subprocess.run(["bash", "-c", lines], env={**env, "SLURM_NTASKS": "8"}, capture_output=True,
+                             text=True, timeout=30)
+        assert out.stdout.strip() == expected, (nodes, out)
+    assert p["srun_args"] == ["--kill-on-bad-exit=1"]  # as in the template
+    assert p["time"] == 1 * 1440 + 2 * 60 + 4  # whole minutes, rounded up, for submitit
+    assert p["additional_parameters"] == {"time": "1-02:03:04", "open-mode": "append", "requeue": True,
+                                          "exclusive": True, "mail-type": "END"}
+
+
+def test_cpu_job_has_no_gpu_line_and_empty_fields_are_left_out():
+    p = submit.slurm_parameters(cfg_with(time="00:00:30", signal_lead_s=10))
+    for key in ("gpus_per_node", "mem", "partition", "account", "qos", "constraint"):
+        assert key not in p
+    assert p["setup"] == submit._guard_lines(cfg_with(), None)  # only ddpjob's own trap
+    assert p["time"] == 1  # 30 s rounds up to one minute; sbatch still gets the exact limit
+    assert p["additional_parameters"]["time"] == "00:00:30"
+
+
+def test_other_signal_and_no_requeue_reach_the_script():
+    text = submit.sbatch_text(cfg_with(signal="TERM", signal_lead_s=45, requeue=False), Path("/tmp/x/logs"))
+    lines = text.splitlines()
+    assert "#SBATCH --signal=TERM@45" in lines and "#SBATCH --no-requeue" in lines
+    assert not any(ln.startswith("#SBATCH --signal=USR2") for ln in lines)
+    assert "#SBATCH --requeue" not in lines
+
+
+def test_sbatch_text_is_valid_bash_and_quotes_hostile_paths(tmp_path):
+    folder = tmp_path / "it's a $(touch pwned) `x`; run" / "logs"
+    cfg = cfg_with(nodes=2, tasks_per_node=2, setup=["echo 'setup ran'"])
+    points = [folder.parent / str(i) for i in range(3)]
+    text = submit.sbatch_text(cfg, folder, points)
+    script = tmp_path / "s.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    lines = text.splitlines()
+    # each array task puts its own point's frozen code first (SWEEP/<index>/code/python)
+    export = next(ln for ln in lines if ln.startswith("export PYTHONPATH="))
+    seen = subprocess.run(["bash", "-c", f'SLURM_ARRAY_TASK_ID=2; PYTHONPATH=/site; {export}; printf %s "$PYTHONPATH"'],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert seen.stdout == f"{points[2]}/code/python:/site", seen
+    assert not (tmp_path / "pwned").exists()
+    for expected in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --requeue",
+                     "#SBATCH --open-mode=append", "#SBATCH --signal=USR2@120", "#SBATCH --array=0-2%3",
+                     "echo 'setup ran'"):
+        assert expected in lines
+    srun = next(ln for ln in lines if ln.startswith("srun "))
+    words = shlex.split(srun)
+    assert words[-1] == str(folder)  # the folder reaches submitit byte for byte
+    assert words[words.index("-m") + 1] == "submitit.core._submit"
+
+
+# ------------------------------------------------------------------ NodeTask
+def test_nodetask_pickles_and_translates_exit_codes(monkeypatch, tmp_path):
+    import ddpjob.node.runner as runner
+
+    task = pickle.loads(pickle.dumps(submit.NodeTask(tmp_path)))
+    assert task.run_dir == str(tmp_path)
+    calls = []
+    codes = iter([0, 3, 1])
+    monkeypatch.setattr(runner, "run_node", lambda d, argv=None: calls.append(d) or next(codes))
+    assert task() == 0
+    with pytest.raises(SystemExit) as stop:  # requeued: no result pickle, like submitit's handler
+        task()
+    assert stop.value.code == 3
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        task()
+    assert calls == [str(tmp_path)] * 3
+
+
+def test_nodetask_checkpoint_resubmits_the_same_stateless_task(tmp_path):
+    task = submit.NodeTask(tmp_path)
+    delayed = task.checkpoint()
+    assert delayed.function is task and delayed.args == () and delayed.kwargs == {}
+
+
+# ------------------------------------------------------------------ backend choice, dry run, errors
+def _path_without(tool: str, tmp_path: Path) -> str:
+    """PATH with a bin dir holding python only: no sbatch/srun/sinfo."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python").symlink_to(sys.executable)
+    return str(bin_dir)
+
+
+def test_backend_auto_follows_sbatch_on_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", _path_without("sbatch", tmp_path))
+    assert submit.choose_backend("auto") == "local"
+    fake = tmp_path / "bin" / "sbatch"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert submit.choose_backend("auto") == "slurm"
+
+
+def test_backend_slurm_without_sbatch_is_one_line_and_writes_nothing(tmp_path):
+    env = {**os.environ, "PATH": _path_without("sbatch", tmp_path)}
+    out = run_cli("submit", SMOKE, "--backend", "slurm", cwd=tmp_path, env=env)
+    assert out.returncode == 1
+    assert out.stderr.count("\n") == 1
+    assert out.stderr.startswith("ddpjob: error: --backend slurm needs `sbatch`")
+    assert "Hint: " in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_prints_script_and_rank_view_and_creates_nothing(tmp_path):
+    out = run_cli("submit", SMOKE, "--backend", "slurm", "--dry-run", "--nodes", "2",
+                  "--set", "train.global_batch_size=256", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --nodes=2" in out.stdout and "submitit.core._submit" in out.stdout
+    rows = [ln.split() for ln in out.stdout.splitlines() if ln[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    assert rows[3][1:5] == ["node", "1", "1", "cpu"]
+    assert rows[0][-3:] == ["32", "2", "256"]  # batch/rank, accumulation, global batch
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("argv, code, start", [
+    (["--sweep", "train.lr=0.1,-1"], 2, "ddpjob: error: train.lr is -1"),
+    (["--sweep", "train.lr"], 2, "ddpjob: error: --sweep 'train.lr' has no '='"),
+    (["--sweep", "train.lr=0.1,"], 2, "ddpjob: error: --sweep 'train.lr=0.1,' has an empty value"),
+    (["--sweep", "train.nope=1,2"], 2, "ddpjob: error: unknown key 'train.nope'"),
+    (["--sweep", "slurm.nodes=1,2"], 2, "ddpjob: error: the sweep varies [slurm] settings"),
+    (["--set", "train.lr=abc"], 2, "ddpjob: error: train.lr is 'abc'"),
+    (["--nodes", "0"], 2, "ddpjob: error: slurm.nodes is 0"),
+])
+def test_bad_input_is_one_line_and_leaves_no_run_dir(tmp_path, argv, code, start):
+    out = run_cli("submit", SMOKE, "--backend", "local", *argv, cwd=tmp_path)
+    assert out.returncode == code, out.stderr
+    assert out.stderr.startswith(start) and out.stderr.count("\n") == 1 and "Hint:" in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_existing_or_unwritable_run_dir_is_refused(tmp_path):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "config.json").write_text("{}")
+    out = run_cli("submit", SMOKE, "--backend", "local", "--run-dir", str(busy), cwd=tmp_path)
+    assert out.returncode == 2 and "holds another job" in out.stderr, out.stderr
+    (busy / "config.json").unlink()
+    (busy / "notes.txt").write_text("mine")
+    out = run_cli("submit", SMOKE, "--backend", "local", "--run-dir", str(busy), cwd=tmp_path)
+    assert out.returncode == 2 and "is not empty and has no config.json" in out.stderr, out.stderr
+    (busy / "config.json").write_text("{}")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = run_cli("submit", SMOKE, "--backend", "local", "--run-dir", str(blocker / "run"), cwd=tmp_path)
+    assert out.returncode == 1 and "cannot create run directory" in out.stderr and "Hint:" in out.stderr
+    assert (busy / "config.json").read_text() == "{}"
+
+
+def test_a_failed_submission_removes_the_run_dir_it_created(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def refuse(*a, **k):
+        raise submit.DDPJobError("the scheduler said no", "try later")
+
+    monkeypatch.setattr(submit, "submit_local", refuse)
+    assert cli.main(["submit", SMOKE, "--backend", "local"]) == 1
+    assert not (tmp_path / "runs").exists()  # it made runs/ too, and removed it again
+
+
+def test_submit_runs_doctors_cheap_checks_first(tmp_path):
+    """A job that would fail on the nodes (CIFAR-10 never prepared) is refused on the login
+    node, in one line with doctor's hint, and nothing is written."""
+    out = run_cli("submit", SMOKE, "--backend", "local", "--set", "data.dataset=cifar10",
+                  "--set", f"data.root={tmp_path / 'nodata'}", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("ddpjob: error: preflight check 'dataset' failed")
+    assert out.stderr.count("\n") == 1 and "Hint:" in out.stderr and "ddpjob data cifar10" in out.stderr
+    assert not (tmp_path / "runs").exists()
