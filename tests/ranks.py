@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from clirun import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -134,14 +135,6 @@ def write_job(path: Path, **sections: dict[str, Any]) -> Path:
         lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def wait_for(predicate: Any, timeout: float, what: str, poll: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll)
 
 
 def metrics(run_dir: Path, kind: str = "train") -> dict[int, dict[str, Any]]:

@@ -14,7 +14,6 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bench/ is a top-level folder of the repository, not installed
     sys.path.insert(0, str(REPO))
 
-from bench import harness, run  # noqa: E402
 
 
 @pytest.mark.cluster

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpjob.node.cluster import PORT_BASE, PORT_SPAN, ClusterEnv
+from ddpjob.node.cluster import PORT_BASE, PORT_SPAN
 
 
 # ------------------------------------------------------------------- on the real cluster

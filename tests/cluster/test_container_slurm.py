@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 
 from test_preemption_slurm import (Reference, assert_same_as_reference, ddpjob, job_env, job_file,
-                                   preempt_and_finish, reference, wait_step)
+                                   preempt_and_finish, wait_step)
 
-__all__ = ["reference"]
 STANDIN = Path(__file__).resolve().parents[1] / "standin"
 IMAGES = {"pyxis": "nvcr.io#nvidia/pytorch:24.01-py3", "apptainer": "/images/torch.sif"}
 

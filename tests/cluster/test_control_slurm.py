@@ -11,18 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from clirun import ddpjob, wait_for
 from ranks import LAG
-from test_local_backend import wait_for
 
 from ddpjob import config, rundir
-from ddpjob.launch import control, submit
+from ddpjob.launch import control
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def ddpjob(*argv: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
 
 
 _started: list[Path] = []

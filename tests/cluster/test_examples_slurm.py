@@ -21,14 +21,14 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ranks import LAG, REPO, assert_bit_equal, run
+from clirun import ddpjob, without_job_env
+from ranks import LAG, assert_bit_equal, run
 from test_examples_ranks import CHARLM, CHARLM_SMALL, CIFAR, CIFAR_SMALL, _hook_job, _samples_by_step
 from test_preemption_slurm import events, job_env, poll, release, train_records, wait_high, wait_stop
 
@@ -56,15 +56,7 @@ def _cifar_job(folder: Path, **user: Any) -> Path:
 
 
 def _cli(*argv: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    import os
-
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
-    full.update(job_env(**(env or {})))
-    p = subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                       cwd=REPO, env=full, timeout=180)
-    if check:
-        assert p.returncode == 0, p.stdout + p.stderr
-    return p
+    return ddpjob(*argv, env=without_job_env(job_env(**(env or {}))), timeout=180, check=check)
 
 
 def _submit(job: Path, run_dir: Path, *sets: str, nodes: int = 2, env: dict[str, str] | None = None) -> str:

@@ -7,7 +7,6 @@ import subprocess
 
 import pytest
 
-from ddpjob.node import cluster
 from ddpjob.node.hostlist import parse_hostlist
 
 FORMS: list[tuple[str, list[str]]] = [

@@ -35,7 +35,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,8 @@ from typing import Any
 import pytest
 
 from ddpjob import rundir
+import clirun
+from clirun import without_job_env
 from ranks import LAG, REPO, TESTS, Ranks, assert_bit_equal, final_state, write_job
 from test_elastic import assert_each_sample_once_per_epoch, sample_log
 
@@ -67,12 +68,7 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 def ddpjob(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
-    full.update(env or {})
-    out = subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                         cwd=cwd, env=full, timeout=180)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out
+    return clirun.ddpjob(*argv, cwd=cwd, env=without_job_env(env), timeout=180, check=True)
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
@@ -225,14 +221,6 @@ class Reference:
             assert codes == [0] * 4, self.ranks.output()
             self.took = time.monotonic() - self.ranks.started
         return self.folder / "run"
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):
-    ref = Reference(tmp_path_factory.mktemp("reference"))
-    yield ref
-    if ref.ranks is not None:
-        ref.ranks.kill()
 
 
 def assert_same_as_reference(run: Path, ref: Path) -> dict[str, int]:

@@ -18,10 +18,8 @@ import pytest
 
 from ranks import LAG, write_job
 from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob,
-                                   events, job_env, job_file, preempt, preempt_and_finish, reference,
-                                   release, wait_step, wait_stop)
-
-__all__ = ["reference"]  # the module-scoped fixture, shared with test_preemption_slurm
+                                   events, job_env, job_file, preempt, preempt_and_finish, release, wait_step,
+                                   wait_stop)
 
 
 def fake_scontrol(folder: Path) -> Path:

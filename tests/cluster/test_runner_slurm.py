@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from ddpjob import config, rundir
-from ddpjob.node import preemption, requeue
 from ranks import PYTHON, REPO, assert_bit_equal, final_state, metrics, run, write_job
 
 NOBN = dict(model="trainer_plugins:conv_nobn", max_steps=12, batch_size=32, global_batch_size=64,

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from ddpjob import rundir
+from clirun import REPO as ROOT
+from clirun import ddpjob as run_cli
 from ranks import LAG, write_job
-from test_submit import ROOT, run_cli
 
 
 def _env() -> dict[str, str]:

@@ -11,16 +11,11 @@ from pathlib import Path
 import pytest
 
 from ddpjob import rundir
-from ddpjob.launch import submit
+
+from clirun import ddpjob as run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
-
-
-def run_cli(*argv: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120
-            ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                          cwd=cwd or ROOT, env=env, timeout=timeout)
 
 
 # ------------------------------------------------------------------ the real test cluster

@@ -15,7 +15,6 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bench/ is a top-level folder of the repository, not installed
     sys.path.insert(0, str(REPO))
 
-from bench import harness, run  # noqa: E402
 IDS = [f"P{i}" for i in range(1, 11)] + ["P13"]  # the default set; P11 (the cluster storm) only by name
 
 

@@ -19,6 +19,8 @@ import torch
 from ddpjob import rundir
 from ddpjob.store.commit import CheckpointStore
 
+from clirun import ddpjob
+
 KILLS = 100
 
 # One process imports torch once (about 2 s), then forks a fresh worker per kill, so 100 kills fit
@@ -157,8 +159,7 @@ def test_100_kill9_during_saves_never_lose_the_newest_committed(tmp_path: Path) 
 def _ddpjob_run(*args: str, cwd: Path) -> "subprocess.CompletedProcess[str]":
     from ranks import base_env  # the rank variables of the pytest process dropped, one thread
 
-    return subprocess.run([sys.executable, "-m", "ddpjob", "run", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=base_env())
+    return ddpjob("run", *args, cwd=cwd, env=base_env())
 
 
 SMOKE = str(Path(__file__).resolve().parents[2] / "jobs" / "smoke.toml")

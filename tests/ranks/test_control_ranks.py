@@ -11,16 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from clirun import ddpjob, wait_for
+from fake_local import fake_command, local_state, make_run
 from ranks import base_env
-from test_local_backend import fake_command, local_state, make_run, wait_for
 
-from ddpjob import config, rundir
+from ddpjob import rundir
 from ddpjob.launch import control, submit
-
-
-def ddpjob(*argv: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
 
 
 _started: list[Path] = []

@@ -9,11 +9,9 @@ CUDA operations that refuse on GPUs.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from ranks import events, run, write_job
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from clirun import ddpjob
 from ranks import LAG, PYTHON, REPO, assert_bit_equal, base_env, events, metrics, run
 
 CHARLM = REPO / "examples" / "charlm"
@@ -25,8 +26,7 @@ CIFAR_SMALL = {"epochs": 2, "batch_size": 16, "num_workers": 2}  # 64 images: 4 
 
 
 def _cli(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "ddpjob", *args], cwd=cwd, env=base_env(), text=True,
-                          capture_output=True, timeout=timeout)
+    return ddpjob(*args, cwd=cwd, env=base_env(), timeout=timeout)
 
 
 def _hook_job(path: Path, script: Path, base: Path, **sections: dict[str, Any]) -> Path:

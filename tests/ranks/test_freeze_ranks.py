@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from clirun import ddpjob as _cli
 from ranks import LAG
 
 from ddpjob import rundir
@@ -21,11 +20,6 @@ from ddpjob.launch import freeze
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "jobs" / "smoke.toml"
-
-
-def _cli(*argv: str, cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
 
 
 @pytest.mark.slow

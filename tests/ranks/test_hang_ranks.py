@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob.node import hang
 from ranks import TESTS, Ranks, events, write_job
 
 TIMEOUT_S = 10

@@ -16,67 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from ddpjob import config, rundir
+from ddpjob import rundir
 
-# A fake `ddpjob run RUN_DIR`: records its environment, then behaves as RUN_DIR/fake.json says.
-FAKE_RANK = r'''
-import json, os, signal, sys, time
-run_dir = sys.argv[-1]
-rank, restart = int(os.environ["RANK"]), int(os.environ["DDPJOB_RESTART_COUNT"])
-mode = json.load(open(os.path.join(run_dir, "fake.json")))["mode"]
-keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-        "MASTER_ADDR", "MASTER_PORT", "DDPJOB_JOB_ID", "DDPJOB_RESTART_COUNT", "OMP_NUM_THREADS"]
-rec = {k: os.environ.get(k) for k in keys}
-rec["pid"] = os.getpid()
-path = os.path.join(run_dir, f"fake-r{rank}-s{restart}.json")
-stop = []
-for s in (signal.SIGUSR2, signal.SIGTERM):
-    signal.signal(s, lambda n, f: stop.append(n))
-with open(path + ".tmp", "w") as f:
-    json.dump(rec, f)
-os.replace(path + ".tmp", path)
-print(f"fake rank {rank} restart {restart} mode {mode}", flush=True)
-if mode == "ok":
-    sys.exit(0)
-if mode == "always3":
-    sys.exit(3)
-if mode == "fail1once" and rank == 1 and restart == 0:
-    time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGKILL)
-if mode == "fail1once" and restart > 0:
-    sys.exit(0)
-if mode == "kill1" and rank == 1:
-    time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGKILL)
-if mode == "fail1" and rank == 1:
-    time.sleep(0.5)
-    sys.exit(1)
-if mode == "wait" and restart > 0:
-    sys.exit(0)
-deadline = time.time() + 60
-while not stop and time.time() < deadline:
-    time.sleep(0.05)
-print(f"fake rank {rank} got signal {stop}", flush=True)
-sys.exit(3 if stop else 0)
-'''
-
-
-def make_run(tmp_path: Path, mode: str, nodes: int = 1, tasks: int = 2, max_requeues: int = 3,
-             name: str = "run", max_failures: int = 0) -> Path:
-    run = tmp_path / name
-    (run / "logs").mkdir(parents=True)
-    cfg = config.from_dict({"name": "fake", "slurm": {"nodes": nodes, "tasks_per_node": tasks,
-                                                      "max_requeues": max_requeues,
-                                                      "max_failures": max_failures}})
-    rundir.write_text_atomic(run / "config.json", cfg.to_json())
-    (run / "fake.json").write_text(json.dumps({"mode": mode}))
-    return run
-
-
-def fake_command(tmp_path: Path) -> str:
-    prog = tmp_path / "fake_rank.py"
-    prog.write_text(FAKE_RANK)
-    return f"{sys.executable} -u {prog}"
+from clirun import wait_for
+from fake_local import fake_command, local_state, make_run
 
 
 def start_supervisor(tmp_path: Path, *runs: Path) -> subprocess.Popen:
@@ -86,26 +29,12 @@ def start_supervisor(tmp_path: Path, *runs: Path) -> subprocess.Popen:
                             stdout=log, stderr=subprocess.STDOUT)
 
 
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def fake_records(run: Path, restart: int, world: int) -> list[dict]:
     return [json.loads((run / f"fake-r{r}-s{restart}.json").read_text()) for r in range(world)]
 
 
 def all_started(run: Path, restart: int, world: int) -> bool:
     return all((run / f"fake-r{r}-s{restart}.json").is_file() for r in range(world))
-
-
-def local_state(run: Path) -> dict:
-    return rundir.read_json(run / "local.json", {}) or {}
 
 
 def pid_gone(pid: int) -> bool:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob.launch import submit
 
 REPO = Path(__file__).resolve().parents[2]
 DDPJOB = [sys.executable, "-m", "ddpjob"]

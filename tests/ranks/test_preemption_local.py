@@ -7,14 +7,11 @@ run that was never interrupted: final model, optimizer state, every per-step los
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from pathlib import Path
 
 import pytest
-
-from ddpjob.node import preemption
 
 from ranks import (LAG, Ranks, assert_bit_equal, events, final_state, metrics, run, signal_when_paused,
                    tensorboard_scalars, write_job)

@@ -13,9 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from ddpjob import config, rundir, runlock
-from test_local_backend import fake_command, make_run, wait_for
+
+from clirun import wait_for
+from fake_local import fake_command, make_run
 
 DDPJOB = [sys.executable, "-m", "ddpjob"]
 

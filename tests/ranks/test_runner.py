@@ -5,14 +5,12 @@ requeue policy, and (marker `cluster`) 2 nodes x 2 tasks under a real srun.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddpjob import cli, config, rundir
-from ddpjob.node import requeue
+from ddpjob import config, rundir
 from ranks import PYTHON, assert_bit_equal, base_env, free_port, final_state, metrics, run, write_job
 
 NOBN = dict(model="trainer_plugins:conv_nobn", max_steps=12, batch_size=32, global_batch_size=64,

@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from ddpjob import rundir
+from clirun import REPO as ROOT
+from clirun import ddpjob as run_cli
 from ranks import LAG
-from test_submit import ROOT, SMOKE, run_cli
+from test_submit import SMOKE
 
 
 def _env() -> dict[str, str]:

@@ -4,13 +4,13 @@ one-line errors that leave nothing behind, and (on the test cluster) real submit
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from clirun import ddpjob as run_cli
 from ranks import LAG
 
 from ddpjob import config, rundir
@@ -18,12 +18,6 @@ from ddpjob.launch import submit
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
-
-
-def run_cli(*argv: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120
-            ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                          cwd=cwd or ROOT, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("left_standing", [False, True])

@@ -3,23 +3,17 @@ points run one after another on the local backend and as one job array on SLURM.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from ddpjob import config, rundir
-from ddpjob.launch import submit
+
+from clirun import ddpjob
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
-
-
-def ddpjob(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
 
 
 @pytest.mark.slow

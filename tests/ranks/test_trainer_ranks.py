@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from ddpjob.train import trainer
 from ranks import base_env, free_port
 
 torch.set_num_threads(1)

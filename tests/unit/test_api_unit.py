@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-
 from ranks import REPO, base_env
 
 

@@ -9,7 +9,6 @@ import pickle
 import random
 import resource
 import signal
-import statistics
 import time
 from pathlib import Path
 
@@ -483,25 +482,31 @@ def test_async_write_errors_come_back_from_wait(tmp_path: Path) -> None:
     assert not staging.exists() and store.list() == []
 
 
-def test_snapshot_blocking_time_resnet18_sgd(record_property) -> None:
+def test_snapshot_of_resnet18_sgd_state_is_an_equal_private_copy() -> None:
+    """A real model + optimizer state (nested dicts, momentum buffers, param groups) snapshots to
+    equal values in memory of its own. How long it blocks the step is bench P6's third row
+    (an async save of the same state, goal <= 50 ms), not a test's: timings belong in bench/."""
     torchvision = pytest.importorskip("torchvision")
     model = torchvision.models.resnet18(num_classes=10)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     opt.step()
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
-    timings = []
-    for _ in range(5):
-        start = time.perf_counter()
+    for _ in range(2):  # the second snapshot draws on the buffers the first one left behind
         snap = CheckpointStore.snapshot(state)
-        timings.append((time.perf_counter() - start) * 1e3)
+        assert snap["optim"]["param_groups"] == state["optim"]["param_groups"]
+        assert snap["model"].keys() == state["model"].keys()
+        for key, tensor in state["model"].items():
+            assert torch.equal(snap["model"][key], tensor), key
+            assert snap["model"][key].untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+        for i, buffers in state["optim"]["state"].items():
+            assert torch.equal(snap["optim"]["state"][i]["momentum_buffer"], buffers["momentum_buffer"])
         del snap
-    megabytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 2 / 1e6
-    median = statistics.median(timings[1:])  # the first call pays for first-touch allocation
-    record_property("snapshot_ms_median", round(median, 1))
-    print(f"\nsnapshot resnet18+SGD momentum ({megabytes:.0f} MB): median {median:.1f} ms, "
-          f"first {timings[0]:.1f} ms, all {[round(t, 1) for t in timings]}")
-    assert median < 500, "snapshot is meant to block the step for tens of ms (buffers are reused)"
+    weight = state["model"]["fc.weight"]
+    before = weight.clone()
+    snap = CheckpointStore.snapshot(state)
+    weight.add_(1.0)  # the next step changes the live weights, never the snapshot
+    assert torch.equal(snap["model"]["fc.weight"], before) and not torch.equal(weight, before)
 
 
 def test_rng_state_round_trips_through_weights_only_loading(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-
 from ddpjob.node import compilecache
 from ddpjob.node.cluster import ClusterEnv
 

@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parents[1]  # tests/: conftest.py and the helper
 FAKE_CLUSTER = """
 import pytest
 
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     return "fake"
@@ -28,6 +29,7 @@ def slurm_cluster():
 
 SKIPPING = """
 import pytest
+
 
 @pytest.mark.cluster
 def test_skips(slurm_cluster):
@@ -49,6 +51,7 @@ def test_plain_skip():
 
 NEEDS_CLUSTER = """
 import pytest
+
 
 @pytest.mark.cluster
 def test_uses_cluster():

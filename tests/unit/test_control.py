@@ -7,22 +7,16 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import fake_checkpoint
 import pytest
-from test_local_backend import make_run
+from clirun import ddpjob
+from fake_local import make_run
 
-from ddpjob import config, rundir
+from ddpjob import rundir
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import control, submit
-
-
-def ddpjob(*argv: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout)
 
 
 _started: list[Path] = []

@@ -16,7 +16,6 @@ import torch
 from ddpjob.errors import DDPJobError
 from ddpjob.node import determinism
 from ddpjob.node.cluster import ClusterEnv
-from ranks import run
 
 
 def test_a_cublas_setting_the_user_exported_wins(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,15 +14,15 @@ from typing import Any
 
 import pytest
 
-from ranks import PYTHON, REPO, base_env
+from clirun import ddpjob
+from ranks import REPO, base_env
 
 CHARLM = REPO / "examples" / "charlm"
 CIFAR = REPO / "examples" / "cifar10_resnet18"
 
 
 def _cli(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "ddpjob", *args], cwd=cwd, env=base_env(), text=True,
-                          capture_output=True, timeout=timeout)
+    return ddpjob(*args, cwd=cwd, env=base_env(), timeout=timeout)
 
 
 def test_cifar_example_changes_at_most_20_lines() -> None:

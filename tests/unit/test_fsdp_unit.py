@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from ranks import run
 
 
 # ------------------------------------------------------------------ config and the metadata reader

@@ -6,7 +6,6 @@ in the assertions is the issue's own bound (timeout + 60 s), measured from the s
 
 from __future__ import annotations
 
-
 from ddpjob.node import hang
 from ddpjob.node.hang import Report
 

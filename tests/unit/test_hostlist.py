@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from ddpjob.errors import DDPJobError
-from ddpjob.node import cluster
 from ddpjob.node.hostlist import first_host, parse_hostlist, parse_tasks_per_node
 
 FORMS: list[tuple[str, list[str]]] = [
@@ -59,10 +57,6 @@ LENIENT_FORMS: list[tuple[str, list[str]]] = [
 def test_parse_hostlist(form: str, expected: list[str]) -> None:
     assert parse_hostlist(form) == expected
     assert first_host(form) == expected[0]
-
-
-def test_cluster_module_exports_the_parser() -> None:
-    assert cluster.parse_hostlist is parse_hostlist and cluster.first_host is first_host
 
 
 @pytest.mark.parametrize("text,expected", [("2(x2)", [2, 2]), ("4", [4]), ("2(x3),1", [2, 2, 2, 1]),

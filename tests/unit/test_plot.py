@@ -12,7 +12,6 @@ import pytest
 
 from ddpjob.cli import main
 from ddpjob.launch import plot
-from ranks import events, run
 
 pytest.importorskip("matplotlib")  # the `plot` extra; in the `test` extra too
 

@@ -12,10 +12,8 @@ import signal
 import time
 from pathlib import Path
 
-
 from ddpjob.node import preemption
 
-from ranks import run
 
 
 # ------------------------------------------------------------------ the mechanics, in-process

@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 
 from ddpjob import cli, config, rundir
-from ddpjob.node import requeue
-from ranks import run
 
 
 def test_run_dir_target_refuses_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

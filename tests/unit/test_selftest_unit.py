@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from ddpjob.node.selftest import check_layout
 
 

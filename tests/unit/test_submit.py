@@ -8,7 +8,6 @@ import pickle
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,14 @@ import pytest
 from ddpjob import cli, config
 from ddpjob.launch import submit
 
+from clirun import ddpjob as run_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
 
 
 def cfg_with(**slurm) -> config.JobConfig:
     return config.from_dict({"name": "t", "slurm": slurm})
-
-
-def run_cli(*argv: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120
-            ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
-                          cwd=cwd or ROOT, env=env, timeout=timeout)
 
 
 # ------------------------------------------------------------------ parameter mapping
