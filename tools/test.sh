@@ -15,11 +15,15 @@ else
     bash tests/cluster/start.sh
 fi
 tiers=(tests/unit tests/ranks tests/cluster)
+prev=
 for arg in "$@"; do
-    if [[ "$arg" != -* && ( -e "${arg%%::*}" ) ]]; then
+    # a path among the arguments (not the value of an option such as -k or -m) selects what runs
+    case "$prev" in -k|-m|-p|-o|-c|-W|--deselect|--ignore|--basetemp|--rootdir) prev=$arg; continue ;; esac
+    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
         tiers=()
         break
     fi
+    prev=$arg
 done
 status=0
 .venv/bin/python -m pytest "${tiers[@]}" "$@" || status=$?
