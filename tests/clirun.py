@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 
 
 def ddpjob(*argv: str, cwd: Path | str | None = None, env: Mapping[str, str] | None = None,
@@ -34,6 +35,11 @@ def without_job_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
     env.update(extra or {})
     return env
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """What the job's tasks need on top of sbatch's exported environment: the test plugins."""
+    return {"PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "OMP_NUM_THREADS": "1", **extra}
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,24 +17,6 @@ from ddpjob import config, rundir
 from ddpjob.launch import control
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-_started: list[Path] = []
-
-
-@pytest.fixture(autouse=True)
-def _kill_leftovers():
-    """A failed test must not leave a supervisor and its fake ranks behind."""
-    yield
-    while _started:
-        run = _started.pop()
-        pids = [(rundir.read_json(run / "job.json") or {}).get("pid")]
-        pids += (rundir.read_json(run / "local.json") or {}).get("rank_pids", [])
-        for pid in filter(None, pids):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 # ------------------------------------------------------------------ real SLURM jobs

@@ -10,16 +10,15 @@ steps before the stop are bit-identical to it, the final loss is within a stated
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ranks import LAG, Ranks, metrics, write_job
+from runlogs import assert_each_sample_once_per_epoch, sample_log
 
 TRAIN = dict(model="cnn_tiny", batch_size=16, accumulation_steps=2, max_steps=60, lr=0.05,
              warmup_steps=5, log_every=1, eval_every=0, amp="off", channels_last=False, threads=1,
@@ -40,46 +39,6 @@ LOSS_TOLERANCE = 1e-3
 # rank 0 sees micro-batches 0 and 4 of each step, with 2 ranks 0, 2, 4 and 6, so the running
 # means differ and the accuracy on the 256 test images may differ by a few images (observed 5).
 ACCURACY_TOLERANCE = 0.05
-
-
-def sample_log(run: Path) -> dict[int, dict[str, Any]]:
-    """step -> {"epoch", "restart", "world_size", "ids": the global batch's sample ids}, from the
-    newest incarnation that trained the step (a step trained again after a kill, or after an
-    elastic resume by fewer ranks, replaces what the older incarnation logged, all ranks of it)."""
-    per_step: dict[int, dict[tuple[int, int], dict[str, Any]]] = defaultdict(dict)
-    for path in sorted((run / "samples").glob("rank-*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill
-            per_step[rec["step"]][(rec["restart"], rec["rank"])] = rec
-    out = {}
-    for step, recs in per_step.items():
-        newest = max(restart for restart, _ in recs)
-        ranks = [r for (restart, _), r in sorted(recs.items()) if restart == newest]
-        world = ranks[0]["world_size"]
-        assert [r["rank"] for r in ranks] == list(range(world)), (step, newest, sorted(recs))
-        out[step] = {"epoch": ranks[0]["epoch"], "restart": newest, "world_size": world,
-                     "ids": [i for r in ranks for i in r["ids"]]}
-    return out
-
-
-def assert_each_sample_once_per_epoch(log: dict[int, dict[str, Any]], steps: int,
-                                      samples: int = SAMPLES, global_batch: int = GLOBAL_BATCH) -> None:
-    """Every step trained one global batch; every whole epoch used each sample exactly once."""
-    per_epoch = samples // global_batch
-    assert sorted(log) == list(range(1, steps + 1))
-    epochs: dict[int, list[int]] = defaultdict(list)
-    for step, rec in sorted(log.items()):
-        assert len(rec["ids"]) == global_batch, (step, len(rec["ids"]))
-        assert rec["epoch"] == (step - 1) // per_epoch
-        epochs[rec["epoch"]] += rec["ids"]
-    for epoch, ids in epochs.items():
-        if len(ids) == samples:  # a whole epoch: every sample once
-            assert sorted(ids) == list(range(samples)), f"epoch {epoch}: repeats or gaps"
-        else:  # the last, partial epoch: no sample twice
-            assert len(set(ids)) == len(ids), f"epoch {epoch}: a sample used twice"
 
 
 @pytest.mark.cluster
@@ -134,7 +93,7 @@ def test_2x2_preempted_then_resumed_as_1x2_keeps_global_batch_and_sees_each_samp
     assert "elastic resume: world size 4 -> 2, accumulation 2 -> 4, global batch 128 kept" in log0
 
     elastic, uninterrupted = sample_log(run), sample_log(tmp_path / "reference")
-    assert_each_sample_once_per_epoch(elastic, TRAIN["max_steps"])
+    assert_each_sample_once_per_epoch(elastic, TRAIN["max_steps"], samples=SAMPLES, global_batch=GLOBAL_BATCH)
     assert {s: r["world_size"] for s, r in elastic.items()} == \
         {s: 4 if s <= stop["step"] else 2 for s in elastic}
     # Each step trains the very samples of the uninterrupted run (order within a step aside).

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from clirun import ddpjob, without_job_env
+from example_jobs import CHARLM, CHARLM_SMALL, CIFAR, CIFAR_SMALL, hook_job, samples_by_step
 from ranks import LAG, assert_bit_equal, run
-from test_examples_ranks import CHARLM, CHARLM_SMALL, CIFAR, CIFAR_SMALL, _hook_job, _samples_by_step
 from test_preemption_slurm import events, job_env, poll, release, train_records, wait_high, wait_stop
 
 ENTRY = "example_slurm_hooks:main"
@@ -39,7 +39,7 @@ LEAD_S = 90  # --signal=USR2@90: with a 2-minute limit the warning comes 30-60 s
 
 
 def _charlm_job(folder: Path, **user: Any) -> Path:
-    return _hook_job(folder / "charlm.toml", CHARLM / "train.py", CHARLM / "job.toml",
+    return hook_job(folder / "charlm.toml", CHARLM / "train.py", CHARLM / "job.toml",
                      user={**CHARLM_SMALL, **user}, checkpoint={"every_steps": 5},
                      train={"entry": ENTRY, "args": [str(CHARLM / "train.py")]})
 
@@ -48,7 +48,7 @@ def _cifar_job(folder: Path, **user: Any) -> Path:
     from ddpjob.train.fixtures import write_cifar10_folder
 
     write_cifar10_folder(folder / "cifar", n_train=64, n_test=32)
-    return _hook_job(folder / "cifar.toml", CIFAR / "train.py", CIFAR / "job.toml",
+    return hook_job(folder / "cifar.toml", CIFAR / "train.py", CIFAR / "job.toml",
                      user={**CIFAR_SMALL, "data_root": str(folder / "cifar"), **user},
                      checkpoint={"every_steps": 3, "async": False},
                      slurm={"tasks_per_node": 2, "gpus_per_node": 0, "cpus_per_task": 1},
@@ -214,7 +214,7 @@ def test_charlm_slurm_2x2_preempted_resumed_1x2_sees_every_sample_once_per_epoch
     took = time.monotonic() - t0
     starts = events(run_dir, "start")
     assert [(s["world_size"], s["resumed_step"]) for s in starts] == [(4, None), (2, at + 1 + LAG)], starts
-    samples = _samples_by_step(run_dir)
+    samples = samples_by_step(run_dir)
     assert sorted(samples) == list(range(1, total + 1))
     for step, recs in samples.items():
         assert sum(len(r["ids"]) for r in recs) == CHARLM_SMALL["batch_size"], step  # GLOBAL batch

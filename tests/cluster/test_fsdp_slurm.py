@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
+from example_jobs import CHARLM, CHARLM_SMALL, hook_job, samples_by_step
 from ranks import LAG
-from test_examples_ranks import CHARLM, CHARLM_SMALL, _hook_job, _samples_by_step
 from test_examples_slurm import CHARLM_STEPS_PER_EPOCH, ENTRY, _reference, _submit, shrink_to_one_node_and_finish
 from test_preemption_slurm import events, train_records, wait_stop
 
 
 def _job(folder: Path, **user: Any) -> Path:
-    return _hook_job(folder / "charlm-fsdp.toml", CHARLM / "train.py", CHARLM / "job.toml",
+    return hook_job(folder / "charlm-fsdp.toml", CHARLM / "train.py", CHARLM / "job.toml",
                      user={**CHARLM_SMALL, "dropout": 0.0, "num_workers": 0, **user},
                      checkpoint={"every_steps": 5},
                      train={"entry": ENTRY, "args": [str(CHARLM / "train.py")], "strategy": "fsdp"})
@@ -56,7 +56,7 @@ def test_fsdp_slurm_2x2_preempted_resumed_1x2_reshards_and_sees_every_sample_onc
     assert [(s["world_size"], s["resumed_step"]) for s in starts] == [(4, None), (2, stop_step)], starts
     log = (run_dir / "logs" / f"{jid}_0_log.out").read_text()
     assert f"resumed at another world size: 4 -> 2 ranks (step {stop_step})" in log
-    samples = _samples_by_step(run_dir)
+    samples = samples_by_step(run_dir)
     assert sorted(samples) == list(range(1, total + 1))
     for step, recs in samples.items():
         assert sum(len(r["ids"]) for r in recs) == CHARLM_SMALL["batch_size"], step  # GLOBAL batch

@@ -12,19 +12,10 @@ from pathlib import Path
 import pytest
 
 from ddpjob import rundir
+from test_permissions_ranks import _loose
 
 REPO = Path(__file__).resolve().parents[2]
 DDPJOB = [sys.executable, "-m", "ddpjob"]
-
-
-def _modes(d: Path) -> dict[str, int]:
-    return {str(p.relative_to(d)): p.stat().st_mode & 0o777 for p in [d, *d.rglob("*")]}
-
-
-def _loose(d: Path, share: bool) -> dict[str, str]:
-    """What in `d` others could write (or, without share_group, even read)."""
-    bad = 0o022 if share else 0o077
-    return {k: oct(v) for k, v in _modes(d).items() if v & bad}
 
 
 @pytest.mark.cluster

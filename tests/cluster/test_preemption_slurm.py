@@ -32,7 +32,6 @@ this protocol is in test_failure.py, the elastic resume in test_elastic.py.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -41,11 +40,10 @@ from typing import Any
 
 import pytest
 
-from ddpjob import rundir
 import clirun
-from clirun import without_job_env
-from ranks import LAG, REPO, TESTS, Ranks, assert_bit_equal, final_state, write_job
-from test_elastic import assert_each_sample_once_per_epoch, sample_log
+from clirun import job_env, without_job_env
+from ranks import LAG, Ranks, assert_bit_equal, final_state, write_job
+from runlogs import assert_each_sample_once_per_epoch, events, lines, sample_log, train_records
 
 TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2,
              max_steps=200, lr=0.05, warmup_steps=5, log_every=1, eval_every=50, amp="off",
@@ -62,27 +60,8 @@ def job_file(folder: Path, **slurm: Any) -> Path:
                      checkpoint=CHECKPOINT)
 
 
-def job_env(**extra: str) -> dict[str, str]:
-    """What the job's tasks need on top of sbatch's exported environment: the test plugins."""
-    return {"PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "OMP_NUM_THREADS": "1", **extra}
-
-
 def ddpjob(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return clirun.ddpjob(*argv, cwd=cwd, env=without_job_env(env), timeout=180, check=True)
-
-
-def lines(path: Path) -> list[dict[str, Any]]:
-    """JSON lines; a torn last line (the writer was killed) is skipped."""
-    return rundir.read_jsonl(path)
-
-
-def events(run: Path, kind: str | None = None) -> list[dict[str, Any]]:
-    return [e for e in lines(run / "events.jsonl") if kind is None or e["event"] == kind]
-
-
-def train_records(run: Path) -> list[dict[str, Any]]:
-    """Every train line of metrics.jsonl, replayed steps included, in order."""
-    return [r for r in lines(run / "metrics.jsonl") if r.get("kind") == "train"]
 
 
 def poll(what: str, timeout: float, check: Any, job_id: str | None = None) -> Any:
@@ -365,7 +344,8 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     # The sample-id log across 4 incarnations: steps trained twice count once (the newest), every
     # sample once per epoch, each step the samples of the uninterrupted run.
     samples = sample_log(run)
-    assert_each_sample_once_per_epoch(samples, STEPS)
+    assert_each_sample_once_per_epoch(samples, STEPS, samples=DATA["synthetic_train"],
+                                      global_batch=DATA["synthetic_train"] // STEPS_PER_EPOCH)
     replayed = set(range(resumed + 1, last_logged + 1))
     assert {s for s, r in samples.items() if r["restart"] == 3} >= replayed
     assert {s: sorted(r["ids"]) for s, r in samples.items()} == \

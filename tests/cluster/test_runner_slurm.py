@@ -12,10 +12,7 @@ import pytest
 
 from ddpjob import config, rundir
 from ranks import PYTHON, REPO, assert_bit_equal, final_state, metrics, run, write_job
-
-NOBN = dict(model="trainer_plugins:conv_nobn", max_steps=12, batch_size=32, global_batch_size=64,
-            lr=0.05, warmup_steps=2, log_every=1, amp="off", channels_last=False, seed=5, threads=1)
-DATA = dict(dataset="synthetic", synthetic_train=768, synthetic_test=256, augment=True)
+from test_runner import DATA, NOBN
 
 
 # ------------------------------------------------------------------ real SLURM: 2 nodes x 2 tasks

@@ -3,23 +3,18 @@ names, user templates, and (marker `cluster`) the script run by the real `sbatch
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from ddpjob import config
+from test_sbatch_cli import sbatch
 
 REPO = Path(__file__).resolve().parents[2]
 DDPJOB = [str(Path(sys.executable).parent / "ddpjob")]
 if not Path(DDPJOB[0]).exists():
     DDPJOB = [sys.executable, "-m", "ddpjob"]
-
-
-def sbatch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(DDPJOB + ["sbatch", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
 
 
 # ----------------------------------------------------------------------------- real SLURM

@@ -7,22 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_selftest import table_rows
 
 
 PY = sys.executable
-
-
-def table_rows(stdout: str) -> list[list[str]]:
-    """The rows of the plain-text `ranks` table (rank, local rank, node, host, device, backend)."""
-    lines = stdout.splitlines()
-    start = lines.index("ranks") + 2  # title, header
-    rows = []
-    for line in lines[start:]:
-        cells = line.split()
-        if len(cells) != 6 or not cells[0].isdigit():
-            break
-        rows.append(cells)
-    return rows
 
 
 @pytest.mark.cluster

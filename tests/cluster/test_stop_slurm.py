@@ -5,34 +5,14 @@ in its 6th training forward call until the stop signal has reached it (trainer_p
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ddpjob import rundir
-from clirun import REPO as ROOT
 from clirun import ddpjob as run_cli
 from ranks import LAG, write_job
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT)])
-    return {**env, "OMP_NUM_THREADS": "1"}
-
-
-def _paused(log: Path, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not (log.exists() and "paused at call 6" in log.read_text(errors="replace")):
-        assert time.monotonic() < deadline, f"rank 0 never reached its 6th forward call ({log})"
-        time.sleep(0.2)
-
-
-def _stops(run: Path) -> list[dict[str, Any]]:
-    return [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e]
+from test_stop import _env, _paused, _stops
 
 
 @pytest.mark.cluster

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import torch
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist as ddist
 from ddpjob.node.cluster import ClusterEnv
+from ranks import free_port
 
 WORKER = textwrap.dedent("""
     import json, sys
@@ -34,12 +34,6 @@ WORKER = textwrap.dedent("""
     out["after_destroy"] = ctx.initialized
     print("RESULT " + json.dumps(out), flush=True)
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_environ(**extra: str) -> dict[str, str]:

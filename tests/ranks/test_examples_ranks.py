@@ -14,41 +14,13 @@ from typing import Any
 
 import pytest
 
-from clirun import ddpjob
-from ranks import LAG, PYTHON, REPO, assert_bit_equal, base_env, events, metrics, run
-
-CHARLM = REPO / "examples" / "charlm"
-CIFAR = REPO / "examples" / "cifar10_resnet18"
-# charlm small enough for a few seconds of training on 2 CPU ranks: 1200-odd windows of 32
-CHARLM_SMALL = {"context": 32, "stride": 32, "hidden": 32, "batch_size": 32, "max_steps": 12,
-                "log_sample_ids": True, "print_every": 4, "sample_chars": 10}
-CIFAR_SMALL = {"epochs": 2, "batch_size": 16, "num_workers": 2}  # 64 images: 4 steps/epoch
-
-
-def _cli(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return ddpjob(*args, cwd=cwd, env=base_env(), timeout=timeout)
-
-
-def _hook_job(path: Path, script: Path, base: Path, **sections: dict[str, Any]) -> Path:
-    """The example's own job file with `example_hooks:main` as the entry (the script its first
-    argument) and `sections` ({"user": {...}}) replacing the values of those keys."""
-    values = {"train": {"entry": "example_hooks:main", "args": [str(script)]}}
-    for name, table in sections.items():
-        values.setdefault(name, {}).update(table)
-    lines, section = [], ""
-    for line in base.read_text().splitlines():
-        if line.startswith("["):
-            section = line.split("]")[0].strip("[")
-        key = line.split("=")[0].strip()
-        if "=" in line and key in values.get(section, {}):
-            line = f"{key} = {json.dumps(values[section][key])}"
-        lines.append(line)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+from example_jobs import CHARLM, CHARLM_SMALL, CIFAR, CIFAR_SMALL, hook_job, samples_by_step
+from ranks import LAG, PYTHON, assert_bit_equal, base_env, events, metrics, run
+from test_examples import _cli, _entry_job, _error_lines
 
 
 def _charlm_job(tmp_path: Path, **user: Any) -> Path:
-    return _hook_job(tmp_path / "charlm.toml", CHARLM / "train.py", CHARLM / "job.toml",
+    return hook_job(tmp_path / "charlm.toml", CHARLM / "train.py", CHARLM / "job.toml",
                      user={**CHARLM_SMALL, **user}, checkpoint={"every_steps": 5})
 
 
@@ -56,7 +28,7 @@ def _cifar_job(tmp_path: Path) -> Path:
     from ddpjob.train.fixtures import write_cifar10_folder
 
     write_cifar10_folder(tmp_path / "cifar", n_train=64, n_test=32)
-    return _hook_job(tmp_path / "cifar.toml", CIFAR / "train.py", CIFAR / "job.toml",
+    return hook_job(tmp_path / "cifar.toml", CIFAR / "train.py", CIFAR / "job.toml",
                      user={**CIFAR_SMALL, "data_root": str(tmp_path / "cifar")},
                      checkpoint={"every_steps": 3, "async": False},
                      slurm={"tasks_per_node": 2, "gpus_per_node": 0, "cpus_per_task": 1},
@@ -118,16 +90,6 @@ def test_charlm_interrupted_resumes_bit_exactly(tmp_path: Path, charlm_reference
     assert len(_losses(out)) == CHARLM_SMALL["max_steps"]
 
 
-def _samples_by_step(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    """step -> that step's records from the newest restart that ran it (replays win)."""
-    by_step: dict[int, dict[int, list[dict[str, Any]]]] = {}
-    for path in sorted((run_dir / "samples").glob("rank-*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            by_step.setdefault(rec["step"], {}).setdefault(rec["restart"], []).append(rec)
-    return {step: runs[max(runs)] for step, runs in by_step.items()}
-
-
 @pytest.mark.slow  # 4 ranks with 2 workers each on 2 cores
 def test_charlm_elastic_4_to_2_sees_every_sample_once_per_epoch(tmp_path: Path) -> None:
     """Stopped mid-epoch on 4 ranks, resumed on 2: the global batch stays 32 and every window
@@ -137,7 +99,7 @@ def test_charlm_elastic_4_to_2_sees_every_sample_once_per_epoch(tmp_path: Path) 
     total = steps_per_epoch + 8  # one full epoch and part of the next
     job = _charlm_job(tmp_path, max_steps=total)
     out = _interrupt_and_resume(tmp_path, job, 4, 20, 2)
-    samples = _samples_by_step(out)
+    samples = samples_by_step(out)
     assert sorted(samples) == list(range(1, total + 1))
     for step, recs in samples.items():
         assert sum(len(r["ids"]) for r in recs) == 32, step  # the global batch at any world size
@@ -164,18 +126,6 @@ def test_cifar_converted_script_resumes_bit_exactly(tmp_path: Path) -> None:
     out = _interrupt_and_resume(tmp_path, job, 2, 4, 2)
     assert_bit_equal(torch.load(ref / "final" / "model.pt"), torch.load(out / "final" / "model.pt"), "model")
     assert _losses(out) == _losses(ref) and len(_losses(ref)) == 8
-
-
-# ------------------------------------------------------------------ bad train.entry values
-def _entry_job(tmp_path: Path, entry: str, args: list[str] | None = None) -> Path:
-    job = tmp_path / "job.toml"
-    job.write_text(f'name = "t"\n[train]\nentry = {json.dumps(entry)}\nargs = {json.dumps(args or [])}\n'
-                   "threads = 1\n[slurm]\ntasks_per_node = 1\n")
-    return job
-
-
-def _error_lines(text: str) -> list[str]:
-    return [x for x in text.splitlines() if x.startswith("ddpjob: error:")]
 
 
 def _failed_run(tmp_path: Path, job: Path) -> tuple[Path, str]:

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from clirun import job_env
 from ranks import LAG, assert_bit_equal, final_state, run, write_job
-from test_elastic import assert_each_sample_once_per_epoch, sample_log
-from test_preemption_slurm import events, job_env, train_records
+from runlogs import assert_each_sample_once_per_epoch, events, sample_log, train_records
 
 TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2,
              max_steps=80, lr=0.05, warmup_steps=5, log_every=1, eval_every=40, amp="off",

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
+from example_jobs import CHARLM, CHARLM_SMALL, hook_job, samples_by_step
 from ranks import LAG, assert_bit_equal, events, metrics, run
-from test_examples_ranks import CHARLM, CHARLM_SMALL, _hook_job, _samples_by_step
 
 FSDP = {"strategy": "fsdp", "entry": "example_hooks:main", "args": [str(CHARLM / "train.py")]}
 
 
 def charlm_fsdp_job(folder: Path, *, checkpoint: dict[str, Any] | None = None, **user: Any) -> Path:
-    return _hook_job(folder / "charlm-fsdp.toml", CHARLM / "train.py", CHARLM / "job.toml",
+    return hook_job(folder / "charlm-fsdp.toml", CHARLM / "train.py", CHARLM / "job.toml",
                      user={**CHARLM_SMALL, "num_workers": 0, **user}, train=FSDP,
                      checkpoint={"every_steps": 5, **(checkpoint or {})})
 
@@ -222,7 +222,7 @@ def test_fsdp_4_to_2_reshards_sees_every_sample_once_and_ends_within_1e5(tmp_pat
 
     out, log = _stop_then_resume(tmp_path, job, 4, at, 2, between=four_shards)
     assert f"resumed at another world size: 4 -> 2 ranks (step {stop})" in log
-    samples = _samples_by_step(out)
+    samples = samples_by_step(out)
     assert sorted(samples) == list(range(1, total + 1))
     for step, recs in samples.items():
         assert sum(len(x["ids"]) for x in recs) == 32, step  # the global batch at any world size

@@ -10,14 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_permissions import _modes
 
 
 REPO = Path(__file__).resolve().parents[2]
 DDPJOB = [sys.executable, "-m", "ddpjob"]
-
-
-def _modes(d: Path) -> dict[str, int]:
-    return {str(p.relative_to(d)): p.stat().st_mode & 0o777 for p in [d, *d.rglob("*")]}
 
 
 def _loose(d: Path, share: bool) -> dict[str, str]:

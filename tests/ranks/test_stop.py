@@ -16,7 +16,6 @@ from ddpjob import rundir
 from clirun import REPO as ROOT
 from clirun import ddpjob as run_cli
 from ranks import LAG
-from test_submit import SMOKE
 
 
 def _env() -> dict[str, str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 from pathlib import Path
 
 import fake_checkpoint
@@ -17,24 +16,6 @@ from fake_local import make_run
 from ddpjob import rundir
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import control, submit
-
-
-_started: list[Path] = []
-
-
-@pytest.fixture(autouse=True)
-def _kill_leftovers():
-    """A failed test must not leave a supervisor and its fake ranks behind."""
-    yield
-    while _started:
-        run = _started.pop()
-        pids = [(rundir.read_json(run / "job.json") or {}).get("pid")]
-        pids += (rundir.read_json(run / "local.json") or {}).get("rank_pids", [])
-        for pid in filter(None, pids):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 # ------------------------------------------------------------------ pure parts

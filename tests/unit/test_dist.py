@@ -11,12 +11,7 @@ import torch
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist as ddist
 from ddpjob.node.cluster import ClusterEnv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ranks import free_port
 
 
 def test_unreachable_master_fails_within_the_timeout_with_one_line() -> None:

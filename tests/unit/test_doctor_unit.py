@@ -8,45 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob.cli import build_parser
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import doctor
-from ddpjob.train.fixtures import write_cifar10_folder
-
-GOOD = """name = "doc"
-[slurm]
-partition = "low"
-nodes = 1
-tasks_per_node = 2
-time = "00:10:00"
-[data]
-dataset = "cifar10"
-root = "data"
-"""
-
-
-@pytest.fixture
-def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A good job file in a fresh cwd with its (tiny) CIFAR-10 set under ./data."""
-    monkeypatch.chdir(tmp_path)
-    write_cifar10_folder(tmp_path / "data", n_train=20, n_test=10, learnable=False)
-    path = tmp_path / "job.toml"
-    path.write_text(GOOD)
-    return path
-
-
-def checks(*argv: str) -> dict[str, doctor.Check]:
-    args = build_parser().parse_args(["doctor", *argv])
-    out = doctor.run_checks(args)
-    by_name: dict[str, doctor.Check] = {}
-    for c in out:  # a name may repeat (two sbatch_extra problems): keep the worst
-        if c.name not in by_name or c.status == doctor.FAIL:
-            by_name[c.name] = c
-    return by_name
-
-
-def failed(result: dict[str, doctor.Check]) -> dict[str, doctor.Check]:
-    return {n: c for n, c in result.items() if c.status == doctor.FAIL}
+from test_doctor import checks, job
 
 
 # ------------------------------------------------------------------ without the cluster

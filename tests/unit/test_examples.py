@@ -15,10 +15,8 @@ from typing import Any
 import pytest
 
 from clirun import ddpjob
+from example_jobs import CHARLM, CIFAR
 from ranks import REPO, base_env
-
-CHARLM = REPO / "examples" / "charlm"
-CIFAR = REPO / "examples" / "cifar10_resnet18"
 
 
 def _cli(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.CompletedProcess[str]:
