@@ -182,7 +182,8 @@ def test_job_file_errors(tmp_path: Path) -> None:
 def _config_tree(cls: type = config.JobConfig) -> list[type]:
     """JobConfig and every dataclass reachable through its fields' types (its sections)."""
     hints = typing.get_type_hints(cls)  # Annotated stripped: the field's own type
-    nested = [t for f in dataclasses.fields(cls) if dataclasses.is_dataclass(t := hints[f.name])]
+    nested = [t for f in dataclasses.fields(cls)
+              if isinstance(t := hints[f.name], type) and dataclasses.is_dataclass(t)]
     return [cls, *(c for t in nested for c in _config_tree(t))]
 
 
@@ -279,7 +280,8 @@ PINNED_HASHES = [
 ]
 
 
-@pytest.mark.parametrize("job, overrides, expected", PINNED_HASHES, ids=[" ".join([j[5:], *o]) for j, o, _ in PINNED_HASHES])
+@pytest.mark.parametrize("job, overrides, expected", PINNED_HASHES,
+                         ids=[" ".join([j[5:], *o]) for j, o, _ in PINNED_HASHES])
 def test_the_hashes_of_existing_runs_stay(job: str, overrides: tuple[str, ...], expected: str) -> None:
     assert config.resolve(REPO / job, overrides).hash() == expected
     assert config.JobConfig().hash() == "ff37a4d9f28dea95"
