@@ -21,27 +21,22 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from ddpjob.errors import UsageError
-from ddpjob.validate import SIGNALS, canonical_signal, parse_time_s, validate  # noqa: F401 (re-exported)
+from ddpjob.validate import ENTRY_SCRIPT, canonical_signal, validate
+from ddpjob.validate import SIGNALS, parse_time_s  # noqa: F401 (re-exported)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-# train.entry: a script path (no control characters) or an importable "package.module:function".
-_ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
-
 
 def _key(f: dataclasses.Field) -> str:  # TOML key of a field ("async" is a Python keyword)
     return str(f.metadata.get("key", f.name))
 
 
-CONTAINER_RUNTIMES = ("pyxis", "apptainer", "singularity")  # launch/container.py
-
 # The resume identity, declared by every field of every section: a checkpoint resumes only under
-# a config whose Match fields are all equal (JobConfig.hash; no list of keys to leave out, so a
-# new field cannot slip into or out of it unnoticed). A field that declares nothing fails
-# hash() and tests/test_config.py, which also pins the hashes of jobs/*.toml.
+# a config whose Match fields are all equal (JobConfig.hash: no list of keys to leave out). A
+# field that declares nothing fails hash() and tests/test_config.py (which pins jobs/*.toml's).
 T = TypeVar("T")
 MATCH, FREE, MATCH_IF_SET = "resume: match", "resume: free", "resume: match unless default"
 Match = Annotated[T, MATCH]  # what is trained: model, data, optimisation, the entry
@@ -201,30 +196,24 @@ class JobConfig:
         return hashlib.sha256(json.dumps(_identity(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
+@functools.cache  # a class's annotations do not change; hash() is taken at every save
 def resume_rule(cls: type, name: str) -> str | None:
     """MATCH, FREE or MATCH_IF_SET, as field `name` of `cls` declares it; None if it declares nothing."""
-    return _resume_rules(cls)[name]
-
-
-@functools.cache  # a class's annotations do not change; hash() is taken at every save
-def _resume_rules(cls: type) -> dict[str, str | None]:
-    hints = typing.get_type_hints(cls, include_extras=True)
-    return {f.name: next((m for m in getattr(hints[f.name], "__metadata__", ()) if m in (MATCH, FREE, MATCH_IF_SET)),
-                         None) for f in dataclasses.fields(cls)}
+    meta = getattr(typing.get_type_hints(cls, include_extras=True)[name], "__metadata__", ())
+    return next((m for m in meta if m in (MATCH, FREE, MATCH_IF_SET)), None)
 
 
 def _identity(obj: Any, free: bool = False) -> dict[str, Any]:
-    """The fields of `obj` that a resume must match, as plain values. Every field of the whole
-    tree is looked at, also inside a Free section: one that declares nothing, or a Match field
-    inside a Free section (it would be ignored), is a mistake of ddpjob's, caught by the tests."""
-    out = {}
+    """The fields of `obj` that a resume must match, as plain values. Every field of the tree is
+    looked at: one that declares nothing, or says Match inside a Free section (which would ignore
+    it), is ddpjob's mistake, caught by the tests."""
+    out, cls = {}, obj.__class__
     for f in dataclasses.fields(obj):
-        rule, value = resume_rule(type(obj), f.name), getattr(obj, f.name)
+        rule, value = resume_rule(cls, f.name), getattr(obj, f.name)
         if rule is None:
-            raise AssertionError(f"{type(obj).__name__}.{f.name} declares no resume rule")
+            raise AssertionError(f"{cls.__name__}.{f.name} declares no resume rule")
         if free and rule != FREE:
-            raise AssertionError(f"{type(obj).__name__}.{f.name} says '{rule}' inside a Free section, "
-                                 "where it would be ignored")
+            raise AssertionError(f"{cls.__name__}.{f.name} says '{rule}' inside a Free section")
         nested = _identity(value, free or rule == FREE) if dataclasses.is_dataclass(value) else None
         if free or rule == FREE or (rule == MATCH_IF_SET and value == f.default):
             continue
@@ -519,7 +508,7 @@ def _absolute_entry(cfg: JobConfig, job: Path) -> JobConfig:
     """A script entry is found relative to the working directory (like `python script.py`),
     then relative to the job file; the nodes get its absolute path."""
     entry = cfg.train.entry
-    if not _ENTRY_SCRIPT.fullmatch(entry):
+    if not ENTRY_SCRIPT.fullmatch(entry):
         return cfg
     for base in (Path.cwd(), job.resolve().parent):
         script = base / entry
