@@ -12,7 +12,7 @@ import pytest
 
 from ddpjob import config, rundir
 from ddpjob.errors import UsageError
-from ddpjob.launch import submit
+from ddpjob.launch import sweep as sweeps
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -24,7 +24,7 @@ def ddpjob(*argv: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedP
 
 
 def test_expand_is_the_cartesian_product_typed_like_set():
-    pts = submit.expand_sweep(["train.lr=0.1,0.05", "train.batch_size=64,128", "train.amp=off"])
+    pts = sweeps.expand_sweep(["train.lr=0.1,0.05", "train.batch_size=64,128", "train.amp=off"])
     assert [p.values for p in pts] == [
         {"train.lr": 0.1, "train.batch_size": 64, "train.amp": "off"},
         {"train.lr": 0.1, "train.batch_size": 128, "train.amp": "off"},
@@ -32,25 +32,25 @@ def test_expand_is_the_cartesian_product_typed_like_set():
         {"train.lr": 0.05, "train.batch_size": 128, "train.amp": "off"}]
     assert [p.id for p in pts] == ["0", "1", "2", "3"]
     assert pts[1].overrides == ("train.lr=0.1", "train.batch_size=128", "train.amp=off")
-    assert submit.expand_sweep([]) == []
+    assert sweeps.expand_sweep([]) == []
 
 
 def test_values_with_commas_inside_lists_or_quotes_stay_whole():
-    assert submit.split_values('[1, 2],"a,b",3') == ["[1, 2]", '"a,b"', "3"]
-    pts = submit.expand_sweep(['slurm.setup=["a", "b"],"c,d"'])
+    assert sweeps.split_values('[1, 2],"a,b",3') == ["[1, 2]", '"a,b"', "3"]
+    pts = sweeps.expand_sweep(['slurm.setup=["a", "b"],"c,d"'])
     assert [p.values["slurm.setup"] for p in pts] == [["a", "b"], "c,d"]
 
 
 def test_each_point_resolves_to_a_valid_config_and_bad_points_are_caught():
-    for p in submit.expand_sweep(["train.lr=0.1,0.05"]):
+    for p in sweeps.expand_sweep(["train.lr=0.1,0.05"]):
         cfg = config.resolve(SMOKE, list(p.overrides))
         assert cfg.train.lr == p.values["train.lr"]
     with pytest.raises(UsageError, match="given twice"):
-        submit.expand_sweep(["train.lr=0.1", "train.lr=0.2"])
+        sweeps.expand_sweep(["train.lr=0.1", "train.lr=0.2"])
     with pytest.raises(UsageError, match="not section.key"):
-        submit.expand_sweep(["lr=0.1,0.2"])
+        sweeps.expand_sweep(["lr=0.1,0.2"])
     with pytest.raises(UsageError, match="at most 1000"):
-        submit.expand_sweep([f"train.seed={','.join(map(str, range(40)))}",
+        sweeps.expand_sweep([f"train.seed={','.join(map(str, range(40)))}",
                              f"train.epochs={','.join(map(str, range(1, 40)))}"])
 
 
@@ -86,7 +86,7 @@ def test_local_sweep_runs_each_point_and_ls_status_show_the_grid(tmp_path):
 def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
     import slurmtools
 
-    from ddpjob.launch import control
+    from ddpjob.launch.backends import TERMINAL, slurmjobs
 
     sweep = tmp_path / "sweep"
     proc = subprocess.Popen([sys.executable, "-m", "ddpjob", "submit", SMOKE, "--backend", "slurm",
@@ -107,8 +107,8 @@ def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
         assert ids == [f"{base}_0", f"{base}_1"]
         assert "#SBATCH --array=0-1%2" in (sweep / "0" / "job.sbatch").read_text()
         deadline = time.monotonic() + 300  # (slurmtools.wait_done takes plain job ids, not A_i)
-        while not all(control.slurm_states(ids).get(j, {}).get("state") in control.TERMINAL for j in ids):
-            assert time.monotonic() < deadline, control.slurm_states(ids)
+        while not all(slurmjobs.slurm_states(ids).get(j, {}).get("state") in TERMINAL for j in ids):
+            assert time.monotonic() < deadline, slurmjobs.slurm_states(ids)
             time.sleep(1)
         acct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", base],
                               capture_output=True, text=True, timeout=30).stdout.split()
