@@ -27,7 +27,7 @@ def for_request(requested: str) -> Backend:
 
 
 def of_record(job: dict[str, Any]) -> Backend | None:
-    """The backend of a run's job.json record (control.job_record); None for none or an
+    """The backend of a run's job.json record (runs.job_record); None for none or an
     unknown one (status shows it as UNKNOWN)."""
     if job.get("backend") == "local":
         return LOCAL
