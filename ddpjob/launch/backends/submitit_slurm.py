@@ -124,9 +124,10 @@ def submitit_command(cfg: JobConfig, folder: Path) -> str:
 def sbatch_text(cfg: JobConfig, folder: Path, run_dirs: Sequence[Path] = ()) -> str:
     """The script submitit would submit, without submitting (for --dry-run).
 
-    submitit has no public way to render its script without submitting: this calls the function
-    SlurmExecutor itself renders with, so the dry run prints byte for byte what a submission
-    writes (pinned to submitit's version range in setup.cfg)."""
+    submitit has no public way to render its script without submitting, so this calls the
+    private function SlurmExecutor itself renders with: the dry run prints byte for byte what a
+    submission writes. A script of our own would drift from submitit's; tests/test_submit.py's
+    sbatch_text tests fail first if a submitit release renames or changes it."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     scriptsafe.run_dir(str(folder), submitit=True)
