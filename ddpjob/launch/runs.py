@@ -78,7 +78,7 @@ def job_record(run_dir: Path) -> dict[str, Any]:
     if not job:
         ids = [str(e["job_id"]) for e in rundir.events(run_dir) if e.get("job_id")]
         if ids and re.fullmatch(r"\d+(_\d+)?", ids[-1]):
-            job = {"backend": "slurm", "job_id": ids[-1], "via": "sbatch"}
+            job = {"backend": choose.SBATCH.name, "job_id": ids[-1], "via": choose.SBATCH.via}
     return job
 
 
