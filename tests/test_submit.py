@@ -62,6 +62,32 @@ def test_slurm_parameters_map_every_field():
         "exclusive": True, "mail-type": "END"}
 
 
+def test_template_and_submitit_scripts_carry_the_same_sbatch_options(tmp_path):
+    """One mapping from [slurm] (backends/options.py) feeds both scripts: every #SBATCH option of
+    the rendered template but its batch log is in submitit's script, with the same value."""
+    from ddpjob.launch import render
+
+    cfg = cfg_with(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, mem="64G",
+                   partition="gpu", account="proj1", qos="high", time="1-02:03:04", constraint="a100",
+                   signal="TERM", signal_lead_s=300, requeue=False,
+                   sbatch_extra=["--exclusive", "--mail-type=END"])
+    template = render.render_sbatch(cfg, run_dir=tmp_path / "run", python=sys.executable)
+    submitit = submitit_slurm.sbatch_text(cfg, tmp_path / "run" / "logs")
+
+    def options(text: str) -> set[str]:
+        return {shlex.split(ln)[1] for ln in text.splitlines() if ln.startswith("#SBATCH ")}
+
+    mine = {o for o in options(template) if not o.startswith(("--output=", "--error="))}
+    assert len(mine) == 16 and mine <= options(submitit), mine - options(submitit)
+
+
+def test_the_backend_of_a_run_is_read_from_its_job_record():
+    assert choose.of_record({"backend": "local", "job_id": "local-1"}) is choose.LOCAL
+    assert choose.of_record({"backend": "slurm", "job_id": "7"}) is choose.SUBMITIT
+    assert choose.of_record({"backend": "slurm", "job_id": "7", "via": "sbatch"}) is choose.SBATCH
+    assert choose.of_record({}) is None and choose.of_record({"backend": "?"}) is None
+
+
 def test_cpu_job_has_no_gpu_line_and_empty_fields_are_left_out():
     p = submitit_slurm.slurm_parameters(cfg_with(time="00:00:30", signal_lead_s=10))
     for key in ("gpus_per_node", "mem", "partition", "account", "qos", "constraint"):
