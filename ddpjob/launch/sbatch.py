@@ -17,8 +17,7 @@ from pathlib import Path
 from ddpjob import config, console, rundir
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import entrycheck, freeze, render
-
-SCRIPT = "job.sbatch"
+from ddpjob.launch.backends.sbatch_slurm import SCRIPT  # RUN_DIR/job.sbatch, what a resume resubmits
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:

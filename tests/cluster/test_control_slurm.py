@@ -14,7 +14,7 @@ from clirun import ddpjob, wait_for
 from ranks import LAG
 
 from ddpjob import config, rundir
-from ddpjob.launch import control
+from ddpjob.launch import runs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ def test_a_preempted_submitit_job_is_requeued_by_slurm_and_resumes(slurm_cluster
     job_id = rundir.read_json(run / "job.json")["job_id"]
     slurmtools.submitted.append(job_id)
     slurmtools.wait_state(job_id, ("RUNNING",), timeout=120)
-    wait_for(lambda: (control.last_metric(run)[0] or 0) >= 10, timeout=120, what="step 10")
+    wait_for(lambda: (runs.last_metric(run)[0] or 0) >= 10, timeout=120, what="step 10")
     high = slurmtools.submit("#!/bin/bash\n#SBATCH -p high -N 2 --ntasks-per-node=2 -t 2 -J pre-high\n"
                              "srun sleep 3\n", cwd=tmp_path)
     assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"

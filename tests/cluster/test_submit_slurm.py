@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import rundir
-
 from clirun import ddpjob as run_cli
+from ddpjob import rundir
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -32,10 +31,10 @@ def _submit_slurm(tmp_path: Path, *extra: str, timeout: float = 120) -> tuple[Pa
 
 
 def _wait_step(run: Path, step: int, timeout: float) -> None:
-    from ddpjob.launch import control
+    from ddpjob.launch import runs
 
     deadline = time.monotonic() + timeout
-    while (control.last_metric(run)[0] or 0) < step:
+    while (runs.last_metric(run)[0] or 0) < step:
         assert time.monotonic() < deadline, f"no step {step} in {run}/metrics.jsonl after {timeout}s"
         time.sleep(0.5)
 

@@ -16,7 +16,8 @@ from fake_local import fake_command, local_state, make_run
 from ranks import base_env
 
 from ddpjob import rundir
-from ddpjob.launch import control, submit
+from ddpjob.launch import runs
+from ddpjob.launch.backends import local_procs
 
 
 _started: list[Path] = []
@@ -40,7 +41,7 @@ def _kill_leftovers():
 def submit_fake(tmp_path: Path, mode: str, name: str = "run", **kw) -> Path:
     """A local run as `ddpjob submit` makes it, with fake ranks instead of `ddpjob run`."""
     run = make_run(tmp_path / "runs", mode, name=name, **kw)
-    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"],
+    rec = local_procs.submit_local([run], run / "logs", ["ddpjob", "submit"],
                               rank_command=fake_command(tmp_path))[0]
     rundir.write_json_atomic(run / "job.json", rec)
     _started.append(run)
@@ -86,7 +87,7 @@ def test_cancel_of_a_local_sweep_cancels_the_running_point_and_the_pending_ones(
     runs = [make_run(sweep, "wait", name=str(i)) for i in range(3)]
     rundir.write_json_atomic(sweep / "sweep.json", {"job_id": "x", "points": [
         {"id": str(i), "index": i, "values": {"train.lr": i}} for i in range(3)]})
-    recs = submit.submit_local(runs, sweep / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))
+    recs = local_procs.submit_local(runs, sweep / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))
     for run, rec in zip(runs, recs):
         rundir.write_json_atomic(run / "job.json", rec)
         _started.append(run)
@@ -119,7 +120,7 @@ def test_a_dead_supervisor_is_reported_not_trusted(tmp_path):
     wait_for(lambda: local_state(run).get("state") == "RUNNING", what="RUNNING")
     os.kill(pid, 9)  # no chance to write its final state
     os.waitpid(pid, 0)
-    info = control.run_info(run)
+    info = runs.run_info(run)
     assert info.state == "FAILED" and "supervisor died" in info.reason
     for rec in rundir.read_json(run / "local.json")["rank_pids"]:  # clean up the orphaned ranks
         try:

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from clirun import ddpjob as run_cli
 from ranks import LAG
 
+from clirun import ddpjob as run_cli
 from ddpjob import config, rundir
-from ddpjob.launch import submit
+from ddpjob.launch.backends import submitit_slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -28,12 +28,12 @@ def test_a_failed_nodetask_with_its_group_standing_ends_after_submitit_without_t
     interpreter's teardown (which could abort in torch's destructors: SIGABRT instead of 1) is
     skipped after all of that. An atexit hook registered first stands for that teardown."""
     code = ("import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"
-            "from ddpjob.launch import submit; from ddpjob.node import dist, runner\n"
+            "from ddpjob.rank.task import NodeTask; from ddpjob.node import dist, runner\n"
             f"dist.left_standing = {left_standing}\n"
             "def failed(run_dir, argv=None):\n    return 1\n"
             "runner.run_node = failed\n"
             "try:\n"
-            f"    submit.NodeTask({str(tmp_path)!r})()\n"
+            f"    NodeTask({str(tmp_path)!r})()\n"
             "except RuntimeError:\n"
             "    print('submitit saw the failure', flush=True)\n"
             "    raise\n")
@@ -95,7 +95,7 @@ def test_the_submitit_script_runs_the_ranks_in_the_container(tmp_path, runtime, 
     cfg = config.resolve(SMOKE, [f'slurm.container="/images/t.sqsh"', f'slurm.container_runtime="{runtime}"'])
     folder = tmp_path / "run" / "logs"
     folder.mkdir(parents=True)
-    script = submit.sbatch_text(cfg, folder)
+    script = submitit_slurm.sbatch_text(cfg, folder)
     [srun] = [ln for ln in script.splitlines() if ln.startswith("srun ")]
     assert expected in srun and "--kill-on-bad-exit=1" in srun, srun
     assert f"{tmp_path / 'run'}" in srun  # the run dir is mounted

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import config, rundir
-
 from clirun import ddpjob
+from ddpjob import config, rundir
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
