@@ -43,13 +43,19 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "condition",
-             poll: float = 0.05) -> Any:
-    """Poll `predicate` until it returns something truthy, and return that; fail after `timeout` s."""
+             poll: float = 0.05, *, alive: Callable[[], bool] | None = None, whose: str = "") -> Any:
+    """Poll `predicate` until it returns something truthy, and return that; fail after `timeout` s,
+    or at once (after one last look) when `alive` says that `whose` (a job, a supervisor) ended."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
+        if alive is not None and not alive():
+            value = predicate()
+            if value:
+                return value
+            raise AssertionError(f"{whose} ended while waiting for {what}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(poll)

@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 
 import clirun
-from clirun import job_env, without_job_env
+from clirun import job_env, wait_for, without_job_env
 from ranks import LAG, Ranks, assert_bit_equal, final_state, write_job
 from runlogs import assert_each_sample_once_per_epoch, events, lines, sample_log, train_records
 
@@ -68,19 +68,8 @@ def poll(what: str, timeout: float, check: Any, job_id: str | None = None) -> An
     """Wait until check() is truthy; fail early if the job has ended."""
     import slurmtools
 
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if job_id is not None and not slurmtools.active(job_id):
-            value = check()
-            if value:
-                return value
-            raise AssertionError(f"job {job_id} ended while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
+    return wait_for(check, timeout, what, 0.2, alive=None if job_id is None else lambda: slurmtools.active(job_id),
+                    whose=f"job {job_id}")
 
 
 def wait_step(run: Path, step: int, restart: int, job_id: str, timeout: float = 240) -> int:

@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bench import IDS  # the default set of benchmark ids
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # bench/ is a top-level folder of the repository, not installed
     sys.path.insert(0, str(REPO))
-
-IDS = [f"P{i}" for i in range(1, 11)] + ["P13"]  # the default set; P11 (the cluster storm) only by name
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from clirun import job_env
+from clirun import job_env, wait_for
 from ranks import LAG, assert_bit_equal, final_state, run, write_job
 from runlogs import assert_each_sample_once_per_epoch, events, sample_log, train_records
 
@@ -77,19 +77,7 @@ def alive(pid: int) -> bool:
 
 def wait(what: str, check: Any, sup: int, timeout: float = 180) -> Any:
     """Until check() is truthy; fails early once the supervisor is gone."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if not alive(sup):
-            value = check()
-            if value:
-                return value
-            raise AssertionError(f"the supervisor {sup} ended while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
+    return wait_for(check, timeout, what, 0.1, alive=lambda: alive(sup), whose=f"the supervisor {sup}")
 
 
 def step_of(run_dir: Path, restart: int) -> int:
