@@ -135,7 +135,8 @@ def _check_budget(cfg: JobConfig, env: ClusterEnv, path: Path, ctx: Any) -> tupl
     run dir's lock (one job per run dir), records what ended the previous attempt unseen and
     checks the budgets; every rank gets its answer (one reader: the file may be changing under
     the others)."""
-    from ddpjob.node import dist, requeue
+    from ddpjob.node import dist
+    from ddpjob.rank import requeue
 
     lock: runlock.RunLock | None = None
     answer: tuple[int, str | None, tuple[str, str] | None] | None = None
@@ -385,7 +386,8 @@ class Job:
         self._store.save(step, state, blocking=True)
 
     def _stop_for_requeue(self, step: int, code: int, *, lag: int, **times: float) -> None:
-        from ddpjob.node import preemption, requeue
+        from ddpjob.node import preemption
+        from ddpjob.rank import requeue
 
         self.stopped_at = step
         self._record_signal(step)
@@ -555,14 +557,14 @@ def _shared_run_dir(cfg: JobConfig, env: ClusterEnv, wanted: Path | None) -> Pat
 
 
 def _code_hash(cfg: JobConfig, run_dir: Path) -> tuple[str, tuple[str, ...]]:
-    from ddpjob.launch import freeze
+    from ddpjob import freeze
 
     return freeze.running_hash(cfg, run_dir)
 
 
 def _end_time(env: ClusterEnv) -> float | None:
     """SLURM_JOB_END_TIME, else one `squeue` on rank 0 (broadcast): for the deadline watch."""
-    from ddpjob.launch import slurm
+    from ddpjob import slurm
     from ddpjob.node import dist
 
     if env.end_time is not None:

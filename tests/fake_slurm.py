@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ddpjob.launch import slurm
+from ddpjob import slurm
 
 
 @dataclass

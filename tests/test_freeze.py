@@ -19,7 +19,7 @@ from ranks import LAG
 
 from ddpjob import config, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import freeze
+from ddpjob import freeze
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "jobs" / "smoke.toml"

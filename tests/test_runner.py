@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ddpjob import cli, config, rundir
-from ddpjob.node import preemption, requeue
+from ddpjob.node import preemption
+from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
 from ranks import (PYTHON, REPO, assert_bit_equal, base_env, free_port, final_state, metrics, run,
                    write_job)
@@ -246,7 +247,7 @@ def test_an_error_in_the_users_own_script_is_theirs_not_an_internal_error(tmp_pa
 
 
 def test_an_error_inside_ddpjob_stays_an_internal_error() -> None:
-    from ddpjob.node import runner
+    from ddpjob.rank import runner
 
     try:
         config.parse_time_s(None)  # type: ignore[arg-type]  # raised inside ddpjob

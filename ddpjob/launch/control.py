@@ -17,7 +17,7 @@ from typing import Any
 
 from ddpjob import console, recordtypes, rundir
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import slurm
+from ddpjob import slurm
 from ddpjob.store import manifest
 
 from ddpjob.launch.local import LOCAL  # the supervisor's state file
@@ -307,7 +307,7 @@ def format_status(i: RunInfo) -> str:
 def code_state(run_dir: Path) -> dict[str, Any]:
     """The frozen code's hash and whether the code on disk has moved on ({} if unknown)."""
     from ddpjob import config
-    from ddpjob.launch import freeze
+    from ddpjob import freeze
 
     rec = freeze.record(run_dir)
     if not rec.get("hash"):

@@ -22,7 +22,7 @@ from pathlib import Path
 from ddpjob import console
 from ddpjob.config import JobConfig, parse_time_s, resolve
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import slurm
+from ddpjob import slurm
 from ddpjob.node import cluster
 
 PASS, WARN, FAIL = "pass", "warn", "fail"

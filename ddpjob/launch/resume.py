@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ddpjob import config, console, rundir
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import control, freeze, render, slurm, submit
+from ddpjob import freeze, slurm
+from ddpjob.launch import control, render, submit
 
 
 def resumed_config(run: Path, overrides: list[str], flags: dict[str, object]) -> config.JobConfig:

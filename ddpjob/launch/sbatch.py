@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ddpjob import config, console, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import entrycheck, freeze, render
+from ddpjob import freeze
+from ddpjob.launch import entrycheck, render
 
 SCRIPT = "job.sbatch"
 

@@ -18,7 +18,8 @@ import signal
 
 from ddpjob import config, console, requests, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import control, slurm
+from ddpjob import slurm
+from ddpjob.launch import control
 
 
 def live_runs(target: str, verb: str) -> list[control.RunInfo]:

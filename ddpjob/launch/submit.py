@@ -8,7 +8,7 @@ job.sbatch; status/logs/cancel (control.py) read them back.
 Requeue contract on SLURM. `NodeTask` is stateless (a run dir path): every incarnation resumes
 from the newest checkpoint in the run dir, so submitit may pickle it once and rerun it (a
 successor job gets a copy of the pickle under its own id). On the node,
-`ddpjob.node.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
+`ddpjob.rank.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
 stop rank 0's Job decides and does the requeue (node/requeue.py, the one decision, preemption
 within GraceTime included), and the task returns 3; `NodeTask` then ends with SystemExit(3) and
 no result pickle, as submitit's own handler does after requeueing, so a submitit Job waits for
@@ -36,10 +36,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddpjob import config, console, exitcodes, rundir, runlock, scriptsafe
-from ddpjob.node import entry
+from ddpjob.rank import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import container, entrycheck, freeze, local, slurm
+from ddpjob import freeze, slurm
+from ddpjob.launch import container, entrycheck, local
 
 MAX_POINTS = 1000  # SLURM's default MaxArraySize is 1001
 COMPLETING_WAIT_S, POLL_S = 60.0, 1.0  # resume after a cancel: how long a COMPLETING job is awaited
@@ -54,7 +55,7 @@ class NodeTask:
         self.run_dir = str(run_dir)
 
     def __call__(self) -> int:
-        from ddpjob.node.runner import run_node  # imported on the node: torch stays off the login node
+        from ddpjob.rank.runner import run_node  # imported on the node: torch stays off the login node
 
         code = int(run_node(self.run_dir))
         if code == 0:
@@ -77,7 +78,7 @@ class NodeTask:
     def _retried_after_crash(self, code: int) -> bool:
         """Rank 0 hands a crash to requeue.py's one decision (max_failures); the batch script's
         equivalent for `ddpjob sbatch` jobs is in templates/sbatch.sh.tmpl."""
-        from ddpjob.node import requeue
+        from ddpjob.rank import requeue
         from ddpjob.node.cluster import ClusterEnv
 
         env = ClusterEnv.from_environ()

@@ -208,7 +208,7 @@ class ClusterEnv:
     @classmethod
     def batch_shell(cls, environ: Mapping[str, str] | None = None) -> ClusterEnv:
         """The job as the sbatch batch script sees it (outside any srun step, so not a rank):
-        job id, restart count, partition. For `python -m ddpjob.node.requeue` after srun failed;
+        job id, restart count, partition. For `python -m ddpjob.rank.requeue` after srun failed;
         from_environ refuses this process (SLURM_NTASKS > 1 without SLURM_STEP_ID)."""
         v = _Vars(os.environ if environ is None else environ)
         nodes = v.text("SLURM_JOB_NODELIST")  # the allocation: what a restart inside it may use

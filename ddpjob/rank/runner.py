@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddpjob import api, config, console, exitcodes, rundir
-from ddpjob.launch import freeze
-from ddpjob.node import entry
+from ddpjob import freeze
+from ddpjob.rank import entry
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
