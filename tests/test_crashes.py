@@ -1,4 +1,4 @@
-"""ddpjob/crashes.py and the in-allocation decision that uses it (node/requeue.py): who failed
+"""ddpjob/crashes.py and the in-allocation decision that uses it (rank/requeue.py): who failed
 first and where (srun's own lines, the rank's recorded error), the per-host failure ledger and
 its quarantine, the no-progress streak that ends a crash loop, and the layout the batch script
 gets for its next srun. Pure functions and the decision against the scripted fake SLURM; the

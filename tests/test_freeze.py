@@ -1,4 +1,4 @@
-"""launch/freeze.py: the code a run imports is frozen at submission. What is collected (git-tracked
+"""ddpjob/freeze.py: the code a run imports is frozen at submission. What is collected (git-tracked
 files as in the work tree, a plain folder, plugin packages), modes and the size limit; then a local
 run whose plugin is edited after submission: `ddpjob run` by hand refuses its checkpoint with one
 line (`--allow-code-change` resumes), and `ddpjob resume` runs the frozen code to the same result

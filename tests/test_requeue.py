@@ -1,4 +1,4 @@
-"""launch/slurm.py (failed vs no) and node/requeue.py's one decision, every branch, against the
+"""ddpjob/slurm.py (failed vs no) and rank/requeue.py's one decision, every branch, against the
 scripted fake (tests/fake_slurm.py): preemption within GraceTime, scancel, a failed preemption
 check, scontrol refused -> successor job, budgets (max_requeues, max_failures), the ledger."""
 
