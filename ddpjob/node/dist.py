@@ -3,8 +3,9 @@ ddpjob runs.
 
 group.py joins the group and returns the DistContext. This is the only module that calls
 torch.distributed's collectives (the trainer, the checkpoint state, the stop vote, SyncBatchNorm
-and selftest call the helpers below; tests/test_layout.py checks it). With one process there is no group and the helpers on
-the default group become no-ops, so the trainer has a single code path.
+and selftest call the helpers below; tests/test_layout.py checks it). With one process there is
+no group and the helpers on the default group become no-ops, so the trainer has a single code
+path.
 """
 
 from __future__ import annotations

@@ -24,13 +24,12 @@ from ddpjob.rank.records import MetricLog, SampleLog
 
 class StopForRequeue(SystemExit):
     """Raised out of `job.steps()` once every rank agreed to stop and the checkpoint is written:
-    the process ends with exitcodes.REQUEUE (3). A SystemExit, so `except Exception` in user code lets it
-    through and `finally` blocks still run."""
+    the process ends with exitcodes.REQUEUE (3). A SystemExit, so `except Exception` in user code
+    lets it through and `finally` blocks still run."""
 
     def __init__(self, step: int) -> None:
         super().__init__(exitcodes.REQUEUE)
         self.step = step
-
 
 
 class MissingUserKey(KeyError):
@@ -42,7 +41,7 @@ class UserTable(dict):
 
     def __missing__(self, key: Any) -> Any:
         raise MissingUserKey(f"{key!r} is not in the job file's [user] table, which has: "
-                       f"{', '.join(sorted(map(str, self))) or 'nothing'}")
+                             f"{', '.join(sorted(map(str, self))) or 'nothing'}")
 
 
 class Job:
@@ -58,9 +57,10 @@ class Job:
         code this rank runs (for the checkpoints' code check); `allow_code_change`,
         `from_scratch`: `ddpjob run`'s flags; `on_close`: told when close() ran."""
         self._standalone, self._lock, self._on_close = standalone, lock, on_close
+        # torch loads here, not at import: `import ddpjob` stays light on a login node
         from ddpjob.node import dist, preemption
-        from ddpjob.store.schedule import SaveSchedule
         from ddpjob.store import memsnap
+        from ddpjob.store.schedule import SaveSchedule
         from ddpjob.store.state import StateStore
 
         self.config, self.env, self._ctx, self.run_dir, self._stop = cfg, ctx.env, ctx, run_dir, stop
@@ -79,7 +79,8 @@ class Job:
                                  job_id=self.job_id, control=self._control,
                                  init_from=c.init_from, init_keys=c.init_keys,
                                  code=code, allow_code_change=allow_code_change, from_scratch=from_scratch,
-                                 sharded=cfg.train.strategy == "fsdp", snapshots=memsnap.for_rank(cfg, ctx.env, run_dir))
+                                 sharded=cfg.train.strategy == "fsdp",
+                                 snapshots=memsnap.for_rank(cfg, ctx.env, run_dir))
         self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
         self._deadline = preemption.DeadlineWatch(end_time)
         self._step: int | None = None  # set by resume()

@@ -1,4 +1,4 @@
-"""The one requeue decision: rank 0 after every rank stopped with a checkpoint (api.Job.steps), and
+"""The one requeue decision: rank 0 after every rank stopped with a checkpoint (Job.steps, job.py), and
 the batch script (or NodeTask) after the ranks crashed (`python -m ddpjob.rank.requeue`).
 
 SLURM requeues by itself only a job that outlives GraceTime after a preemption. So ddpjob brings
