@@ -153,10 +153,10 @@ def test_group_that_does_not_form_names_the_missing_ranks() -> None:
     rank0 = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             from ddpjob.errors import DDPJobError
-            from ddpjob.node import dist as d
+            from ddpjob.node import group
             from ddpjob.node.cluster import ClusterEnv
             try:
-                d.init_process_group(ClusterEnv(world_size=3, local_world_size=3, master_port={port},
+                group.init_process_group(ClusterEnv(world_size=3, local_world_size=3, master_port={port},
                                                 hostname="n1"), backend="gloo", timeout_s=4)
             except DDPJobError as exc:
                 print(exc.line())
@@ -176,11 +176,11 @@ HOOK_WORKER = textwrap.dedent("""
     import json, sys
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from ddpjob.node import dist as d
+    from ddpjob.node import dist as d, group
     from ddpjob.node.cluster import ClusterEnv
     ordered, compression = sys.argv[1] == "ordered", sys.argv[2]
     env = ClusterEnv.from_environ(argv=[])
-    ctx = d.init_process_group(env, backend="gloo", timeout_s=60)
+    ctx = group.init_process_group(env, backend="gloo", timeout_s=60)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     ddp = DDP(model)
