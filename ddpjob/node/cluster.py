@@ -14,7 +14,7 @@ import sys
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ddpjob.errors import DDPJobError
 from ddpjob.node.hostlist import first_host, parse_hostlist, parse_tasks_per_node
@@ -204,6 +204,13 @@ class ClusterEnv:
         result = cls(**common, **fields)  # type: ignore[arg-type]
         _check(result)
         return result
+
+    def with_gpus(self, num_gpus: int) -> ClusterEnv:
+        """This place with the GPUs the process sees, counted once torch is imported (a rank
+        reads its environment once, before the slow torch import), checked as from_environ's."""
+        env = replace(self, gpus=num_gpus)
+        _check(env)
+        return env
 
     @classmethod
     def batch_shell(cls, environ: Mapping[str, str] | None = None) -> ClusterEnv:

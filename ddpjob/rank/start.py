@@ -11,7 +11,6 @@ under ./runs/.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from collections.abc import Iterator, Sequence
@@ -97,7 +96,7 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
 
     from ddpjob.node import group
 
-    env = dataclasses.replace(env, gpus=torch.cuda.device_count())
+    env = env.with_gpus(torch.cuda.device_count())
     determinism.apply(cfg.train.deterministic)
     ctx = group.init_process_group(env, backend=cfg.train.backend, timeout_s=cfg.train.dist_timeout_s,
                                    threads=cfg.train.threads)
