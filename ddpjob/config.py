@@ -8,6 +8,7 @@ every rank and every restart trains with the same settings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -20,34 +21,31 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from ddpjob.errors import UsageError
-from ddpjob.validate import SIGNALS, canonical_signal, parse_time_s, validate  # noqa: F401 (re-exported)
+from ddpjob.validate import ENTRY_SCRIPT, canonical_signal, validate
+from ddpjob.validate import SIGNALS, parse_time_s  # noqa: F401 (re-exported)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-# train.entry: a script path (no control characters) or an importable "package.module:function".
-_ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
-
 
 def _key(f: dataclasses.Field) -> str:  # TOML key of a field ("async" is a Python keyword)
     return str(f.metadata.get("key", f.name))
 
 
-CONTAINER_RUNTIMES = ("pyxis", "apptainer", "singularity")  # launch/container.py
-
-# The resume identity, declared by every field: a checkpoint resumes only under a config whose
-# Match fields are all equal (JobConfig.hash). tests/test_config.py fails for a field that
-# declares nothing.
+# The resume identity, declared by every field of every section: a checkpoint resumes only under
+# a config whose Match fields are all equal (JobConfig.hash: no list of keys to leave out). A
+# field that declares nothing fails hash() and tests/test_config.py (which pins jobs/*.toml's).
 T = TypeVar("T")
 MATCH, FREE, MATCH_IF_SET = "resume: match", "resume: free", "resume: match unless default"
 Match = Annotated[T, MATCH]  # what is trained: model, data, optimisation, the entry
 # how, how long, where: may change at a resume (which then continues the run close to, not
 # always bit-equal to, the uninterrupted one, as an elastic resume does)
 Free = Annotated[T, FREE]
-# Match, for a field added after runs existed: its default leaves the hash as it was before it,
-# so those runs still resume; another value is another training
+# Match, for a field added after runs existed: at its default it is left out of the hash, which
+# is then the one those runs had, so they still resume. Its default must therefore be what runs
+# did before the field existed (and never change); another value is another training
 MatchIfSet = Annotated[T, MATCH_IF_SET]
 
 
@@ -55,31 +53,31 @@ MatchIfSet = Annotated[T, MATCH_IF_SET]
 class SlurmConfig:
     """Resources and SLURM behaviour (`[slurm]`)."""
 
-    nodes: int = 1
-    tasks_per_node: int = 1
-    gpus_per_node: int = 0  # 0 = CPU job
-    cpus_per_task: int = 1
-    mem: str = ""  # e.g. "32G"; "" = the partition's default
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
-    time: str = "01:00:00"
-    constraint: str = ""
-    signal: str = "USR2"  # sent to every task `signal_lead_s` before the time limit
-    signal_lead_s: int = 120
-    max_requeues: int = 20  # requeues after preemptions and time limits
-    max_failures: int = 0  # retries after crashes / node failures (0: a crash ends the run FAILED)
+    nodes: Free[int] = 1
+    tasks_per_node: Free[int] = 1
+    gpus_per_node: Free[int] = 0  # 0 = CPU job
+    cpus_per_task: Free[int] = 1
+    mem: Free[str] = ""  # e.g. "32G"; "" = the partition's default
+    partition: Free[str] = ""
+    account: Free[str] = ""
+    qos: Free[str] = ""
+    time: Free[str] = "01:00:00"
+    constraint: Free[str] = ""
+    signal: Free[str] = "USR2"  # sent to every task `signal_lead_s` before the time limit
+    signal_lead_s: Free[int] = 120
+    max_requeues: Free[int] = 20  # requeues after preemptions and time limits
+    max_failures: Free[int] = 0  # retries after crashes / node failures (0: a crash ends the run FAILED)
     # this many crashes in a row that got no further than the checkpoint they resumed from end
     # the job before max_failures is spent (a crash loop: the same step keeps failing)
-    max_no_progress: int = 3
-    setup: tuple[str, ...] = ()  # shell lines before the job (module load ...), written verbatim
-    sbatch_extra: tuple[str, ...] = ()  # extra "--option=value" sbatch arguments
-    requeue: bool = True
-    share_group: bool = False  # run dirs 0750 / files 0640 (group can read) instead of 0700 / 0600
-    container: str = ""  # image the ranks run in ("" = none): pyxis image name or apptainer .sif/URI
-    container_runtime: str = "pyxis"  # pyxis (srun --container-image) | apptainer | singularity
-    container_mounts: tuple[str, ...] = ()  # extra "SRC" or "SRC:DST" (run dir, data, code: automatic)
-    container_python: str = ""  # "" = the submitting interpreter (mounted); else e.g. "python3"
+    max_no_progress: Free[int] = 3
+    setup: Free[tuple[str, ...]] = ()  # shell lines before the job (module load ...), written verbatim
+    sbatch_extra: Free[tuple[str, ...]] = ()  # extra "--option=value" sbatch arguments
+    requeue: Free[bool] = True
+    share_group: Free[bool] = False  # run dirs 0750 / files 0640 (group can read) instead of 0700 / 0600
+    container: Free[str] = ""  # image the ranks run in ("" = none): pyxis image name or apptainer .sif/URI
+    container_runtime: Free[str] = "pyxis"  # pyxis (srun --container-image) | apptainer | singularity
+    container_mounts: Free[tuple[str, ...]] = ()  # extra "SRC" or "SRC:DST" (run dir, data, code: automatic)
+    container_python: Free[str] = ""  # "" = the submitting interpreter (mounted); else e.g. "python3"
 
     @property
     def world_size(self) -> int:
@@ -162,18 +160,18 @@ class DataConfig:
 class CheckpointConfig:
     """Checkpoints and resume (`[checkpoint]`)."""
 
-    every_steps: int = 0  # 0 = only when stopping and at the end
-    every_minutes: float = 0.0
-    keep_last: int = 3
-    async_save: bool = field(default=False, metadata={"key": "async"})
+    every_steps: Free[int] = 0  # 0 = only when stopping and at the end
+    every_minutes: Free[float] = 0.0
+    keep_last: Free[int] = 3
+    async_save: Free[bool] = field(default=False, metadata={"key": "async"})
     # > 0: every this many steps each rank's state also goes to node-local memory (/dev/shm) in
     # the background; a crash retried inside the allocation resumes from it (store/memsnap.py)
-    snapshot_every: int = 0
-    resume: bool = True
+    snapshot_every: Free[int] = 0
+    resume: Free[bool] = True
     # A fresh run (nothing to resume) starts from another run's checkpoint: "RUN_DIR" (its newest
     # valid one), "RUN_DIR/checkpoints/step-N", or a weights file ("model.pt": a state_dict).
-    init_from: str = ""
-    init_keys: tuple[str, ...] = ("model",)  # what to take from a checkpoint: + "optimizer", ...
+    init_from: Free[str] = ""
+    init_keys: Free[tuple[str, ...]] = ("model",)  # what to take from a checkpoint: + "optimizer", ...
 
 
 @dataclass(frozen=True)
@@ -198,23 +196,28 @@ class JobConfig:
         return hashlib.sha256(json.dumps(_identity(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
+@functools.cache  # a class's annotations do not change; hash() is taken at every save
 def resume_rule(cls: type, name: str) -> str | None:
     """MATCH, FREE or MATCH_IF_SET, as field `name` of `cls` declares it; None if it declares nothing."""
-    hint = typing.get_type_hints(cls, include_extras=True)[name]
-    rules = [m for m in getattr(hint, "__metadata__", ()) if m in (MATCH, FREE, MATCH_IF_SET)]
-    return rules[0] if rules else None
+    meta = getattr(typing.get_type_hints(cls, include_extras=True)[name], "__metadata__", ())
+    return next((m for m in meta if m in (MATCH, FREE, MATCH_IF_SET)), None)
 
 
-def _identity(obj: Any) -> dict[str, Any]:
-    """The fields of `obj` that a resume must match, as plain values."""
-    out = {}
+def _identity(obj: Any, free: bool = False) -> dict[str, Any]:
+    """The fields of `obj` that a resume must match, as plain values. Every field of the tree is
+    looked at: one that declares nothing, or says Match inside a Free section (which would ignore
+    it), is ddpjob's mistake, caught by the tests."""
+    out, cls = {}, obj.__class__
     for f in dataclasses.fields(obj):
-        rule, value = resume_rule(type(obj), f.name), getattr(obj, f.name)
-        if rule == FREE or (rule == MATCH_IF_SET and value == f.default):
-            continue
+        rule, value = resume_rule(cls, f.name), getattr(obj, f.name)
         if rule is None:
-            raise AssertionError(f"{type(obj).__name__}.{f.name} declares no resume rule")
-        out[_key(f)] = _identity(value) if dataclasses.is_dataclass(value) else _to_plain(value)
+            raise AssertionError(f"{cls.__name__}.{f.name} declares no resume rule")
+        if free and rule != FREE:
+            raise AssertionError(f"{cls.__name__}.{f.name} says '{rule}' inside a Free section")
+        nested = _identity(value, free or rule == FREE) if dataclasses.is_dataclass(value) else None
+        if free or rule == FREE or (rule == MATCH_IF_SET and value == f.default):
+            continue
+        out[_key(f)] = _to_plain(value) if nested is None else nested
     return out
 
 
@@ -505,7 +508,7 @@ def _absolute_entry(cfg: JobConfig, job: Path) -> JobConfig:
     """A script entry is found relative to the working directory (like `python script.py`),
     then relative to the job file; the nodes get its absolute path."""
     entry = cfg.train.entry
-    if not _ENTRY_SCRIPT.fullmatch(entry):
+    if not ENTRY_SCRIPT.fullmatch(entry):
         return cfg
     for base in (Path.cwd(), job.resolve().parent):
         script = base / entry

@@ -19,13 +19,15 @@ from ddpjob.modelnames import model_problem
 if TYPE_CHECKING:
     from ddpjob.config import JobConfig
 
+CONTAINER_RUNTIMES = ("pyxis", "apptainer", "singularity")  # launch/container.py
 SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU", "QUIT", "ALRM")
 # Names, partitions, accounts: what SLURM itself allows, and nothing a shell or a file pattern
 # (%j) could interpret. fullmatch + ASCII: `$` would accept a final newline, \d other digits.
 NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", re.ASCII)
 _CONSTRAINT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.,&|\[\]*:-]*", re.ASCII)
 _MEM_RE = re.compile(r"[0-9]{1,12}[KMGT]?", re.ASCII)
-_ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
+# train.entry: a script path (no control characters) or an importable "package.module:function"
+ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
 _ENTRY_FUNC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 MAX_TIME_S = 365 * 86400
 # torch.compile's modes (train.compile_mode); bench P8 measures them on a GPU
@@ -146,10 +148,8 @@ def _slurm_strings(cfg: JobConfig) -> None:
 
 def _container(cfg: JobConfig) -> None:
     s = cfg.slurm
-    from ddpjob.config import CONTAINER_RUNTIMES as RUNTIMES
-
-    _check(s.container_runtime in RUNTIMES, f"slurm.container_runtime is {s.container_runtime!r}, "
-           f"expected one of {', '.join(RUNTIMES)}", "e.g. container_runtime = \"apptainer\"")
+    _check(s.container_runtime in CONTAINER_RUNTIMES, f"slurm.container_runtime is {s.container_runtime!r}, "
+           f"expected one of {', '.join(CONTAINER_RUNTIMES)}", "e.g. container_runtime = \"apptainer\"")
     for key in ("container", "container_python"):
         v = getattr(s, key)
         scriptsafe.one_line(v, f"slurm.{key}", f"remove the line break from slurm.{key}", limit=500)
@@ -196,11 +196,11 @@ def _train_data(cfg: JobConfig) -> None:
                f"train.global_batch_size {t.global_batch_size} is not a multiple of batch_size x "
                f"ranks = {t.batch_size} x {s.world_size}, expected a multiple of {per_step}",
                "change batch_size or global_batch_size")
-    _check(t.entry == "" or bool(_ENTRY_SCRIPT.fullmatch(t.entry) or _ENTRY_FUNC.fullmatch(t.entry)),
+    _check(t.entry == "" or bool(ENTRY_SCRIPT.fullmatch(t.entry) or _ENTRY_FUNC.fullmatch(t.entry)),
            f"train.entry {t.entry!r} is neither a Python script nor a function, expected "
            "\"path/to/script.py\" or \"package.module:function\" (or \"\" for the built-in trainer)",
            "e.g. entry = \"examples/charlm/train.py\"")
-    if _ENTRY_SCRIPT.fullmatch(t.entry):
+    if ENTRY_SCRIPT.fullmatch(t.entry):
         scriptsafe.path_text(t.entry, "train.entry", "e.g. entry = \"examples/charlm/train.py\"")
     for arg in t.args:
         scriptsafe.one_line(arg, "train.args entry", "split it into several list entries")

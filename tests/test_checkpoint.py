@@ -450,6 +450,30 @@ def test_async_write_snapshot_is_independent_of_later_mutation(tmp_path: Path) -
     assert_same(expected, store.load(store.latest(log=lambda _: None), "trainer.pt"))
 
 
+def test_a_snapshot_keeps_each_tensors_memory_layout_and_a_fused_optimizer_takes_it_back(tmp_path: Path) -> None:
+    """A channels_last model's momentum buffers come back channels_last (fresh and pooled
+    copies alike): CUDA's fused SGD refused contiguous ones beside channels_last parameters
+    after a resume from an in-memory snapshot. Strided views are copied dense."""
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9)
+    conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    opt.step()
+    state = {"model": conv.state_dict(), "optimizer": opt.state_dict(), "view": torch.arange(24.0).view(4, 6)[:, ::2]}
+    for _ in range(3):  # fresh buffers, then pooled ones
+        snap = CheckpointStore.snapshot(state)
+        assert snap["model"]["weight"].stride() == conv.weight.stride() != conv.weight.contiguous().stride()
+        assert snap["optimizer"]["state"][0]["momentum_buffer"].stride() == conv.weight.stride()
+        assert snap["view"].stride() == (3, 1) and torch.equal(snap["view"], state["view"])
+    store = CheckpointStore(tmp_path)
+    staging = store.staging_dir(1, "a")
+    assert store.write_async(staging, {"optimizer.pt": snap["optimizer"]}).wait(timeout=60) is None
+    store.commit(staging, 1, {})
+    fresh = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    fresh.load_state_dict(store.load(store.latest(log=lambda _: None), "optimizer.pt"))
+    assert fresh.state[conv.weight]["momentum_buffer"].stride() == conv.weight.stride()
+    fresh.step()  # the foreach path checks the layouts agree
+
+
 def test_snapshot_buffers_are_reused_only_when_nothing_holds_them() -> None:
     state = {"w": torch.arange(1000.0), "b": torch.zeros(7, dtype=torch.int64)}
     ptr = lambda snap: snap["w"].data_ptr()  # noqa: E731

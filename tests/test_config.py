@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,6 @@ from ddpjob.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted((REPO / "jobs").glob("*.toml"))
-
-
-def test_the_three_documented_jobs_ship() -> None:
-    assert {p.stem for p in JOBS} >= {"smoke", "cifar10_resnet18", "cifar10_resnet50"}
 
 
 @pytest.mark.parametrize("job", JOBS, ids=[p.stem for p in JOBS])
@@ -182,15 +179,34 @@ def test_job_file_errors(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ the resume identity
+def _config_tree(cls: type = config.JobConfig) -> list[type]:
+    """JobConfig and every dataclass reachable through its fields' types (its sections)."""
+    hints = typing.get_type_hints(cls)  # Annotated stripped: the field's own type
+    nested = [t for f in dataclasses.fields(cls)
+              if isinstance(t := hints[f.name], type) and dataclasses.is_dataclass(t)]
+    return [cls, *(c for t in nested for c in _config_tree(t))]
+
+
 def _undeclared(*classes: type) -> list[str]:
     return [f"{cls.__name__}.{f.name}" for cls in classes for f in dataclasses.fields(cls)
             if config.resume_rule(cls, f.name) is None]
 
 
 def test_every_field_declares_whether_a_resume_must_match_it() -> None:
-    """JobConfig's sections and the fields of the sections it hashes (train, data) each say Match,
-    Free or MatchIfSet: a new field cannot slip into (or out of) the resume identity unnoticed."""
-    assert _undeclared(config.JobConfig, config.TrainConfig, config.DataConfig) == []
+    """Every field of the config tree (JobConfig, its sections, theirs) says Match, Free or
+    MatchIfSet: a new field cannot slip into (or out of) the resume identity unnoticed."""
+    tree = _config_tree()
+    assert set(tree) == {config.JobConfig, *config.SECTIONS.values()}  # the walk reaches every section
+    assert _undeclared(*tree) == []
+    for cls in tree:
+        for f in dataclasses.fields(cls):
+            rule = config.resume_rule(cls, f.name)
+            if rule == config.FREE and dataclasses.is_dataclass(typing.get_type_hints(cls)[f.name]):
+                # a Match field in a Free section would be ignored by the hash: none may say so
+                inner = typing.get_type_hints(cls)[f.name]
+                assert {config.resume_rule(inner, g.name) for g in dataclasses.fields(inner)} == {config.FREE}, f.name
+            if rule == config.MATCH_IF_SET:  # left out at its default: there must be one to compare
+                assert f.default is not dataclasses.MISSING, f"{cls.__name__}.{f.name}"
 
     @dataclasses.dataclass(frozen=True)
     class Grown(config.DataConfig):
@@ -199,6 +215,37 @@ def test_every_field_declares_whether_a_resume_must_match_it() -> None:
     assert _undeclared(Grown) == ["Grown.shuffle_buffer"]
     with pytest.raises(AssertionError, match="shuffle_buffer declares no resume rule"):
         dataclasses.replace(config.JobConfig(), data=Grown()).hash()
+
+    @dataclasses.dataclass(frozen=True)
+    class GrownFree(config.CheckpointConfig):  # in a Free section, still looked at
+        fancy: int = 0
+
+    assert _undeclared(GrownFree) == ["GrownFree.fancy"]
+    with pytest.raises(AssertionError, match="fancy declares no resume rule"):
+        dataclasses.replace(config.JobConfig(), checkpoint=GrownFree()).hash()
+
+
+def test_a_match_field_in_a_free_section_is_refused() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Tuned(config.CheckpointConfig):
+        tuned: config.Match[int] = 0
+
+    with pytest.raises(AssertionError, match="Tuned.tuned says 'resume: match' inside a Free section"):
+        dataclasses.replace(config.JobConfig(), checkpoint=Tuned()).hash()
+
+
+def test_a_field_added_later_leaves_older_hashes_alone_at_its_default() -> None:
+    """MatchIfSet: a config written before the field existed hashes as it did; another value is
+    another training."""
+    @dataclasses.dataclass(frozen=True)
+    class Later(config.TrainConfig):
+        mixup: config.MatchIfSet[float] = 0.0
+
+    base = config.resolve(REPO / "jobs/smoke.toml")
+    grown = dataclasses.replace(base, train=Later(**{f.name: getattr(base.train, f.name)
+                                                     for f in dataclasses.fields(config.TrainConfig)}))
+    assert grown.hash() == base.hash()
+    assert dataclasses.replace(grown, train=dataclasses.replace(grown.train, mixup=0.2)).hash() != base.hash()
 
 
 def test_free_fields_leave_the_hash_alone_and_match_fields_change_it() -> None:
@@ -215,31 +262,68 @@ def test_free_fields_leave_the_hash_alone_and_match_fields_change_it() -> None:
     assert dataclasses.replace(base, user={"width": 2}).hash() != base.hash()
 
 
-RESUME_02 = REPO / "tests" / "golden" / "resume-0.2"  # written by ddpjob 0.2 (ebbfe03): config.json + step 3
+# The hashes that existing run dirs and checkpoints carry, computed by the code at 9124a08 (the
+# blacklist's successor, equal to 0.2's): a change here makes every such run refuse to resume.
+PINNED_HASHES = [
+    ("jobs/smoke.toml", (), "5ab19242918784a1"),
+    ("jobs/cifar10_resnet18.toml", (), "a19cfae35c040d80"),
+    ("jobs/cifar10_resnet50.toml", (), "c9ff52e96633f348"),
+    ("jobs/smoke.toml", ("train.strategy=fsdp",), "b056d94f541287db"),
+    ("jobs/smoke.toml", ("train.lr=0.2", "train.seed=3"), "37bc54357d67b64a"),
+    ("jobs/smoke.toml", ("train.max_steps=9", "slurm.nodes=4", "checkpoint.every_steps=7", "data.root=/x"),
+     "5ab19242918784a1"),
+    ("jobs/smoke.toml", ("train.compile=true", "train.compile_mode=default"), "10e7fc2c4d859cba"),
+    ("jobs/smoke.toml", ('train.entry="json.tool:main"', 'train.args=["-a"]', "data.synthetic_train=64"),
+     "aa57e7af9a01f7dc"),
+    ("jobs/cifar10_resnet18.toml", ("train.strategy=fsdp", "train.compile=false", "train.amp=bf16"),
+     "d69102f92bd5b804"),
+]
 
 
-def test_a_config_written_by_0_2_hashes_as_its_checkpoint_says() -> None:
-    cfg = config.from_json((RESUME_02 / "config.json").read_text())
-    manifest = json.loads((RESUME_02 / "checkpoints" / "step-000000003" / "manifest.json").read_text())
+@pytest.mark.parametrize("job, overrides, expected", PINNED_HASHES,
+                         ids=[" ".join([j[5:], *o]) for j, o, _ in PINNED_HASHES])
+def test_the_hashes_of_existing_runs_stay(job: str, overrides: tuple[str, ...], expected: str) -> None:
+    assert config.resolve(REPO / job, overrides).hash() == expected
+    assert config.JobConfig().hash() == "ff37a4d9f28dea95"
+
+
+# Run dirs written by earlier code: config.json + the checkpoint of step 3 of smoke.toml on one
+# rank (`ddpjob run jobs/smoke.toml --set train.max_steps=3 --set checkpoint.every_steps=3`;
+# the 0.2 one's config.json then got max_steps = 6)
+RESUME_FIXTURES = {
+    "0.2": REPO / "tests" / "golden" / "resume-0.2",  # ddpjob 0.2 (ebbfe03)
+    "9124a08": REPO / "tests" / "golden" / "resume-9124a08",  # main before the declared identity's tree walk
+}
+
+
+@pytest.mark.parametrize("made_by", RESUME_FIXTURES)
+def test_a_config_written_by_earlier_code_hashes_as_its_checkpoint_says(made_by: str) -> None:
+    fixture = RESUME_FIXTURES[made_by]
+    cfg = config.from_json((fixture / "config.json").read_text())
+    manifest = json.loads((fixture / "checkpoints" / "step-000000003" / "manifest.json").read_text())
     assert manifest["versions"]["ddpjob"] == "0.2.0"
-    assert cfg.hash() == manifest["config_hash"]
+    assert cfg.hash() == manifest["config_hash"] == "5ab19242918784a1"
 
 
-def test_a_run_dir_written_by_0_2_resumes(tmp_path: Path) -> None:
-    """The committed run dir (smoke.toml for 6 steps, stopped after its checkpoint at step 3)
-    resumes under today's code: from step 3, to the end."""
+@pytest.mark.parametrize("made_by", RESUME_FIXTURES)
+def test_a_run_dir_written_by_earlier_code_resumes(made_by: str, tmp_path: Path) -> None:
+    """The committed run dir resumes under today's code: from step 3, to step 6."""
     import os
     import shutil
     import subprocess
     import sys
 
     run = tmp_path / "run"
-    shutil.copytree(RESUME_02, run)
+    shutil.copytree(RESUME_FIXTURES[made_by], run)
+    # max_steps may change at a resume (Free): the 9124a08 run ended at 3, it goes on to 6
+    raw = json.loads((run / "config.json").read_text())
+    raw["train"]["max_steps"] = 6
+    (run / "config.json").write_text(json.dumps(raw))
     for p in [run, *run.rglob("*")]:  # a run dir others can write is refused (rundir.py)
         p.chmod(0o700 if p.is_dir() else 0o600)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
                                                                        "MASTER_", "DDPJOB_", "TORCHELASTIC"))}
-    # the code is not 0.2's any more: the flag that accepts that (a new code hash) is the user's
+    # the code is not the fixture's any more: the flag that accepts that (a new code hash) is the user's
     out = subprocess.run([sys.executable, "-m", "ddpjob", "run", str(run), "--allow-code-change"],
                          capture_output=True, text=True, timeout=300, cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

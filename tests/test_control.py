@@ -17,8 +17,9 @@ from ranks import LAG, base_env
 from test_local_backend import fake_command, local_state, make_run, wait_for
 
 from ddpjob import config, rundir
-from ddpjob.errors import DDPJobError
-from ddpjob.launch import control, submit
+from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.launch import control, runs
+from ddpjob.launch.backends import local_procs, slurmjobs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +50,7 @@ def _kill_leftovers():
 def submit_fake(tmp_path: Path, mode: str, name: str = "run", **kw) -> Path:
     """A local run as `ddpjob submit` makes it, with fake ranks instead of `ddpjob run`."""
     run = make_run(tmp_path / "runs", mode, name=name, **kw)
-    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"],
+    rec = local_procs.submit_local([run], run / "logs", ["ddpjob", "submit"],
                               rank_command=fake_command(tmp_path))[0]
     rundir.write_json_atomic(run / "job.json", rec)
     _started.append(run)
@@ -58,7 +59,7 @@ def submit_fake(tmp_path: Path, mode: str, name: str = "run", **kw) -> Path:
 
 # ------------------------------------------------------------------ pure parts
 def test_format_status_is_a_compact_summary(tmp_path):
-    info = control.RunInfo(run_dir=Path("runs/smoke-1"), backend="slurm", job_id="123", state="RUNNING",
+    info = runs.RunInfo(run_dir=Path("runs/smoke-1"), backend="slurm", job_id="123", state="RUNNING",
                            restarts=2, step=150, loss=1.23456, checkpoint="step-000000100")
     assert control.format_status(info).splitlines() == [
         "run         runs/smoke-1", "job         123 (slurm)", "state       RUNNING", "restarts    2",
@@ -71,16 +72,16 @@ def test_last_checkpoint_is_the_newest_valid_one_and_last_metric_skips_torn_line
     fake_checkpoint.committed(tmp_path, 12)
     fake_checkpoint.committed(tmp_path, 16, damaged=True)
     (fake_checkpoint.committed(tmp_path, 20) / "manifest.json").unlink()
-    assert control.last_checkpoint(tmp_path) == "step-000000012"
-    assert control.last_checkpoint(tmp_path / "nothing-here") == ""
+    assert runs.last_checkpoint(tmp_path) == "step-000000012"
+    assert runs.last_checkpoint(tmp_path / "nothing-here") == ""
     (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 2.5}\n{"step": 20, "eval_acc": 0.1}\n'
                                             '{"step": 30, "loss": 1.5}\n{"step": 40, "lo')
-    assert control.last_metric(tmp_path) == (30, 1.5)
+    assert runs.last_metric(tmp_path) == (30, 1.5)
 
 
 def test_array_ids_expand():
-    assert control._expand_array_id("77_[0-2,5%2]") == ["77_0", "77_1", "77_2", "77_5"]
-    assert control._expand_array_id("77_3") == ["77_3"] and control._expand_array_id("78") == ["78"]
+    assert slurmjobs.expand_array_id("77_[0-2,5%2]") == ["77_0", "77_1", "77_2", "77_5"]
+    assert slurmjobs.expand_array_id("77_3") == ["77_3"] and slurmjobs.expand_array_id("78") == ["78"]
 
 
 def test_slurm_states_counts_requeues_and_prefers_squeue(tmp_path, monkeypatch):
@@ -94,7 +95,7 @@ def test_slurm_states_counts_requeues_and_prefers_squeue(tmp_path, monkeypatch):
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    states = control.slurm_states(["100", "200_0", "200_1", "200_2"])
+    states = slurmjobs.slurm_states(["100", "200_0", "200_1", "200_2"])
     assert states["100"]["state"] == "RUNNING" and states["100"]["restarts"] == 2
     assert states["200_0"]["state"] == "COMPLETED" and states["200_1"]["state"] == "CANCELLED"
     assert states["200_2"]["state"] == "PENDING" and states["200_3"]["reason"] == "Priority"
@@ -104,7 +105,7 @@ def test_slurm_states_counts_requeues_and_prefers_squeue(tmp_path, monkeypatch):
 def test_a_run_without_job_json_is_found_through_the_job_id_its_ranks_recorded(tmp_path, monkeypatch):
     """`ddpjob sbatch` + `sbatch` writes no job.json: the runner's events carry the job id."""
     run = make_run(tmp_path, "ok")
-    assert control.run_info(run).state == "UNKNOWN"
+    assert runs.run_info(run).state == "UNKNOWN"
     rundir.record_event(run, "start", job_id="4242", restart=0)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -113,9 +114,9 @@ def test_a_run_without_job_json_is_found_through_the_job_id_its_ranks_recorded(t
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    info = control.run_info(run)
+    info = runs.run_info(run)
     assert (info.backend, info.job_id, info.state) == ("slurm", "4242", "RUNNING")
-    assert control.resolve("4242", tmp_path) == (run, False)
+    assert runs.resolve("4242", tmp_path) == (run, False)
 
 
 # ------------------------------------------------------------------ local runs
@@ -157,7 +158,7 @@ def test_cancel_of_a_local_sweep_cancels_the_running_point_and_the_pending_ones(
     runs = [make_run(sweep, "wait", name=str(i)) for i in range(3)]
     rundir.write_json_atomic(sweep / "sweep.json", {"job_id": "x", "points": [
         {"id": str(i), "index": i, "values": {"train.lr": i}} for i in range(3)]})
-    recs = submit.submit_local(runs, sweep / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))
+    recs = local_procs.submit_local(runs, sweep / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))
     for run, rec in zip(runs, recs):
         rundir.write_json_atomic(run / "job.json", rec)
         _started.append(run)
@@ -190,7 +191,7 @@ def test_a_dead_supervisor_is_reported_not_trusted(tmp_path):
     wait_for(lambda: local_state(run).get("state") == "RUNNING", what="RUNNING")
     os.kill(pid, 9)  # no chance to write its final state
     os.waitpid(pid, 0)
-    info = control.run_info(run)
+    info = runs.run_info(run)
     assert info.state == "FAILED" and "supervisor died" in info.reason
     for rec in rundir.read_json(run / "local.json")["rank_pids"]:  # clean up the orphaned ranks
         try:
@@ -257,7 +258,7 @@ def test_a_preempted_submitit_job_is_requeued_by_slurm_and_resumes(slurm_cluster
     job_id = rundir.read_json(run / "job.json")["job_id"]
     slurmtools.submitted.append(job_id)
     slurmtools.wait_state(job_id, ("RUNNING",), timeout=120)
-    wait_for(lambda: (control.last_metric(run)[0] or 0) >= 10, timeout=120, what="step 10")
+    wait_for(lambda: (runs.last_metric(run)[0] or 0) >= 10, timeout=120, what="step 10")
     high = slurmtools.submit("#!/bin/bash\n#SBATCH -p high -N 2 --ntasks-per-node=2 -t 2 -J pre-high\n"
                              "srun sleep 3\n", cwd=tmp_path)
     assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
@@ -344,8 +345,8 @@ def test_the_json_record_of_a_run(tmp_path):
         rundir.append_jsonl(run / "metrics.jsonl", rec)
     fake_checkpoint.committed(run, 10)
     fake_checkpoint.committed(run, 14, damaged=True)
-    info = control.RunInfo(run_dir=run, backend="slurm", job_id="78", state="RUNNING", restarts=1,
-                           step=14, loss=math.nan, checkpoint=control.last_checkpoint(run))
+    info = runs.RunInfo(run_dir=run, backend="slurm", job_id="78", state="RUNNING", restarts=1,
+                           step=14, loss=math.nan, checkpoint=runs.last_checkpoint(run))
     rec = json.loads(report.dumps(report.record(info)))  # strict JSON: NaN would not parse back
     assert rec == {
         "schema": "ddpjob.run/1", "run_dir": str(run), "point": None, "backend": "slurm",
@@ -380,8 +381,8 @@ def test_cancel_of_an_empty_name_or_of_a_run_never_submitted_cancels_nothing(tmp
     assert main(["cancel", ""]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "ddpjob: error: run directory is empty, expected a path. Hint: give a non-empty run directory."]
-    with pytest.raises(control.UsageError, match="the run is ''"):  # the same without the CLI's check
-        control.resolve("")
+    with pytest.raises(UsageError, match="the run is ''"):  # the same without the CLI's check
+        runs.resolve("")
     assert main(["cancel", str(never)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"ddpjob: error: '{never}' has no job id"), err
@@ -416,14 +417,14 @@ def test_resume_waits_a_bounded_time_for_a_job_that_is_completing(tmp_path, fake
     run = tmp_path / "run"
     run.mkdir()
     rundir.write_json_atomic(run / "job.json", {"backend": "slurm", "job_id": "77"})
-    monkeypatch.setattr(submit, "sleep", lambda s: None)
+    monkeypatch.setattr(runs, "sleep", lambda s: None)
     fake_slurm.answer("sacct", "77|CANCELLED by 0|0:15|n1\n")
     fake_slurm.answer("squeue", "77|COMPLETING|None\n", then=[{"stdout": "77|COMPLETING|None\n"}, {"stdout": ""}])
-    submit._check_idle(run)  # ended after two polls: nothing to refuse
+    runs.check_idle(run)  # ended after two polls: nothing to refuse
     assert "job 77 is COMPLETING; waiting up to 60 s" in capsys.readouterr().out
     assert len(fake_slurm.called("squeue")) == 3
     clock = iter(range(0, 1000, 30))
-    monkeypatch.setattr(submit.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(runs.time, "monotonic", lambda: float(next(clock)))
     fake_slurm.answer("squeue", "77|COMPLETING|None\n")  # stuck, past the bound
     with pytest.raises(DDPJobError, match="has job 77 still COMPLETING"):
-        submit._check_idle(run)
+        runs.check_idle(run)

@@ -229,6 +229,6 @@ def test_cheap_checks_local_backend_and_unwritable_run_dir(job: Path, tmp_path: 
 
     blocker = tmp_path / "afile"
     blocker.write_text("")
-    result = doctor.cheap_checks(resolve(job), backend="local", runs_root=blocker / "runs")
+    result = doctor.cheap_checks(resolve(job), on_slurm=False, runs_root=blocker / "runs")
     assert [c.name for c in result] == ["run dir", "dataset", "entry"]
     assert result[0].status == doctor.FAIL and "is not a folder" in result[0].detail

@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 from ranks import LAG
 
-from ddpjob import config, rundir
+from ddpjob import config, freeze, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob import freeze
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "jobs" / "smoke.toml"

@@ -282,3 +282,107 @@ def test_async_snapshot_blocks_briefly(tmp_path: Path, model_name: str, bound_ms
           f"(median after the first {steady:.1f} ms) on {torch.cuda.get_device_name(device)}")
     assert steady < bound_ms
     assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 2  # committed, pruned to keep_last
+
+
+# ------------------------------------------------------------------ in-memory snapshots (issue 23)
+def test_in_memory_snapshot_of_gpu_state_is_exact_and_its_cost_sets_the_interval() -> None:
+    """checkpoint.snapshot_every on a GPU: memsnap.Snapshots.take() with ResNet-18 + SGD momentum
+    on the device copies into pinned host memory (the step waits for that only), writes in the
+    background into /dev/shm, and what it wrote loads back torch.equal to the state at the copy.
+    Prints the blocking time against a bf16 training step of the same model (batch 256), and the
+    interval that keeps snapshots within 1% of the step time (the issue's goal). The bound is
+    ~10x the copy at ~10 GB/s: it catches a pageable or per-tensor-synchronised copy, not jitter."""
+    import shutil
+
+    import torch.nn.functional as F
+
+    from ddpjob.config import JobConfig
+    from ddpjob.store import memsnap
+    from ddpjob.train import models, trainer
+
+    device = torch.device("cuda", 0)
+    cfg = JobConfig()
+    torch.manual_seed(0)
+    model = models.build_model("resnet18", 10, cifar_stem=True).to(device).to(memory_format=torch.channels_last)
+    optimizer = trainer.build_optimizer(model, cfg)
+    x = torch.randn(256, 3, 32, 32, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (256,), device=device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(5):
+        step()  # warm: cuDNN picks its kernels, momentum buffers exist
+    torch.cuda.synchronize(device)
+    step_ms = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize(device)
+        step_ms.append(1000 * (time.perf_counter() - t0))
+    step_med = statistics.median(step_ms)
+
+    root = memsnap.rank_root(Path("/tmp/gpu-run"), f"gputest-{time.time_ns()}", "gpu", 0)
+    snaps = memsnap.Snapshots(root, every=1, config_hash=cfg.hash())
+    try:
+        blocking = []
+        for k in range(1, 6):
+            step()
+            torch.cuda.synchronize(device)
+            files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict()}
+            t0 = time.perf_counter()
+            assert snaps.take(k, files, {"snapshot": True}), snaps.why_not
+            blocking.append(1000 * (time.perf_counter() - t0))
+            expected_model = {key: v.cpu().clone() for key, v in model.state_dict().items()}
+            expected_opt = {i: {key: v.cpu().clone() for key, v in s.items()}
+                            for i, s in optimizer.state_dict()["state"].items()}
+            snaps.close()  # the write finishes during the steps between two snapshots, in the real loop
+        assert snaps.newest(["model.pt", "optimizer.pt"]) == [5, 4]
+        info = snaps.info(5)
+        loaded_model = snaps.store.load(info, "model.pt")
+        for key, v in expected_model.items():
+            assert torch.equal(loaded_model[key], v), key
+        loaded_opt = snaps.store.load(info, "optimizer.pt")["state"]
+        for i, s in expected_opt.items():
+            for key, v in s.items():
+                assert torch.equal(loaded_opt[i][key], v), (i, key)
+    finally:
+        shutil.rmtree(root.parent.parent, ignore_errors=True)
+    steady = statistics.median(blocking[1:])  # the first also warms the allocator
+    every = max(1, math.ceil(steady / (0.01 * step_med)))
+    print(f"\nresnet18 in-memory snapshot blocked {', '.join(f'{ms:.1f}' for ms in blocking)} ms "
+          f"(median after the first {steady:.1f} ms); bf16 step (batch 256) median {step_med:.1f} ms: "
+          f"one snapshot = {100 * steady / step_med:.0f}% of a step, snapshot_every >= {every} keeps it <= 1% "
+          f"on {torch.cuda.get_device_name(device)}")
+    assert steady < 100.0
+
+
+def test_a_killed_gpu_rank_resumes_from_its_in_memory_snapshot(tmp_path: Path) -> None:
+    """The local backend on the GPU with checkpoint.snapshot_every = 2 beside a durable checkpoint
+    every 10 steps: rank 0 is SIGKILLed in step 34 (forward call 67 with 2 micro-steps), once its
+    snapshot of step 32 is in /dev/shm. The supervisor restarts it (max_failures = 1); it resumes
+    from the snapshot of step 32, not the checkpoint of step 30, and the run ends torch.equal to
+    an uninterrupted one (deterministic kernels, the default). Nothing is left in /dev/shm."""
+    import json
+    import os
+
+    train = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2, lr=0.05,
+                 warmup_steps=3, log_every=1, eval_every=0, amp="bf16", channels_last=True, seed=1,
+                 max_steps=40)
+    job = write_job(tmp_path / "job.toml", train=train, data=DATA,
+                    checkpoint=dict(every_steps=10, keep_last=2, snapshot_every=2),
+                    slurm=dict(tasks_per_node=WORLD, gpus_per_node=WORLD, max_requeues=3, max_failures=1))
+    _submit_local(job, tmp_path / "reference")
+    run_dir = tmp_path / "killed"
+    _submit_local(job, run_dir, DDPJOB_TEST_SIGNAL="0:67:0:kill", DDPJOB_TEST_SNAP_WAIT="32")
+    crash = [e for e in events(run_dir) if e["event"] == "stop" and "rank" not in e][0]
+    assert (crash["reason"], crash["step"], crash["steps_lost"]) == ("crash", 32, 1), crash
+    starts = [e.get("resumed_step") for e in events(run_dir) if e["event"] == "start"]
+    assert starts == [None, 32], starts
+    _assert_same_run(tmp_path / "reference", run_dir)
+    job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
+    assert not list(Path("/dev/shm").glob(f"ddpjob-{os.getuid()}/{job_id}-*")), "snapshots left behind"

@@ -2,7 +2,7 @@
 characters, newlines at either end, quotes, backslashes, $(...), backticks and #SBATCH lines.
 
 Each input is either refused with one `ddpjob: error: ... Hint: ...` line, or BOTH scripts
-(the template via render.render_sbatch, submitit's via submit.sbatch_text: the text functions
+(the template via render.render_sbatch, submitit's via submitit_slurm.sbatch_text: the text functions
 behind `ddpjob sbatch` and `submit --backend slurm --dry-run`) pass `bash -n`, and a reader of
 #SBATCH lines that behaves like sbatch's (tests/sbatch_directives.py) finds exactly the options
 ddpjob meant, with the values it meant. A sample also goes through the real CLI.
@@ -22,7 +22,8 @@ import pytest
 import sbatch_directives as sd
 from ddpjob import config
 from ddpjob.errors import UsageError
-from ddpjob.launch import render, submit
+from ddpjob.launch import render
+from ddpjob.launch.backends import submitit_slurm
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -99,7 +100,7 @@ def test_refused_in_one_line_or_both_scripts_say_what_ddpjob_meant(field: str, v
     try:
         cfg = config.from_dict(RAW if field == "run_dir" else _raw_with(field, value))
         template = render.render_sbatch(cfg, run_dir=Path(run_dir), python=PYTHON)
-        submitit = submit.sbatch_text(cfg, Path(run_dir) / "logs")
+        submitit = submitit_slurm.sbatch_text(cfg, Path(run_dir) / "logs")
     except UsageError as exc:
         line = exc.line()
         assert "\n" not in line and line.startswith("ddpjob: error: ") and " Hint: " in line

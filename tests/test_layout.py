@@ -111,16 +111,11 @@ def test_collectives_only_in_node_dist() -> None:
 # layer only by name (a module path in a script or a pickle).
 LEVELS = {"shared": 0, "node": 1, "store": 2, "rank": 3, "face": 4, "train": 5, "launch": 6}
 BY_NAME_ONLY = {("launch", "rank"), ("launch", "face")}
-# Imports that break the order on purpose, at most 4, each with its reason. All are
-# launch/submit.py's: two of NodeTask, node code that still lives there (issue 21 moves it to the
-# rank layer), and the submission's console line.
+# Imports that break the order on purpose, at most 4, each with its reason.
 ALLOWED = {
-    # the line that names train.entry at submission (entry.describe: the built-in trainer's name)
+    # launch/submit.py's line that names train.entry at submission (entry.describe: the
+    # built-in trainer's name); NodeTask (rank/task.py) is named by module path only
     ("ddpjob.launch.submit", "ddpjob.rank.entry"),
-    # NodeTask.__call__, on the node under submitit: the rank's runner
-    ("ddpjob.launch.submit", "ddpjob.rank.runner"),
-    # NodeTask after a crash, on the node: requeue.after_crash, the one decision
-    ("ddpjob.launch.submit", "ddpjob.rank.requeue"),
 }
 
 

@@ -236,10 +236,10 @@ def test_sweep_points_run_one_after_another(tmp_path):
 
 def test_submit_local_detaches_a_supervisor(tmp_path):
     """submit --backend local returns at once; the supervisor lives in its own session."""
-    from ddpjob.launch import submit
+    from ddpjob.launch.backends import local_procs
 
     run = make_run(tmp_path, "wait")
-    rec = submit.submit_local([run], run / "logs", ["ddpjob", "submit"],
+    rec = local_procs.submit_local([run], run / "logs", ["ddpjob", "submit"],
                               rank_command=fake_command(tmp_path))[0]
     pid = rec["pid"]
     assert rec["job_id"] == f"local-{pid}" and rec["backend"] == "local"

@@ -15,9 +15,8 @@ import pytest
 
 import fake_checkpoint
 
-from ddpjob import config, rundir
-from ddpjob import slurm
-from ddpjob.launch import control, phases, plot
+from ddpjob import config, rundir, slurm
+from ddpjob.launch import control, phases, plot, runs
 from ddpjob.node import preemption
 from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
@@ -133,7 +132,7 @@ def test_scontrol_refused_or_missing_submits_one_successor(fake_slurm, tmp_path,
     assert job["job_id"] == "78" and job["job_ids"] == ["77", "78"]
     # the successor's SLURM_RESTART_COUNT is 0, the run's restart is 1
     assert rundir.run_restart(d, "78", 0) == 1 and rundir.run_restart(d, "77", 2) == 2
-    assert control.job_record(d)["job_id"] == "78"
+    assert runs.job_record(d)["job_id"] == "78"
 
 
 def test_submitit_successor_gets_the_task_pickle_under_its_id(fake_slurm, tmp_path) -> None:

@@ -15,7 +15,10 @@ import pytest
 from ranks import LAG
 
 from ddpjob import cli, config, rundir
+from ddpjob.errors import DDPJobError
 from ddpjob.launch import submit
+from ddpjob.launch.backends import choose, submitit_slurm
+from ddpjob.rank.task import NodeTask
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -37,37 +40,65 @@ def test_slurm_parameters_map_every_field():
                    partition="gpu", account="proj1", qos="high", time="1-02:03:04", constraint="a100",
                    signal_lead_s=300, setup=["module load cuda"],
                    sbatch_extra=["--exclusive", "--mail-type=END"])
-    p = submit.slurm_parameters(cfg)
-    keys = ("job_name", "nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task", "mem",
-            "partition", "account", "qos", "constraint", "signal_delay_s", "setup")
+    p = submitit_slurm.slurm_parameters(cfg)
+    # submitit's own parameter names where it would write a default of its own (job_name:
+    # "submitit"), the rest as sbatch options, which submitit writes over its defaults
+    keys = ("job_name", "ntasks_per_node", "gpus_per_node", "cpus_per_task", "signal_delay_s", "setup")
     assert {k: p[k] for k in keys} == {
-        "job_name": "t", "nodes": 2, "ntasks_per_node": 4, "gpus_per_node": 4, "cpus_per_task": 8,
-        "mem": "64G", "partition": "gpu", "account": "proj1", "qos": "high", "constraint": "a100",
-        "signal_delay_s": 300, "setup": [*submit._guard_lines(cfg, None), "module load cuda"]}
+        "job_name": "t", "ntasks_per_node": 4, "gpus_per_node": 4, "cpus_per_task": 8,
+        "signal_delay_s": 300, "setup": [*submitit_slurm.guard_lines(cfg, None), "module load cuda"]}
     # submitit's bare srun takes SLURM_NTASKS: after a shrink to 1 node it must be 1 x 4, not 8
     for nodes, expected in (("1", "4 4"), ("2", "8 8"), (None, "8 8")):
         env = {"PATH": "/usr/bin:/bin", **({"SLURM_JOB_NUM_NODES": nodes} if nodes else {})}
-        lines = "\n".join([*submit._guard_lines(cfg, None)[1:], 'echo "$SLURM_NTASKS $SLURM_NPROCS"'])
+        lines = "\n".join([*submitit_slurm.guard_lines(cfg, None)[1:], 'echo "$SLURM_NTASKS $SLURM_NPROCS"'])
         out = subprocess.run(["bash", "-c", lines], env={**env, "SLURM_NTASKS": "8"}, capture_output=True,
                              text=True, timeout=30)
         assert out.stdout.strip() == expected, (nodes, out)
     assert p["srun_args"] == ["--kill-on-bad-exit=1"]  # as in the template
     assert p["time"] == 1 * 1440 + 2 * 60 + 4  # whole minutes, rounded up, for submitit
-    assert p["additional_parameters"] == {"time": "1-02:03:04", "open-mode": "append", "requeue": True,
-                                          "exclusive": True, "mail-type": "END"}
+    assert p["additional_parameters"] == {
+        "nodes": 2, "mem": "64G", "partition": "gpu", "account": "proj1", "qos": "high", "time": "1-02:03:04",
+        "constraint": "a100", "requeue": True, "open-mode": "append", "signal": "USR2@300",
+        "exclusive": True, "mail-type": "END"}
+
+
+def test_template_and_submitit_scripts_carry_the_same_sbatch_options(tmp_path):
+    """One mapping from [slurm] (backends/options.py) feeds both scripts: every #SBATCH option of
+    the rendered template but its batch log is in submitit's script, with the same value."""
+    from ddpjob.launch import render
+
+    cfg = cfg_with(nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, mem="64G",
+                   partition="gpu", account="proj1", qos="high", time="1-02:03:04", constraint="a100",
+                   signal="TERM", signal_lead_s=300, requeue=False,
+                   sbatch_extra=["--exclusive", "--mail-type=END"])
+    template = render.render_sbatch(cfg, run_dir=tmp_path / "run", python=sys.executable)
+    submitit = submitit_slurm.sbatch_text(cfg, tmp_path / "run" / "logs")
+
+    def options(text: str) -> set[str]:
+        return {shlex.split(ln)[1] for ln in text.splitlines() if ln.startswith("#SBATCH ")}
+
+    mine = {o for o in options(template) if not o.startswith(("--output=", "--error="))}
+    assert len(mine) == 16 and mine <= options(submitit), mine - options(submitit)
+
+
+def test_the_backend_of_a_run_is_read_from_its_job_record():
+    assert choose.of_record({"backend": "local", "job_id": "local-1"}) is choose.LOCAL
+    assert choose.of_record({"backend": "slurm", "job_id": "7"}) is choose.SUBMITIT
+    assert choose.of_record({"backend": "slurm", "job_id": "7", "via": "sbatch"}) is choose.SBATCH
+    assert choose.of_record({}) is None and choose.of_record({"backend": "?"}) is None
 
 
 def test_cpu_job_has_no_gpu_line_and_empty_fields_are_left_out():
-    p = submit.slurm_parameters(cfg_with(time="00:00:30", signal_lead_s=10))
+    p = submitit_slurm.slurm_parameters(cfg_with(time="00:00:30", signal_lead_s=10))
     for key in ("gpus_per_node", "mem", "partition", "account", "qos", "constraint"):
-        assert key not in p
-    assert p["setup"] == submit._guard_lines(cfg_with(), None)  # only ddpjob's own trap
+        assert key not in p and key.replace("_", "-") not in p["additional_parameters"]
+    assert p["setup"] == submitit_slurm.guard_lines(cfg_with(), None)  # only ddpjob's own trap
     assert p["time"] == 1  # 30 s rounds up to one minute; sbatch still gets the exact limit
     assert p["additional_parameters"]["time"] == "00:00:30"
 
 
 def test_other_signal_and_no_requeue_reach_the_script():
-    text = submit.sbatch_text(cfg_with(signal="TERM", signal_lead_s=45, requeue=False), Path("/tmp/x/logs"))
+    text = submitit_slurm.sbatch_text(cfg_with(signal="TERM", signal_lead_s=45, requeue=False), Path("/tmp/x/logs"))
     lines = text.splitlines()
     assert "#SBATCH --signal=TERM@45" in lines and "#SBATCH --no-requeue" in lines
     assert not any(ln.startswith("#SBATCH --signal=USR2") for ln in lines)
@@ -78,7 +109,7 @@ def test_sbatch_text_is_valid_bash_and_quotes_hostile_paths(tmp_path):
     folder = tmp_path / "it's a $(touch pwned) `x`; run" / "logs"
     cfg = cfg_with(nodes=2, tasks_per_node=2, setup=["echo 'setup ran'"])
     points = [folder.parent / str(i) for i in range(3)]
-    text = submit.sbatch_text(cfg, folder, points)
+    text = submitit_slurm.sbatch_text(cfg, folder, points)
     script = tmp_path / "s.sh"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
@@ -103,7 +134,7 @@ def test_sbatch_text_is_valid_bash_and_quotes_hostile_paths(tmp_path):
 def test_nodetask_pickles_and_translates_exit_codes(monkeypatch, tmp_path):
     import ddpjob.rank.runner as runner
 
-    task = pickle.loads(pickle.dumps(submit.NodeTask(tmp_path)))
+    task = pickle.loads(pickle.dumps(NodeTask(tmp_path)))
     assert task.run_dir == str(tmp_path)
     calls = []
     codes = iter([0, 3, 1])
@@ -125,12 +156,12 @@ def test_a_failed_nodetask_with_its_group_standing_ends_after_submitit_without_t
     interpreter's teardown (which could abort in torch's destructors: SIGABRT instead of 1) is
     skipped after all of that. An atexit hook registered first stands for that teardown."""
     code = ("import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"
-            "from ddpjob.launch import submit; from ddpjob.node import dist; from ddpjob.rank import runner\n"
+            "from ddpjob.rank.task import NodeTask; from ddpjob.node import dist; from ddpjob.rank import runner\n"
             f"dist.left_standing = {left_standing}\n"
             "def failed(run_dir, argv=None):\n    return 1\n"
             "runner.run_node = failed\n"
             "try:\n"
-            f"    submit.NodeTask({str(tmp_path)!r})()\n"
+            f"    NodeTask({str(tmp_path)!r})()\n"
             "except RuntimeError:\n"
             "    print('submitit saw the failure', flush=True)\n"
             "    raise\n")
@@ -144,9 +175,30 @@ def test_a_failed_nodetask_with_its_group_standing_ends_after_submitit_without_t
 
 
 def test_nodetask_checkpoint_resubmits_the_same_stateless_task(tmp_path):
-    task = submit.NodeTask(tmp_path)
+    task = NodeTask(tmp_path)
     delayed = task.checkpoint()
     assert delayed.function is task and delayed.args == () and delayed.kwargs == {}
+
+
+def test_pickles_of_jobs_queued_before_nodetask_moved_still_load_without_torch(tmp_path):
+    """Jobs queued before ddpjob/rank/task.py pickled ddpjob.launch.submit.NodeTask; the nodes
+    unpickle it by that name. launch/submit.py resolves the name lazily: importing it (login
+    side) imports neither the rank layer nor torch."""
+    old = pickle.dumps(NodeTask(tmp_path), protocol=0).replace(b"cddpjob.rank.task\n", b"cddpjob.launch.submit\n")
+    assert b"ddpjob.launch.submit" in old and b"ddpjob.rank" not in old
+    code = ("import pickle, sys\n"
+            "import ddpjob.launch.submit\n"
+            "assert 'ddpjob.rank.task' not in sys.modules and 'torch' not in sys.modules\n"
+            f"task = pickle.loads({old!r})\n"
+            "from ddpjob.rank.task import NodeTask\n"
+            f"assert type(task) is NodeTask and task.run_dir == {str(tmp_path)!r}, task\n"
+            "assert 'torch' not in sys.modules\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert submit.NodeTask is NodeTask
+    with pytest.raises(AttributeError, match="no attribute 'NotThere'"):
+        submit.NotThere  # noqa: B018 (only NodeTask is resolved lazily)
 
 
 # ------------------------------------------------------------------ backend choice, dry run, errors
@@ -160,11 +212,11 @@ def _path_without(tool: str, tmp_path: Path) -> str:
 
 def test_backend_auto_follows_sbatch_on_path(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", _path_without("sbatch", tmp_path))
-    assert submit.choose_backend("auto") == "local"
+    assert choose.for_request("auto").name == "local"
     fake = tmp_path / "bin" / "sbatch"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
-    assert submit.choose_backend("auto") == "slurm"
+    assert choose.for_request("auto") is choose.SUBMITIT
 
 
 def test_backend_slurm_without_sbatch_is_one_line_and_writes_nothing(tmp_path):
@@ -227,9 +279,9 @@ def test_a_failed_submission_removes_the_run_dir_it_created(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
 
     def refuse(*a, **k):
-        raise submit.DDPJobError("the scheduler said no", "try later")
+        raise DDPJobError("the scheduler said no", "try later")
 
-    monkeypatch.setattr(submit, "submit_local", refuse)
+    monkeypatch.setattr(choose.LOCAL, "submit", refuse)
     assert cli.main(["submit", SMOKE, "--backend", "local"]) == 1
     assert not (tmp_path / "runs").exists()  # it made runs/ too, and removed it again
 
@@ -248,10 +300,10 @@ def _submit_slurm(tmp_path: Path, *extra: str, timeout: float = 120) -> tuple[Pa
 
 
 def _wait_step(run: Path, step: int, timeout: float) -> None:
-    from ddpjob.launch import control
+    from ddpjob.launch import runs
 
     deadline = time.monotonic() + timeout
-    while (control.last_metric(run)[0] or 0) < step:
+    while (runs.last_metric(run)[0] or 0) < step:
         assert time.monotonic() < deadline, f"no step {step} in {run}/metrics.jsonl after {timeout}s"
         time.sleep(0.5)
 
@@ -386,7 +438,7 @@ def test_the_submitit_script_runs_the_ranks_in_the_container(tmp_path, runtime, 
     cfg = config.resolve(SMOKE, [f'slurm.container="/images/t.sqsh"', f'slurm.container_runtime="{runtime}"'])
     folder = tmp_path / "run" / "logs"
     folder.mkdir(parents=True)
-    script = submit.sbatch_text(cfg, folder)
+    script = submitit_slurm.sbatch_text(cfg, folder)
     [srun] = [ln for ln in script.splitlines() if ln.startswith("srun ")]
     assert expected in srun and "--kill-on-bad-exit=1" in srun, srun
     assert f"{tmp_path / 'run'}" in srun  # the run dir is mounted

@@ -13,8 +13,9 @@ Mounted at the same path inside: the run dir (checkpoints, logs, events), data.r
 `container_python` the container's own interpreter runs instead (ddpjob installed in the image):
 the default runs the submitting interpreter, which inside an image only works where the image
 has the libraries it links against (the same OS release), so for real images set it.
-Pure functions of the config, used by render.py (template) and submit.py (submitit); strings are
-checked by validate.py (no comma, colon or control character where the runtimes split on them).
+Pure functions of the config, used by render.py (template) and backends/submitit_slurm.py
+(submitit); strings are checked by validate.py (no comma, colon or control character where
+the runtimes split on them).
 """
 
 from __future__ import annotations

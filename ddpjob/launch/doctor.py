@@ -19,10 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpjob import console
+from ddpjob import console, slurm
 from ddpjob.config import JobConfig, parse_time_s, resolve
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob import slurm
 from ddpjob.node import cluster
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -312,12 +311,12 @@ def port_check() -> Check:
                  "export MASTER_PORT=<free port outside the range> in slurm.setup")
 
 
-def cheap_checks(cfg: JobConfig, *, backend: str = "slurm", runs_root: str | Path = "runs",
+def cheap_checks(cfg: JobConfig, *, on_slurm: bool = True, runs_root: str | Path = "runs",
                  full: bool = False, measured_s: float | None = None) -> list[Check]:
     """The job's own checks, a few scontrol calls and no job step: what submit runs first.
-    With backend "local", only what matters on this machine (files, dataset)."""
+    Off SLURM (the local backend), only what matters on this machine (files, dataset)."""
     out = [run_dir_check(Path(runs_root)), _data_check(cfg, full), *code_checks(cfg)]
-    if backend != "slurm":
+    if not on_slurm:
         return out
     s = cfg.slurm
     if s.gpus_per_node and s.tasks_per_node > s.gpus_per_node:
@@ -417,7 +416,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     slurm_ok = all(c.status != FAIL for c in checks if c.name in ("slurm commands", "controller"))
     if cfg is None:
         return checks + [run_dir_check(runs_root), port_check()]
-    checks += cheap_checks(cfg, backend="slurm" if slurm_ok else "local", runs_root=runs_root,
+    checks += cheap_checks(cfg, on_slurm=slurm_ok, runs_root=runs_root,
                            full=True, measured_s=measured_checkpoint_s(cfg, runs_root))
     if args.srun and slurm_ok:
         blocking = [c.name for c in checks if c.status == FAIL and c.name in _STEP_NEEDS]

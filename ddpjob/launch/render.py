@@ -21,6 +21,7 @@ from pathlib import Path
 from ddpjob import __version__, exitcodes, scriptsafe
 from ddpjob.config import JobConfig
 from ddpjob.launch import container
+from ddpjob.launch.backends import options
 from ddpjob.errors import UsageError
 from ddpjob.rundir import LOGS
 
@@ -129,32 +130,20 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         "exit_requeue": str(exitcodes.REQUEUE),
         "exit_restart": str(exitcodes.RESTART),
         "signal": shlex.quote(signal),
+        "batch_signals": " ".join(options.BATCH_SIGNALS),  # what the batch shell traps besides ${signal}
+        "node_count": options.node_count(cfg),  # the allocation's, not the submission's
+        "task_count": options.task_count(cfg, "DDPJOB_NODES"),
         "forward_signal": shlex.quote("" if signal in _NOT_FORWARDED else signal),
     }
 
 
 def sbatch_directives(cfg: JobConfig, run_dir: str) -> list[str]:
-    """The `#SBATCH` arguments in a fixed order; values are validated by config.validate."""
-    s = cfg.slurm
-    scriptsafe.job_strings(cfg)
-    out = [f"--job-name={cfg.name}", f"--nodes={s.nodes}", f"--ntasks-per-node={s.tasks_per_node}"]
-    if s.gpus_per_node > 0:
-        out.append(f"--gpus-per-node={s.gpus_per_node}")
-    out.append(f"--cpus-per-task={s.cpus_per_task}")
-    for key in ("mem", "partition", "account", "qos"):
-        if getattr(s, key):
-            out.append(f"--{key}={getattr(s, key)}")
-    out.append(f"--time={s.time}")
-    if s.constraint:
-        out.append(f"--constraint={s.constraint}")
-    # A requeued run appends to the batch log instead of truncating the first run's.
-    out += ["--requeue" if s.requeue else "--no-requeue", "--open-mode=append"]
-    # No "B:": the warning goes to the ranks (the job steps), which checkpoint on it.
-    out.append(f"--signal={s.signal}@{s.signal_lead_s}")
+    """The `#SBATCH` arguments in a fixed order: [slurm]'s (backends/options.py, the mapping the
+    submitit backend uses too), the batch log, then slurm.sbatch_extra quoted for sbatch."""
+    own, extra = options.sbatch_options(cfg)
     log = f"{slurm_pattern_escape(run_dir)}/{LOGS}/batch-%j.out"
-    out += [directive_quote(f"--output={log}"), directive_quote(f"--error={log}")]
-    out += [directive_quote(arg) for arg in s.sbatch_extra]
-    return out
+    return [*map(options.as_flag, own), directive_quote(f"--output={log}"), directive_quote(f"--error={log}"),
+            *(directive_quote(options.as_flag(o)) for o in extra)]
 
 
 def directive_quote(arg: str) -> str:

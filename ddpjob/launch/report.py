@@ -1,7 +1,7 @@
 """`ddpjob status --json` and `ddpjob ls --json`: one stable JSON object per run, for scripts.
 
 The schema (docs/status-json.md) is versioned by its `schema` key; fields are
-only ever added. Values come from the same RunInfo the tables print (control.py) plus the run
+only ever added. Values come from the same RunInfo the tables print (runs.py) plus the run
 dir's ledger and metrics, so the two views never disagree. JSON has no NaN: a non-finite number
 is null. Never imports torch.
 """
@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from ddpjob import rundir
-from ddpjob.launch import control, phases, plot
+from ddpjob.launch import phases, plot, runs
 
 SCHEMA = "ddpjob.run/1"
 STOP_KEYS = ("reason", "step", "job_id", "restart", "steps_lost", "requeued", "requeued_by",
@@ -26,9 +26,9 @@ def _num(v: Any) -> float | int | None:
     return v if math.isfinite(v) else None
 
 
-def record(i: control.RunInfo) -> dict[str, Any]:
+def record(i: runs.RunInfo) -> dict[str, Any]:
     """The JSON object for one run."""
-    job = control.job_record(i.run_dir) if i.state != "DAMAGED" else {}
+    job = runs.job_record(i.run_dir) if i.state != "DAMAGED" else {}
     ids = [str(j) for j in (job.get("job_ids") or ([job["job_id"]] if job.get("job_id") else []))]
     try:
         history = plot.load_history(i.run_dir) if i.state != "DAMAGED" else None
@@ -42,7 +42,7 @@ def record(i: control.RunInfo) -> dict[str, Any]:
     best = max(accs, default=None)
     done = rundir.completed(i.run_dir) if i.state != "DAMAGED" else None
     ckpt = i.checkpoint
-    code = control.code_state(i.run_dir) if i.state != "DAMAGED" else {}
+    code = runs.code_state(i.run_dir) if i.state != "DAMAGED" else {}
     return {
         "schema": SCHEMA,
         "run_dir": str(i.run_dir),
@@ -69,7 +69,7 @@ def dumps(obj: dict[str, Any]) -> str:
     return json.dumps(obj, allow_nan=False, sort_keys=False)
 
 
-def print_records(infos: list[control.RunInfo]) -> None:
+def print_records(infos: list[runs.RunInfo]) -> None:
     """JSON Lines: one object per run, in the order the table would list them."""
     for i in infos:
         print(dumps(record(i)), flush=True)

@@ -14,12 +14,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from ddpjob import config, console, rundir
+from ddpjob import config, console, freeze, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob import freeze
 from ddpjob.launch import entrycheck, render
-
-SCRIPT = "job.sbatch"
+from ddpjob.launch.backends.sbatch_slurm import SCRIPT  # RUN_DIR/job.sbatch, what a resume resubmits
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:

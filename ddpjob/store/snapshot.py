@@ -51,7 +51,7 @@ def snapshot_tree(obj: Any) -> Any:
     sources: dict[int, torch.Tensor] = {}  # by id: a tensor seen twice (tied weights) stays shared
     _walk_tensors(obj, lambda t: sources.setdefault(id(t), t.detach()))
     plain = [t for t in sources.values() if not t.is_cuda and t.layout == torch.strided and not t.is_quantized]
-    pooled = iter(_POOL.take(tuple((t.shape, t.dtype) for t in plain)) or [])
+    pooled = iter(_POOL.take(tuple((t.shape, _strides(t), t.dtype) for t in plain)) or [])
     pin = torch.cuda.is_available()
     memo: dict[int, torch.Tensor] = {}
     cuda_devices = set()
@@ -61,13 +61,21 @@ def snapshot_tree(obj: Any) -> Any:
             continue
         dst = None if src.is_cuda else next(pooled, None)
         if dst is None:
-            dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin and src.is_cuda)
+            dst = torch.empty_strided(src.shape, _strides(src), dtype=src.dtype, pin_memory=pin and src.is_cuda)
         memo[key] = dst.copy_(src, non_blocking=src.is_cuda)
         if src.is_cuda:
             cuda_devices.add(src.device)
     for device in cuda_devices:  # non_blocking copies must land before the caller mutates
         torch.cuda.synchronize(device)
     return _rebuild(obj, memo)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The copy's strides: the source's own memory layout (channels_last stays channels_last)
+    where it is dense, else contiguous. A restored optimizer state must match its parameters'
+    layout: CUDA's fused SGD/Adam refuse a momentum buffer whose strides differ from the
+    parameter's (found resuming a channels_last model from an in-memory snapshot on an H100)."""
+    return tuple(torch.empty_like(t, device="meta").stride())
 
 
 def _rebuild(o: Any, memo: dict[int, torch.Tensor]) -> Any:
@@ -99,8 +107,8 @@ class _SnapshotPool:
     """CPU buffers reused by snapshot(). Fresh memory costs a page fault per 4 KiB (~22k for
     resnet18 + SGD momentum: 100-1000 ms on a busy VM); reused memory costs none (~10 ms).
     A buffer set goes out again only when nothing but the pool holds any of its storages (the
-    write finished and the caller dropped the snapshot). At most 2 sets per layout (shapes and
-    dtypes) and 8 layouts are kept. Pinned copies are left to torch's caching host allocator."""
+    write finished and the caller dropped the snapshot). At most 2 sets per layout (shapes,
+    strides and dtypes) and 8 layouts are kept. Pinned copies are left to torch's caching host allocator."""
 
     SETS_PER_LAYOUT, LAYOUTS = 2, 8  # layouts: e.g. model.pt, optimizer.pt, trainer.pt, rank-R.pt
 
@@ -123,7 +131,7 @@ class _SnapshotPool:
             if chosen is None:
                 if len(sets) >= self.SETS_PER_LAYOUT:
                     return None  # the caller keeps old snapshots alive: do not grow
-                chosen = [torch.empty(shape, dtype=dtype) for shape, dtype in layout]
+                chosen = [torch.empty_strided(shape, strides, dtype=dtype) for shape, strides, dtype in layout]
                 sets.append(chosen)
             # Hand out views: each holds a reference to its storage, which is what marks it busy.
             return [t.view(t.shape) for t in chosen]

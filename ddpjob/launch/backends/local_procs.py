@@ -1,0 +1,115 @@
+"""The local backend (`ddpjob submit --backend local`): the detached supervisor of
+launch/local.py plays SLURM's part on this machine; its state is RUN_DIR/local.json.
+
+Login side: starts the supervisor, reads its state, signals it (it forwards to the ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpjob import console, rundir
+from ddpjob.config import JobConfig
+from ddpjob.errors import DDPJobError
+from ddpjob.launch.backends import TERMINAL, JobState
+from ddpjob.launch.local import LOCAL, rank_command  # the supervisor's state file, what each rank runs
+
+SUPERVISOR = "ddpjob.launch.local"
+
+
+def pid_alive(pid: int | None, marker: str = SUPERVISOR) -> bool:
+    """Alive, not a zombie, and still our supervisor (pids are reused)."""
+    if not pid:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and marker in cmdline
+
+
+def submit_local(run_dirs: list[Path], log_dir: Path, command: list[str],
+                 rank_command: str | None = None) -> list[dict[str, Any]]:
+    """Start the supervisor in its own session (it outlives this command) and return.
+    `rank_command` replaces `ddpjob run` (tests drive the supervisor with fake ranks)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", SUPERVISOR, *[str(d.resolve()) for d in run_dirs]]
+    if rank_command:
+        argv += ["--rank-command", rank_command]
+    with open(log_dir / "supervisor.log", "ab") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    base, n = f"local-{proc.pid}", len(run_dirs)
+    return [{"backend": "local", "job_id": base if n == 1 else f"{base}_{i}",
+             "pid": proc.pid, "submitted_at": time.time(), "command": command,
+             "supervisor_log": str(log_dir / "supervisor.log"),
+             "array": None if n == 1 else {"job_id": base, "index": i, "count": n}}
+            for i in range(n)]
+
+
+def skip_if_pending(run_dir: Path, state: str, reason: str) -> bool:
+    """A sweep point not started yet: marked CANCELLED, which its supervisor skips."""
+    if state != "PENDING" or not (run_dir / LOCAL).is_file():
+        return False
+    rec = rundir.read_record(run_dir / LOCAL)
+    rundir.write_json_atomic(run_dir / LOCAL, {**rec, "state": "CANCELLED", "reason": reason})
+    return True
+
+
+class LocalBackend:
+    """The supervisor's processes on this machine (launch/local.py)."""
+
+    name = "local"
+    on_slurm = False
+
+    def preflight(self, cfg: JobConfig, root: Path) -> None:
+        return None  # nothing to ask: doctor's local checks run for every backend
+
+    def dry_run(self, cfg: JobConfig, job: str, root: Path, run_dirs: list[Path]) -> None:
+        console.info(f"# local backend: a supervisor would start {cfg.slurm.world_size} rank(s), each:")
+        console.info(shlex.join(rank_command(root)))
+
+    def submit(self, cfgs: list[JobConfig], run_dirs: list[Path], log_dir: Path,
+               command: list[str]) -> list[dict[str, Any]]:
+        return submit_local(run_dirs, log_dir, command)
+
+    def states(self, job_ids: list[str]) -> dict[str, dict[str, Any]]:
+        return {}  # each run's local.json says it
+
+    def state(self, run_dir: Path, job: dict[str, Any], known: dict[str, dict[str, Any]] | None) -> JobState:
+        rec = rundir.read_record(run_dir / LOCAL) or None
+        alive = pid_alive(job.get("pid"))
+        if rec is None:
+            return JobState("PENDING" if alive else "FAILED",
+                            "" if alive else "the supervisor is gone; see logs/supervisor.log")
+        out = JobState(rec.get("state", "UNKNOWN"), rec.get("reason", ""), int(rec.get("restarts", 0)))
+        if out.state not in TERMINAL and not alive:
+            out.state, out.reason = "FAILED", "the supervisor died; see logs/supervisor.log"
+        return out
+
+    def cancel(self, run_dir: Path, job: dict[str, Any], state: str) -> None:
+        if not skip_if_pending(run_dir, state, "cancelled before it started") and pid_alive(job.get("pid")):
+            os.kill(int(job["pid"]), signal.SIGTERM)  # the supervisor forwards it to the ranks
+
+    def stop(self, run_dir: Path, job: dict[str, Any], state: str) -> str:
+        if skip_if_pending(run_dir, state, "stopped before it started"):
+            return "it had not started, so it will not"
+        if pid_alive(job.get("pid")):
+            os.kill(int(job["pid"]), signal.SIGUSR2)  # the supervisor forwards it to the ranks
+            return "the ranks write a checkpoint at their next step and end"
+        raise DDPJobError(f"the supervisor of '{run_dir}' is not running, expected a live local run",
+                          f"`ddpjob status {run_dir}` shows how it ended")
+
+    def log_files(self, run_dir: Path, rank: int, job: dict[str, Any]) -> list[Path]:
+        return [run_dir / rundir.LOGS / f"rank-{rank}.log"]
+
+    def log_pattern(self, run_dir: Path, record: dict[str, Any]) -> str:
+        return f"{run_dir / rundir.LOGS}/rank-<rank>.log"

@@ -1,0 +1,61 @@
+"""[slurm] -> sbatch options and the batch shell's own lines, written once for both SLURM scripts.
+
+Pure. The template (render.py, `ddpjob sbatch` and the sbatch backend) writes the options as
+`#SBATCH` lines; the submitit backend hands the same options to submitit's SlurmExecutor, which
+writes them itself. The shell pieces (the signals the batch shell traps, the node and task count
+of the allocation) reach the template as placeholders and submitit's script as setup lines.
+"""
+
+from __future__ import annotations
+
+from ddpjob import scriptsafe
+from ddpjob.config import JobConfig
+
+Option = tuple[str, str | int | bool]  # ("nodes", 2), ("requeue", True): --nodes=2, --requeue
+
+# SLURM sends SIGTERM to the batch shell too (scancel, time limit, preemption); without a trap
+# a non-interactive bash dies at once and the job ends while the ranks are still writing their
+# checkpoint. Trapped, bash waits for srun. (INT/HUP: a user's scancel --signal.)
+BATCH_SIGNALS = ("TERM", "INT", "HUP")
+
+
+def sbatch_options(cfg: JobConfig) -> tuple[list[Option], list[Option]]:
+    """(ddpjob's options from [slurm] in a fixed order, the user's slurm.sbatch_extra). Raises
+    UsageError for a string that could not reach sbatch unchanged (scriptsafe's rules)."""
+    s = cfg.slurm
+    scriptsafe.job_strings(cfg)
+    own: list[Option] = [("job-name", cfg.name), ("nodes", s.nodes), ("ntasks-per-node", s.tasks_per_node)]
+    if s.gpus_per_node > 0:
+        own.append(("gpus-per-node", s.gpus_per_node))
+    own.append(("cpus-per-task", s.cpus_per_task))
+    own += [(key, getattr(s, key)) for key in ("mem", "partition", "account", "qos") if getattr(s, key)]
+    own.append(("time", s.time))
+    if s.constraint:
+        own.append(("constraint", s.constraint))
+    # A requeued run appends to its logs instead of truncating the first run's.
+    own += [("requeue" if s.requeue else "no-requeue", True), ("open-mode", "append")]
+    # No "B:": the warning goes to the ranks (the job steps), which checkpoint on it.
+    own.append(("signal", f"{s.signal}@{s.signal_lead_s}"))
+    extra: list[Option] = []
+    for arg in s.sbatch_extra:  # "--exclusive", "--mail-type=END"
+        key, value = scriptsafe.split_extra(arg)
+        extra.append((key, True if value is None else value))
+    return own, extra
+
+
+def as_flag(option: Option) -> str:
+    key, value = option
+    return f"--{key}" if value is True else f"--{key}={value}"
+
+
+def node_count(cfg: JobConfig) -> str:
+    """The allocation's node count in the batch shell. An admin may shrink a pending, requeued
+    job (scontrol update NumNodes=1 ...) and ddpjob resumes elastically, so the count follows
+    the allocation this incarnation got, not the submission's ([slurm] nodes, the fallback)."""
+    return f"${{SLURM_JOB_NUM_NODES:-{int(cfg.slurm.nodes)}}}"
+
+
+def task_count(cfg: JobConfig, nodes_var: str) -> str:
+    """The allocation's task count from the shell variable holding its node count: what srun
+    must start (SLURM_NTASKS still holds the submission's count after a shrink)."""
+    return f"$(({nodes_var} * {int(cfg.slurm.tasks_per_node)}))"
