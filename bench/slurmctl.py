@@ -2,7 +2,7 @@
 
 bench/ is not allowed to import tests/ (slurmtools.py lives there), so these are the waits and
 retries a benchmark driver needs, over ddpjob's one runner of SLURM commands
-(ddpjob.launch.slurm: timeouts, a failed command told from an answer). Every query names one
+(ddpjob.slurm: timeouts, a failed command told from an answer). Every query names one
 job id: the cluster is shared.
 """
 
@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ddpjob.launch import slurm
+from ddpjob import slurm
 
 # A requeueable job that was preempted goes back to PENDING: PREEMPTED is final only otherwise.
 FINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

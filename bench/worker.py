@@ -222,6 +222,7 @@ def charlm(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     import torch.distributed as tdist
 
     from ddpjob import api
+    from ddpjob.rank import start
 
     cfg = _config(spec)
     script = str(Path(__file__).resolve().parents[1] / "examples" / "charlm" / "train.py")
@@ -256,19 +257,18 @@ def charlm(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
 
         api.Job.steps = marked_steps  # type: ignore[method-assign]
         api.Job.log = hand_log if spec["mode"] == "hand" else api_log  # type: ignore[method-assign]
-        api._launch = api.Launch(cfg, run_dir=Path(params["run_dir"]), argv=[])
         Path(params["run_dir"]).mkdir(parents=True, exist_ok=True)
         saved_argv = sys.argv
         try:
-            torch.manual_seed(0)
-            runpy.run_path(script, run_name="__main__")
+            with start.launched(start.Launch(cfg, run_dir=Path(params["run_dir"]), argv=[])):
+                torch.manual_seed(0)
+                runpy.run_path(script, run_name="__main__")
         finally:
             sys.argv = saved_argv
             api.Job.steps, api.Job.log = steps, log  # type: ignore[method-assign]
             job = api.current()
             if job is not None:
                 job.close()
-            api._launch = None
         return {"marks": marks, "loss": losses}
 
     return trial
@@ -292,13 +292,13 @@ def main() -> int:
     built: dict[str, recipes.Trial] = {}  # one per (kind, setup): setup is paid once per arm
     try:
         harness.pin_to(rank)
-        from ddpjob.node import dist
+        from ddpjob.node import group
         from ddpjob.node.cluster import ClusterEnv
 
         env = ClusterEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                          master_addr=os.environ["MASTER_ADDR"], master_port=int(os.environ["MASTER_PORT"]),
                          source="torchrun")
-        ctx = dist.init_process_group(env, backend="gloo", timeout_s=900, threads=1)
+        ctx = group.init_process_group(env, backend="gloo", timeout_s=900, threads=1)
         while line := sys.stdin.readline():  # readline: the gate reads the same stream
             msg = json.loads(line)
             if "kind" in msg:

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help=argparse.SUPPRESS)  # torch.distributed.launch (legacy) passes this
     _add_job_overrides(p)
-    p.set_defaults(func=_handler("ddpjob.node.runner:cmd_run"))
+    p.set_defaults(func=_handler("ddpjob.rank.runner:cmd_run"))
 
     p = sub.add_parser("selftest", help="check the process group: all-reduce, broadcast, bandwidth")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")

@@ -2,7 +2,7 @@
 failure ledger (a host with QUARANTINE_AFTER host failures is excluded at the next restart) and
 the no-progress streak (slurm.max_no_progress crashes in a row that got nowhere end the job).
 
-Everything is read from events.jsonl: the decision's crash records (node/requeue.py, the local
+Everything is read from events.jsonl: the decision's crash records (rank/requeue.py, the local
 supervisor) carry `failed_rank`, `failed_host`, `failed_how` and `host_fault`, so the ledger is
 the run's own history, shown by `status`, with no second file to keep in step. Login side and
 node side read it alike: no torch here.

@@ -11,9 +11,9 @@ OK = 0
 ERROR = 1  # at run time: a failure the user can act on, an exception in their code, an internal error
 USAGE = 2  # a bad command line, job file or override (errors.UsageError)
 # `ddpjob run` only: every rank stopped at the same step, the checkpoint is written and the
-# requeue decided (node/requeue.py); whoever runs the ranks restarts them, or SLURM requeues
+# requeue decided (rank/requeue.py); whoever runs the ranks restarts them, or SLURM requeues
 REQUEUE = 3
-# `python -m ddpjob.node.requeue` only (the batch script after a crash): the retry is decided,
+# `python -m ddpjob.rank.requeue` only (the batch script after a crash): the retry is decided,
 # inside this allocation - run the ranks again, no requeue, no queue wait
 RESTART = 4
 INTERRUPTED = 130  # Ctrl-C in the terminal: 128 + SIGINT, as shells report it

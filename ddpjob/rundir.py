@@ -387,7 +387,7 @@ def used(run_dir: str | Path, restart: int, job_id: str | None = None) -> tuple[
     """(requeues, failures) spent so far: failures are the crash and node-failure retries
     recorded in events; every other restart of the run (SLURM's and successors') was a requeue.
     With `job_id`, only its job_chain counts: a new submission of the run (`ddpjob resume`)
-    starts with fresh budgets. Read by node/requeue.py's decision and the local supervisor."""
+    starts with fresh budgets. Read by rank/requeue.py's decision and the local supervisor."""
     evs = events(run_dir)
     chain = None if job_id is None else job_chain(evs, job_id)
     failures = sum(1 for e in evs if e.get("event") == "stop" and e.get("reason") in FAILURES and e.get("requeued")

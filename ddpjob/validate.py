@@ -218,7 +218,7 @@ def _train_data(cfg: JobConfig) -> None:
 
 
 def _fsdp(cfg: JobConfig) -> None:
-    """What sharded training cannot do (api.Job.wrap, docs/api.md). train.deterministic_reduce
+    """What sharded training cannot do (Job.wrap, docs/api.md). train.deterministic_reduce
     is DDP's comm hook and simply does not apply: FSDP's reduce-scatter has a fixed layout, so
     the same world size sums in the same order on every run."""
     t = cfg.train

@@ -118,8 +118,8 @@ def fake_slurm(monkeypatch: pytest.MonkeyPatch) -> "FakeSlurm":
     """ddpjob's SLURM commands answered by a script (tests/fake_slurm.py), not by a cluster."""
     from fake_slurm import FakeSlurm
 
-    from ddpjob.launch import slurm
-    from ddpjob.node import requeue
+    from ddpjob import slurm
+    from ddpjob.rank import requeue
 
     fake = FakeSlurm()
     monkeypatch.setattr(slurm, "runner", fake)

@@ -1,4 +1,4 @@
-"""The one fake of ddpjob/launch/slurm.py for unit tests: scripted answers per command prefix.
+"""The one fake of ddpjob/slurm.py for unit tests: scripted answers per command prefix.
 
     def test_x(fake_slurm):                       # conftest fixture: installs FakeSlurm
         fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled")
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ddpjob.launch import slurm
+from ddpjob import slurm
 
 
 @dataclass

@@ -19,10 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpjob import console
+from ddpjob import console, slurm
 from ddpjob.config import JobConfig, parse_time_s, resolve
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import slurm
 from ddpjob.node import cluster
 
 PASS, WARN, FAIL = "pass", "warn", "fail"

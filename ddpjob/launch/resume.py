@@ -14,9 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
-from ddpjob import config, console, rundir
+from ddpjob import config, console, freeze, rundir
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import freeze, runs, submit
+from ddpjob.launch import runs, submit
 from ddpjob.launch.backends import choose
 from ddpjob.launch.backends.sbatch_slurm import SbatchBackend
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, recordtypes, rundir, runlock
+from ddpjob import config, console, freeze, recordtypes, rundir, runlock
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import freeze
 from ddpjob.launch.backends import TERMINAL, Backend, choose
 from ddpjob.store import manifest
 

@@ -14,9 +14,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from ddpjob import config, console, rundir
+from ddpjob import config, console, freeze, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import entrycheck, freeze, render
+from ddpjob.launch import entrycheck, render
 from ddpjob.launch.backends.sbatch_slurm import SCRIPT  # RUN_DIR/job.sbatch, what a resume resubmits
 
 

@@ -14,11 +14,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, rundir
-from ddpjob.node import entry
+from ddpjob import config, console, freeze, rundir
+from ddpjob.rank import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import control, entrycheck, freeze, local, runs
+from ddpjob.launch import control, entrycheck, local, runs
 from ddpjob.launch.backends import Backend, choose
 from ddpjob.launch.sweep import SweepPoint, expand_sweep
 

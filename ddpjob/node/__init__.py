@@ -1,2 +1,4 @@
-"""Node side: the cluster environment (SLURM / torchrun), the process group and every collective
-(dist.py), preemption signals, the per-node runner, selftest and metrics."""
+"""The runtime primitives of a rank: the cluster environment (cluster.py, hostlist.py), the
+process group (group.py) and every collective (dist.py), the hang watch, preemption signals,
+the sampler, metrics, determinism, FSDP, the compile cache and selftest. What runs them around
+the user's code is the rank layer (ddpjob/rank/)."""

@@ -14,7 +14,7 @@ import sys
 import time
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ddpjob.errors import DDPJobError
 from ddpjob.node.hostlist import first_host, parse_hostlist, parse_tasks_per_node
@@ -205,10 +205,17 @@ class ClusterEnv:
         _check(result)
         return result
 
+    def with_gpus(self, num_gpus: int) -> ClusterEnv:
+        """This place with the GPUs the process sees, counted once torch is imported (a rank
+        reads its environment once, before the slow torch import), checked as from_environ's."""
+        env = replace(self, gpus=num_gpus)
+        _check(env)
+        return env
+
     @classmethod
     def batch_shell(cls, environ: Mapping[str, str] | None = None) -> ClusterEnv:
         """The job as the sbatch batch script sees it (outside any srun step, so not a rank):
-        job id, restart count, partition. For `python -m ddpjob.node.requeue` after srun failed;
+        job id, restart count, partition. For `python -m ddpjob.rank.requeue` after srun failed;
         from_environ refuses this process (SLURM_NTASKS > 1 without SLURM_STEP_ID)."""
         v = _Vars(os.environ if environ is None else environ)
         nodes = v.text("SLURM_JOB_NODELIST")  # the allocation: what a restart inside it may use

@@ -5,7 +5,7 @@ Compiling is the slow part of a compiled job's start: TorchInductor turns every 
 results (FX graph cache, AOTAutograd cache, compiled kernels) by default, but under
 /tmp/torchinductor_$USER: node-local, so a job requeued onto another node, or after the node's
 /tmp was cleaned, compiles everything again and a resume costs a whole cold start.
-Part of a rank's set-up in api.init(), as soon as the run dir is known and before any model
+Part of a rank's set-up in init() (rank/start.py), as soon as the run dir is known and before any model
 code: every later torch.compile of the process (the built-in trainer's `train.compile`, or the
 user's own) reads these variables when it compiles.
 

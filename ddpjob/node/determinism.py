@@ -1,6 +1,6 @@
 """Deterministic kernels (`[train] deterministic`): what a bit-exact resume needs from torch on GPUs.
 
-Part of a rank's set-up in api.init(): `set_environ` before torch (and so CUDA) starts, `apply`
+Part of a rank's set-up in init() (rank/start.py): `set_environ` before torch (and so CUDA) starts, `apply`
 next to the process group, and `explain` turns an operation without a deterministic kernel,
 which ends the rank, into one line naming the switch. On CPU almost every kernel is
 deterministic already (a few, e.g. index_put with accumulate, switch to a deterministic version);

@@ -1,6 +1,6 @@
 """Sharded training (`[train] strategy = "fsdp"`): how `job.wrap()` applies FSDP2.
 
-Called by api.Job.wrap once the model is on its device: rank 0's weights go to every rank (as
+Called by Job.wrap (rank/job.py) once the model is on its device: rank 0's weights go to every rank (as
 DDP does), then `fully_shard` cuts each unit's parameters into one shard per rank: every child
 module that holds parameters (torchtitan style: one all-gather per block in the forward, one
 reduce-scatter per block in the backward) and the root for whatever is left. The checkpoints of

@@ -2,7 +2,7 @@
 line, rank 0's event files.
 
 trainer.py wraps its batch iterator in `Meter.timed()` and, at each logging step, turns the
-window into one `job.log()` record (RUN_DIR/metrics.jsonl, api.py) and one progress update: a
+window into one `job.log()` record (RUN_DIR/metrics.jsonl, rank/records.py) and one progress update: a
 rich bar on a terminal, fixed-width lines in batch logs (console.is_terminal).
 """
 

@@ -1,7 +1,7 @@
 """Preemption mechanics on the nodes: flag-only signal handlers, stop codes and the deadline
-watch (SLURM's commands are in launch/slurm.py).
+watch (SLURM's commands are in ddpjob/slurm.py).
 
-runner.py (or ddpjob.init()) installs the StopFlag; api.Job.steps() votes on its code once per
+rank/runner.py (or ddpjob.init()) installs the StopFlag; Job.steps() (rank/job.py) votes on its code once per
 optimizer step (dist.Control.agree) so that every rank stops at the same step; requeue.py decides.
 Nothing here saves or exits inside a signal handler (that is how Lightning hangs, #21406).
 """

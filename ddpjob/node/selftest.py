@@ -17,7 +17,8 @@ import torch
 from ddpjob import console
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.node.dist import (DistContext, all_gather_object, all_reduce_, barrier, broadcast_,
-                              broadcast_object, init_process_group)
+                              broadcast_object)
+from ddpjob.node.group import init_process_group
 
 WARMUP, TIMED = 2, 5
 

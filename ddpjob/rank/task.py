@@ -1,13 +1,13 @@
 """NodeTask: the callable a submitit job runs on the nodes, once per task (= rank) and per
-incarnation. Node code: it runs `ddpjob run` (node/runner.py) and turns its status into what
+incarnation. Node code: it runs `ddpjob run` (rank/runner.py) and turns its status into what
 submitit expects. The login side builds it by module path only (launch/backends/submitit_slurm.py),
 so this module must stay light to import: no torch, no node modules at import time.
 
 Requeue contract on SLURM. `NodeTask` is stateless (a run dir path): every incarnation resumes
 from the newest checkpoint in the run dir, so submitit may pickle it once and rerun it (a
 successor job gets a copy of the pickle under its own id). On the node,
-`ddpjob.node.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
-stop rank 0's Job decides and does the requeue (node/requeue.py, the one decision, preemption
+`ddpjob.rank.runner.run_node` replaces submitit's USR2/TERM handlers with flag-only ones; on a
+stop rank 0's Job decides and does the requeue (rank/requeue.py, the one decision, preemption
 within GraceTime included), and the task returns 3; `NodeTask` then ends with SystemExit(3) and
 no result pickle, as submitit's own handler does after requeueing, so a submitit Job waits for
 the next incarnation. 0 returns 0; a crash goes to requeue.after_crash on rank 0 (max_failures),
@@ -31,13 +31,13 @@ class NodeTask:
         self.run_dir = str(run_dir)
 
     def __call__(self) -> int:
-        from ddpjob.node.runner import run_node  # imported on the node: torch stays off the login node
+        from ddpjob.rank.runner import run_node  # imported on the node: torch stays off the login node
 
         code = int(run_node(self.run_dir))
         if code == 0:
             return 0
         if code == exitcodes.REQUEUE:
-            # rank 0's Job decided and did the requeue (node/requeue.py): nothing to decide here
+            # rank 0's Job decided and did the requeue (rank/requeue.py): nothing to decide here
             raise SystemExit(exitcodes.REQUEUE)  # checkpoint written, requeue asked: no result pickle
         retried = self._retried_after_crash(code)
         # A rank that failed alone may have left its process group standing, whose teardown can
@@ -54,7 +54,7 @@ class NodeTask:
     def _retried_after_crash(self, code: int) -> bool:
         """Rank 0 hands a crash to requeue.py's one decision (max_failures); the batch script's
         equivalent for `ddpjob sbatch` jobs is in templates/sbatch.sh.tmpl."""
-        from ddpjob.node import requeue
+        from ddpjob.rank import requeue
         from ddpjob.node.cluster import ClusterEnv
 
         env = ClusterEnv.from_environ()

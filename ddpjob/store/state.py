@@ -109,7 +109,7 @@ class StateStore:
         self.snapshots = None if sharded else snapshots
         self.sharded = sharded  # train.strategy = "fsdp": models and optimizers through DCP
         self.init_from, self.init_keys = init_from, init_keys
-        # (hash of the code this process runs, hashes it accepts): launch/freeze.py. Asked on
+        # (hash of the code this process runs, hashes it accepts): ddpjob/freeze.py. Asked on
         # rank 0 only, once (it may hash a repository); None: not checked (tests, benchmarks).
         self._code = code
         self._code_hash: tuple[str, tuple[str, ...]] | None = None

@@ -1,4 +1,4 @@
-"""node/requeue.py on the real SLURM test cluster: a job whose ranks cannot run `scontrol requeue`
+"""rank/requeue.py on the real SLURM test cluster: a job whose ranks cannot run `scontrol requeue`
 comes back through a successor job after a preemption, bit-identical to an uninterrupted run; a
 crash, and a node failure nobody saw, are retried within slurm.max_failures and stay FAILED
 without it. Every stop is caused at

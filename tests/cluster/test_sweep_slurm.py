@@ -69,12 +69,13 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
 
     Only the point whose SLURM job id differs from the array's id gets the time-limit warning: for
     the other one, rank 0's `scontrol requeue <its SLURM_JOB_ID>` names the whole array (a known
-    limit of node/requeue.py, reported with issue 21), which is not what this test is about."""
+    limit of rank/requeue.py, reported with issue 21), which is not what this test is about."""
     import json
 
     import slurmtools
 
-    from ddpjob.launch import freeze, runs
+    from ddpjob import freeze
+    from ddpjob.launch import runs
 
     entry = tmp_path / "where.py"
     entry.write_text("import ddpjob\nprint('ddpjob imported from', ddpjob.__file__, flush=True)\n"

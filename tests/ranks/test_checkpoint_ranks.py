@@ -27,7 +27,7 @@ WORKER = textwrap.dedent("""
     import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from ddpjob.node import dist
+    from ddpjob.node import dist, group
     from ddpjob.node.cluster import ClusterEnv
     from ddpjob.store import commit
     from ddpjob.store.commit import CheckpointStore
@@ -35,7 +35,7 @@ WORKER = textwrap.dedent("""
 
     root, how, fail = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     env = ClusterEnv.from_environ(argv=[])
-    ctx = dist.init_process_group(env, backend="gloo", timeout_s=60, threads=1)
+    ctx = group.init_process_group(env, backend="gloo", timeout_s=60, threads=1)
     wrote = []
     original, save = CheckpointStore._write_file, commit._torch_save
 

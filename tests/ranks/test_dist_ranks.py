@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from ddpjob.errors import DDPJobError
-from ddpjob.node import dist as ddist
+from ddpjob.node import group as dgroup
 from ddpjob.node.cluster import ClusterEnv
 from ranks import free_port
 
 WORKER = textwrap.dedent("""
     import json, sys
-    from ddpjob.node import dist as d
+    from ddpjob.node import dist as d, group
     from ddpjob.node.cluster import ClusterEnv
     env = ClusterEnv.from_environ(argv=[])
-    ctx = d.init_process_group(env, backend="gloo", timeout_s=60)
+    ctx = group.init_process_group(env, backend="gloo", timeout_s=60)
     import torch
     out = dict(rank=env.rank, backend=ctx.backend, device=str(ctx.device), init=ctx.initialized,
                threads=torch.get_num_threads(),
@@ -71,10 +71,10 @@ def test_group_that_does_not_form_names_the_missing_ranks() -> None:
     rank0 = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             from ddpjob.errors import DDPJobError
-            from ddpjob.node import dist as d
+            from ddpjob.node import group
             from ddpjob.node.cluster import ClusterEnv
             try:
-                d.init_process_group(ClusterEnv(world_size=3, local_world_size=3, master_port={port},
+                group.init_process_group(ClusterEnv(world_size=3, local_world_size=3, master_port={port},
                                                 hostname="n1"), backend="gloo", timeout_s=4)
             except DDPJobError as exc:
                 print(exc.line())
@@ -82,7 +82,7 @@ def test_group_that_does_not_form_names_the_missing_ranks() -> None:
     env = ClusterEnv(rank=1, local_rank=1, world_size=3, local_world_size=3, master_port=port, hostname="n2")
     start = time.monotonic()
     with pytest.raises(DDPJobError) as exc:
-        ddist.init_process_group(env, backend="gloo", timeout_s=10)
+        dgroup.init_process_group(env, backend="gloo", timeout_s=10)
     assert time.monotonic() - start < 25
     assert f"rank 1 on n2 reached rank 0 at 127.0.0.1:{port} but the gloo group of 3 ranks did not form" \
         in exc.value.line()
@@ -94,11 +94,11 @@ HOOK_WORKER = textwrap.dedent("""
     import json, sys
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from ddpjob.node import dist as d
+    from ddpjob.node import dist as d, group
     from ddpjob.node.cluster import ClusterEnv
     ordered, compression = sys.argv[1] == "ordered", sys.argv[2]
     env = ClusterEnv.from_environ(argv=[])
-    ctx = d.init_process_group(env, backend="gloo", timeout_s=60)
+    ctx = group.init_process_group(env, backend="gloo", timeout_s=60)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     ddp = DDP(model)

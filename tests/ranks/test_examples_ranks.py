@@ -205,7 +205,7 @@ def test_script_raising_keeps_traceback_fails_and_is_not_requeued(tmp_path: Path
     script.write_text("import ddpjob\njob = ddpjob.init()\n\n\ndef build():\n"
                       "    raise ValueError('bad hidden size 0')\n\n\nbuild()\n")
     out, log = _failed_run(tmp_path, _entry_job(tmp_path, str(script)))
-    # the copy frozen at submission is what ran (launch/freeze.py)
+    # the copy frozen at submission is what ran (ddpjob/freeze.py)
     assert "Traceback" in log and f'File "{out}/code/entry/boom.py", line 6, in build' in log
     (line,) = _error_lines(log)
     assert "ValueError: bad hidden size 0" in line

@@ -16,7 +16,7 @@ from clirun import ddpjob as _cli
 from ranks import LAG
 
 from ddpjob import rundir
-from ddpjob.launch import freeze
+from ddpjob import freeze
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "jobs" / "smoke.toml"

@@ -28,7 +28,7 @@ def test_a_failed_nodetask_with_its_group_standing_ends_after_submitit_without_t
     interpreter's teardown (which could abort in torch's destructors: SIGABRT instead of 1) is
     skipped after all of that. An atexit hook registered first stands for that teardown."""
     code = ("import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"
-            "from ddpjob.rank.task import NodeTask; from ddpjob.node import dist, runner\n"
+            "from ddpjob.rank.task import NodeTask; from ddpjob.node import dist; from ddpjob.rank import runner\n"
             f"dist.left_standing = {left_standing}\n"
             "def failed(run_dir, argv=None):\n    return 1\n"
             "runner.run_node = failed\n"

@@ -279,6 +279,15 @@ def test_more_local_tasks_than_gpus() -> None:
     assert "2 tasks" in line and "1 GPU" in line and "--ntasks-per-node" in line
 
 
+def test_gpus_counted_after_the_read_are_checked_the_same() -> None:
+    """A rank reads its environment once, before torch; with_gpus adds the count torch sees."""
+    env = ClusterEnv.from_environ(slurm_task(3), [])
+    assert env.with_gpus(4) == ClusterEnv.from_environ(slurm_task(3), [], num_gpus=4)
+    assert env.with_gpus(4).device == "cuda:1" and env.device == "cpu"
+    with pytest.raises(DDPJobError, match="2 tasks on node .* but only 1 GPU"):
+        env.with_gpus(1)
+
+
 @pytest.mark.parametrize("key,value", [("SLURM_PROCID", "zero"), ("SLURM_NTASKS", "4.0"),
                                        ("SLURM_RESTART_COUNT", "x"), ("SLURM_JOB_END_TIME", "soon")])
 def test_non_integer_slurm_values(key: str, value: str) -> None:

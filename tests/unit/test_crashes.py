@@ -1,4 +1,4 @@
-"""ddpjob/crashes.py and the in-allocation decision that uses it (node/requeue.py): who failed
+"""ddpjob/crashes.py and the in-allocation decision that uses it (rank/requeue.py): who failed
 first and where (srun's own lines, the rank's recorded error), the per-host failure ledger and
 its quarantine, the no-progress streak that ends a crash loop, and the layout the batch script
 gets for its next srun. Pure functions and the decision against the scripted fake SLURM; the
@@ -14,7 +14,7 @@ import fake_checkpoint
 
 from ddpjob import config, crashes, exitcodes, rundir
 from ddpjob.launch import plot
-from ddpjob.node import requeue
+from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
 
 ENV = ClusterEnv(source="slurm", job_id="77", restart_count=0, hosts=("n1", "n2"), num_nodes=2)
@@ -130,7 +130,7 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
 
 def test_the_decision_prints_the_layout_for_the_batch_script(fake_slurm, tmp_path, monkeypatch,
                                                               capsys) -> None:
-    """`python -m ddpjob.node.requeue RUN STATUS` as the template runs it: exit RESTART and, on
+    """`python -m ddpjob.rank.requeue RUN STATUS` as the template runs it: exit RESTART and, on
     stdout's last line, "NODES HOSTS" for `read`; the crash's story goes to the batch log."""
     cfg, d = run_dir(tmp_path, max_failures=5)
     for restart in (0, 1):

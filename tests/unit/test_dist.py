@@ -10,6 +10,7 @@ import torch
 
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist as ddist
+from ddpjob.node import group as dgroup
 from ddpjob.node.cluster import ClusterEnv
 from ranks import free_port
 
@@ -20,7 +21,7 @@ def test_unreachable_master_fails_within_the_timeout_with_one_line() -> None:
                      master_port=port, hostname="n2", source="torchrun")
     start = time.monotonic()
     with pytest.raises(DDPJobError) as exc:
-        ddist.init_process_group(env, backend="gloo", timeout_s=5)
+        dgroup.init_process_group(env, backend="gloo", timeout_s=5)
     took = time.monotonic() - start
     assert 4.0 <= took < 9, took
     line = exc.value.line()
@@ -34,7 +35,7 @@ def test_unresolvable_master_fails_at_once() -> None:
                      master_addr="no-such-host.invalid", master_port=free_port(), source="torchrun")
     start = time.monotonic()
     with pytest.raises(DDPJobError) as exc:
-        ddist.init_process_group(env, backend="gloo", timeout_s=30)
+        dgroup.init_process_group(env, backend="gloo", timeout_s=30)
     assert time.monotonic() - start < 20
     assert "'no-such-host.invalid' does not resolve" in exc.value.line()
 
@@ -44,7 +45,7 @@ def test_rank0_alone_reports_missing_ranks() -> None:
                      master_port=free_port(), hostname="n1", source="torchrun")
     start = time.monotonic()
     with pytest.raises(DDPJobError) as exc:
-        ddist.init_process_group(env, backend="gloo", timeout_s=3)
+        dgroup.init_process_group(env, backend="gloo", timeout_s=3)
     assert time.monotonic() - start < 15
     line = exc.value.line()
     assert "rank 0 on n1 waited" in line and "not all 2 ranks joined" in line and "Hint:" in line
@@ -53,10 +54,10 @@ def test_rank0_alone_reports_missing_ranks() -> None:
 def test_single_process_needs_no_group_and_helpers_are_no_ops() -> None:
     threads = torch.get_num_threads()
     try:
-        ctx = ddist.init_process_group(ClusterEnv(cpus_per_task=1), timeout_s=5)
+        ctx = dgroup.init_process_group(ClusterEnv(cpus_per_task=1), timeout_s=5)
         assert (ctx.initialized, ctx.backend, ctx.device) == (False, "none", torch.device("cpu"))
         assert torch.get_num_threads() == 1  # SLURM's --cpus-per-task decides
-        ddist.init_process_group(ClusterEnv(), threads=2)
+        dgroup.init_process_group(ClusterEnv(), threads=2)
         assert torch.get_num_threads() == 2  # an explicit value wins
         assert ddist.all_reduce_(torch.tensor([5]), "max").item() == 5
         obj = {"a": 1}
@@ -68,11 +69,11 @@ def test_single_process_needs_no_group_and_helpers_are_no_ops() -> None:
 
 
 def test_backend_choice() -> None:
-    assert ddist.choose_backend(ClusterEnv(gpus=0)) == "gloo"
-    assert ddist.choose_backend(ClusterEnv(gpus=2, local_world_size=2, world_size=2)) == "nccl"
-    assert ddist.choose_backend(ClusterEnv(gpus=2), "gloo") == "gloo"
+    assert dgroup.choose_backend(ClusterEnv(gpus=0)) == "gloo"
+    assert dgroup.choose_backend(ClusterEnv(gpus=2, local_world_size=2, world_size=2)) == "nccl"
+    assert dgroup.choose_backend(ClusterEnv(gpus=2), "gloo") == "gloo"
     with pytest.raises(DDPJobError) as exc:
-        ddist.choose_backend(ClusterEnv(gpus=0, hostname="n1"), "nccl")
+        dgroup.choose_backend(ClusterEnv(gpus=0, hostname="n1"), "nccl")
     line = exc.value.line()
     assert "nccl" in line and "sees no GPU" in line and "--backend gloo" in line
 
@@ -84,6 +85,6 @@ def test_rank0_port_in_use() -> None:
         port = busy.getsockname()[1]
         env = ClusterEnv(rank=0, world_size=2, local_world_size=2, master_port=port, hostname="n1")
         with pytest.raises(DDPJobError) as exc:
-            ddist.init_process_group(env, backend="gloo", timeout_s=3)
+            dgroup.init_process_group(env, backend="gloo", timeout_s=3)
     line = exc.value.line()
     assert f"rank 0 on n1 could not listen on port {port}" in line and "MASTER_PORT" in line

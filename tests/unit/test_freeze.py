@@ -14,7 +14,7 @@ import pytest
 
 from ddpjob import config, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import freeze
+from ddpjob import freeze
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "jobs" / "smoke.toml"

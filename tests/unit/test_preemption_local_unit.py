@@ -38,7 +38,7 @@ def test_stop_flag_handlers_only_record(tmp_path: Path) -> None:
 
 
 def test_end_time_from_squeue_and_deadline_arithmetic(fake_slurm) -> None:
-    from ddpjob.launch import slurm
+    from ddpjob import slurm
 
     fake_slurm.answer("squeue -h -j 77 -o %e", "2030-01-02T03:04:05\n")
     assert slurm.end_time("77") == time.mktime((2030, 1, 2, 3, 4, 5, 0, 0, -1))

@@ -1,4 +1,4 @@
-"""launch/slurm.py (failed vs no) and node/requeue.py's one decision, every branch, against the
+"""ddpjob/slurm.py (failed vs no) and rank/requeue.py's one decision, every branch, against the
 scripted fake (tests/fake_slurm.py): preemption within GraceTime, scancel, a failed preemption
 check, scontrol refused -> successor job, budgets (max_requeues, max_failures), the ledger."""
 
@@ -15,9 +15,10 @@ import pytest
 
 import fake_checkpoint
 
-from ddpjob import config, rundir
-from ddpjob.launch import control, phases, plot, runs, slurm
-from ddpjob.node import preemption, requeue
+from ddpjob import config, rundir, slurm
+from ddpjob.launch import control, phases, plot, runs
+from ddpjob.node import preemption
+from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
 
 PREEMPTING = "JobId=77 JobState=RUNNING PreemptTime=2026-01-01T00:00:00 Command=/a b/job.sbatch"
@@ -274,7 +275,7 @@ def test_the_recovery_phases_from_the_events(tmp_path) -> None:
 
 
 def test_the_batch_shell_env_is_the_job_not_a_rank() -> None:
-    # The batch script runs `python -m ddpjob.node.requeue` outside any srun step, where
+    # The batch script runs `python -m ddpjob.rank.requeue` outside any srun step, where
     # from_environ refuses a multi-task job (no SLURM_STEP_ID).
     environ = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_RESTART_COUNT": "2",
                "SLURM_JOB_PARTITION": "low"}

@@ -21,7 +21,7 @@ def test_run_dir_target_refuses_overrides(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_an_error_inside_ddpjob_stays_an_internal_error() -> None:
-    from ddpjob.node import runner
+    from ddpjob.rank import runner
 
     try:
         config.parse_time_s(None)  # type: ignore[arg-type]  # raised inside ddpjob

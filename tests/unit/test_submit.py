@@ -125,7 +125,7 @@ def test_sbatch_text_is_valid_bash_and_quotes_hostile_paths(tmp_path):
 
 # ------------------------------------------------------------------ NodeTask
 def test_nodetask_pickles_and_translates_exit_codes(monkeypatch, tmp_path):
-    import ddpjob.node.runner as runner
+    import ddpjob.rank.runner as runner
 
     task = pickle.loads(pickle.dumps(NodeTask(tmp_path)))
     assert task.run_dir == str(tmp_path)

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, rundir
+from ddpjob import console, rundir, slurm
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import render, slurm
+from ddpjob.launch import render
 from ddpjob.launch.backends.slurmjobs import SlurmJobs
 
 SCRIPT = "job.sbatch"

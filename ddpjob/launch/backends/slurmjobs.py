@@ -11,10 +11,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, rundir
+from ddpjob import config, rundir, slurm
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import slurm
 from ddpjob.launch.backends import TERMINAL, JobState
 
 _ARRAY = re.compile(r"(\d+)_\[([0-9,\-]+)(?:%\d+)?\]", re.ASCII)

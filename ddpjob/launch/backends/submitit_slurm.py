@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, rundir, scriptsafe
+from ddpjob import config, console, freeze, rundir, scriptsafe
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import container, freeze
+from ddpjob.launch import container
 from ddpjob.launch.backends import options
 from ddpjob.launch.backends.slurmjobs import SlurmJobs
 

@@ -2,7 +2,7 @@
 
 Resolves the config and run dir, installs the flag-only stop handlers, then runs the job file's
 `train.entry` (the built-in trainer by default) whose `ddpjob.init()` builds the process group
-and the Job (api.py). Exit codes: 0 finished (or nothing left to do), 1 error, 2 usage, 3
+and the Job (start.py, job.py). Exit codes: 0 finished (or nothing left to do), 1 error, 2 usage, 3
 stopped for a requeue with a checkpoint written (the Job decided and did the requeue). Every
 (re)start and stop is an event in RUN_DIR/events.jsonl.
 """
@@ -15,13 +15,14 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from ddpjob import api, config, console, exitcodes, rundir
-from ddpjob.launch import freeze
-from ddpjob.node import entry
-from ddpjob.node.cluster import ClusterEnv
+from ddpjob import config, console, exitcodes, freeze, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.node.cluster import ClusterEnv
+from ddpjob.rank import entry, start
+from ddpjob.rank.job import MissingUserKey, StopForRequeue
 
 
 
@@ -81,14 +82,20 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
     rundir.private_umask(cfg.slurm.share_group)  # checkpoints, logs, caches: never others' to write
     # The entry replaces sys.argv: read the legacy --local_rank from ours first.
     argv = list(sys.argv[1:]) if argv is None else list(argv)
-    env = ClusterEnv.from_environ(argv=argv)  # rank only: the Job builds the full one
+    env = ClusterEnv.from_environ(argv=argv)  # this rank's, read once: init() adds the GPU count
     console.set_rank(env.rank)
     from ddpjob.node import preemption
 
     # Flag-only handlers first: a signal during the (slow) start must not kill the process.
     stop = preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
-    api._launch = api.Launch(cfg, run_dir=run_dir, wanted_dir=wanted_dir, argv=argv, stop=stop,
-                             allow_code_change=allow_code_change, from_scratch=from_scratch)
+    launch = start.Launch(cfg, run_dir=run_dir, wanted_dir=wanted_dir, argv=argv, stop=stop,
+                          allow_code_change=allow_code_change, from_scratch=from_scratch, env=env)
+    with start.launched(launch):
+        return _run_entry(cfg, run_dir, env, stop)
+
+
+def _run_entry(cfg: JobConfig, run_dir: Path | None, env: ClusterEnv, stop: Any) -> int:
+    """Run train.entry inside the launch; its ending as an exit code, or one error line."""
     failed = False
     try:
         try:
@@ -99,16 +106,16 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
             if os.getcwd() not in sys.path:
                 sys.path.append(os.getcwd())
             entry.run(script, cfg.train.args)
-        except api.StopForRequeue:
+        except StopForRequeue:
             return exitcodes.REQUEUE
-        except api.AlreadyCompleted:
+        except start.AlreadyCompleted:
             return exitcodes.OK
         except SystemExit as exc:  # the user's own sys.exit()
             if exc.code not in (0, None):
                 raise DDPJobError(f"train.entry {entry.describe(cfg.train.entry)} exited with "
                                   f"status {exc.code}, expected it to return after job.finish()",
                                   "look at this rank's log above for why") from None
-        job = api.current()
+        job = start.current()
         if job is None:
             raise DDPJobError(f"train.entry {entry.describe(cfg.train.entry)} returned without "
                               "calling ddpjob.init(), expected a script that trains through ddpjob",
@@ -120,7 +127,7 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
         return exitcodes.OK
     except BaseException as raised:
         failed = True
-        job = api.current()
+        job = start.current()
         # A collective that failed in the user's code (DDP's all-reduce) becomes the hang
         # watch's line naming the ranks that did not arrive; other errors are told to the peers.
         reported = job.explain(raised) if job is not None else raised
@@ -142,10 +149,9 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
             raise reported from raised
         raise
     finally:
-        job = api.current()
+        job = start.current()
         if job is not None:
             job.close(failed=failed)
-        api._launch = None
         stop.uninstall()
 
 
@@ -166,7 +172,7 @@ def _user_frame(exc: BaseException) -> tuple[str, int] | None:
         return (str(exc.filename), int(exc.lineno or 0)) if not under(exc.filename, [ours, *library]) else None
     # the innermost frame that is not library code: ddpjob's or the user's (for a key missing
     # from job.user, raised in ddpjob on purpose: the user's line that asked for it)
-    theirs = isinstance(exc, api.MissingUserKey)
+    theirs = isinstance(exc, MissingUserKey)
     innermost = None
     for frame, line in traceback.walk_tb(exc.__traceback__):
         path = frame.f_code.co_filename
@@ -186,7 +192,7 @@ def _theirs(exc: BaseException, rank: int) -> BaseException:
     file, line = place
     what = exc.msg if isinstance(exc, SyntaxError) else str(exc)
     kind = type(exc).__name__
-    if isinstance(exc, api.MissingUserKey):  # a KeyError to the user, its message unquoted
+    if isinstance(exc, MissingUserKey):  # a KeyError to the user, its message unquoted
         kind, what = "KeyError", str(exc.args[0])
     return DDPJobError(f"rank {rank}: your code raised {kind}: {' '.join(what.split())[:300]} "
                        f"at {os.path.basename(file)}:{line}",

@@ -1,5 +1,5 @@
-"""The one requeue decision: rank 0 after every rank stopped with a checkpoint (api.Job.steps), and
-the batch script (or NodeTask) after the ranks crashed (`python -m ddpjob.node.requeue`).
+"""The one requeue decision: rank 0 after every rank stopped with a checkpoint (Job.steps, job.py), and
+the batch script (or NodeTask) after the ranks crashed (`python -m ddpjob.rank.requeue`).
 
 SLURM requeues by itself only a job that outlives GraceTime after a preemption. So ddpjob brings
 the job back itself after: the time-limit warning / deadline watch; a SIGTERM while SLURM is
@@ -23,9 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpjob import console, crashes, exitcodes, requests, rundir
+from ddpjob import console, crashes, exitcodes, requests, rundir, slurm
 from ddpjob.config import JobConfig
-from ddpjob.launch import slurm
 from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.store import memsnap
@@ -331,7 +330,7 @@ def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, st
 
 
 def main(argv: list[str]) -> int:
-    """`python -m ddpjob.node.requeue RUN_DIR STATUS`: the batch script after srun failed."""
+    """`python -m ddpjob.rank.requeue RUN_DIR STATUS`: the batch script after srun failed."""
     from ddpjob import config
 
     run_dir, status = Path(argv[0]), int(argv[1])

@@ -1,0 +1,73 @@
+"""What a rank writes about its training besides checkpoints: rank 0's metric records
+(RUN_DIR/metrics.jsonl, read by `ddpjob plot` and `status`, and TensorBoard with
+train.tensorboard) and each rank's sample log (RUN_DIR/samples/rank-R.jsonl). The Job
+(job.py) decides when; these only append whole lines, so a kill tears at most the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from ddpjob import rundir
+
+
+class MetricLog:
+    """Rank 0's metrics.jsonl records, mirrored to TensorBoard once `open_tensorboard()` ran."""
+
+    def __init__(self, run_dir: Path, restart: int) -> None:
+        self._run_dir, self._restart = run_dir, restart
+        self._tb: Any = None  # node/metrics.TensorBoard
+
+    def open_tensorboard(self, resumed_step: int) -> None:
+        """From the resumed step on: TensorBoard drops what a resume replays (once per process)."""
+        if self._tb is None:
+            from ddpjob.node.metrics import TensorBoard
+
+            self._tb = TensorBoard(self._run_dir / "tb", resumed_step=resumed_step)
+
+    def write(self, step: int, record: dict[str, Any]) -> None:
+        """One record of plain values: names starting with eval_ (and epoch) make an eval record."""
+        # JSON has no NaN/inf: keep the line parseable, as "nan"/"inf" strings
+        line = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        kind = "eval" if line and all(k.startswith("eval_") or k == "epoch" for k in line) else "train"
+        rundir.append_jsonl(self._run_dir / rundir.METRICS,
+                            {"kind": kind, "time": time.time(), "step": int(step),
+                             "restart": self._restart, **line})
+        if self._tb is not None:
+            self._tb.add(int(step), kind, record)
+
+    def flush(self) -> None:
+        """After a checkpoint: what a resume from it keeps is on disk."""
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+class SampleLog:
+    """This rank's global sample ids per optimizer step, for exactly-once-per-epoch checks
+    across requeues. Steps replayed after a kill are appended again: readers keep the newest
+    restart's. The file opens at the first write."""
+
+    def __init__(self, run_dir: Path, *, rank: int, restart: int, world_size: int) -> None:
+        self._folder = run_dir / "samples"
+        self._rank, self._restart, self._world_size = rank, restart, world_size
+        self._file: IO[str] | None = None
+
+    def write(self, step: int, epoch: int, ids: Any) -> None:
+        if self._file is None:
+            self._folder.mkdir(exist_ok=True)
+            self._file = open(self._folder / f"rank-{self._rank}.jsonl", "a", encoding="utf-8", buffering=1)
+        record = {"step": int(step), "epoch": int(epoch), "rank": self._rank, "restart": self._restart,
+                  "world_size": self._world_size, "ids": [int(i) for i in ids]}
+        self._file.write(json.dumps(record) + "\n")  # whole lines: a kill tears at most one
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
