@@ -15,12 +15,8 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from ddpjob.errors import UsageError
-
-if TYPE_CHECKING:
-    from ddpjob.config import JobConfig
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)
@@ -166,16 +162,3 @@ def split_extra(arg: str) -> tuple[str, str | None]:
     """`--mail-type=END` -> ("mail-type", "END"); `--exclusive` -> ("exclusive", None)."""
     key, eq, value = arg[2:].partition("=")
     return key, (value if eq else None)
-
-
-def job_strings(cfg: JobConfig) -> None:
-    """Every job-file string that reaches either script, checked again with the rules of
-    config.validate: a frozen JobConfig can be built without validation, and the renderers
-    must not rely on it."""
-    s = cfg.slurm
-    directive_value(cfg.name, "name", "choose another name")
-    for key in ("partition", "account", "qos", "constraint", "mem", "time", "signal"):
-        directive_value(getattr(s, key), f"slurm.{key}", f"choose another slurm.{key}")
-    setup_lines(s.setup)
-    for arg in s.sbatch_extra:
-        sbatch_extra(arg)

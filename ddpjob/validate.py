@@ -4,6 +4,8 @@ Called by config.from_dict (job file, overrides, config.json alike). Sizes are b
 so nothing later (a list of ranks, a rank table, SLURM's own limits) can grow without end; every
 string that reaches a script goes through ddpjob.scriptsafe, the same rules the renderers apply.
 A value the nodes would fail on (ZeroDivisionError, overflow, unknown model) fails here instead.
+job_strings(cfg) is the renderers' share of it (launch/backends/options.py): those strings
+again, so a script is never written from an unchecked JobConfig.
 """
 
 from __future__ import annotations
@@ -246,3 +248,16 @@ def validate(cfg: JobConfig) -> None:
     _sizes(cfg)
     _slurm_strings(cfg)
     _train_data(cfg)
+
+
+def job_strings(cfg: JobConfig) -> None:
+    """Every job-file string that reaches either script, checked again with the rules of
+    validate(): a frozen JobConfig can be built without validation, and the renderers
+    must not rely on it."""
+    s = cfg.slurm
+    scriptsafe.directive_value(cfg.name, "name", "choose another name")
+    for key in ("partition", "account", "qos", "constraint", "mem", "time", "signal"):
+        scriptsafe.directive_value(getattr(s, key), f"slurm.{key}", f"choose another slurm.{key}")
+    scriptsafe.setup_lines(s.setup)
+    for arg in s.sbatch_extra:
+        scriptsafe.sbatch_extra(arg)

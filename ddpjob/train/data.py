@@ -6,61 +6,28 @@ build_datasets -> (CIFAR-10 pickle reader | synthetic set | "pkg.mod:fn" plugin)
 `accumulation` normalized micro-batches per optimizer step. For a given global batch size the
 data (order and augmentation) depends only on (seed, epoch, step), never on how it is split
 over ranks and accumulation, so a job resumes bit-exactly in data at another world size.
+The in-memory set (ArrayDataset), the normalization and the seed mixer both loaders use are in
+arrays.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import pickle
 import re
 import shlex
 import signal
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ddpjob.errors import DDPJobError, UsageError
-
-if TYPE_CHECKING:
-    from ddpjob.train.tensorloader import TensorLoader
-
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-PAD = 4  # random-crop padding, as in the standard CIFAR recipe
-Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ArrayDataset:
-    """A whole image set in memory: uint8 [N, C, H, W] images, int64 [N] labels."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-    classes: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        # A plugin may return an ArrayDataset to get the fast path: check what it built.
-        if self.images.dtype != torch.uint8 or self.images.dim() != 4:
-            raise DDPJobError(f"dataset images are {self.images.dtype} of shape "
-                              f"{tuple(self.images.shape)}, expected uint8 [N, C, H, W]")
-        if self.labels.dtype != torch.int64 or self.labels.shape != (len(self.images),):
-            raise DDPJobError(f"dataset labels are {self.labels.dtype} of shape "
-                              f"{tuple(self.labels.shape)}, expected int64 [{len(self.images)}]")
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-
-def _mix(*parts: int | str) -> int:
-    """A 63-bit seed from several values; stable across processes, runs and platforms."""
-    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+from ddpjob.train.arrays import CIFAR10_MEAN, CIFAR10_STD, ArrayDataset, Batch, Normalizer, mix
+from ddpjob.train.tensorloader import TensorLoader
 
 
 # ---------------------------------------------------------------- CIFAR-10 python-pickle reader
@@ -186,7 +153,7 @@ def make_synthetic(n: int, seed: int, num_classes: int = 10, image_size: int = 3
                          "e.g. synthetic_train = 4096")
     if split not in ("train", "test"):
         raise UsageError(f"synthetic split {split!r}, expected 'train' or 'test'")
-    g = torch.Generator().manual_seed(_mix(seed, "synthetic-prototypes", num_classes, image_size))
+    g = torch.Generator().manual_seed(mix(seed, "synthetic-prototypes", num_classes, image_size))
     period = 8
     coarse = torch.randn(num_classes, 3, 4, 4, generator=g)
     motif = F.interpolate(coarse, size=(period, period), mode="bicubic", align_corners=False)
@@ -194,7 +161,7 @@ def make_synthetic(n: int, seed: int, num_classes: int = 10, image_size: int = 3
     canvas = motif.repeat(1, 1, reps, reps)[:, :, :image_size + period, :image_size + period]
     canvas = canvas / canvas.std(dim=(1, 2, 3), keepdim=True) * 40.0
     windows = canvas.unfold(2, image_size, 1).unfold(3, image_size, 1)  # [K, 3, p+1, p+1, S, S]
-    g = torch.Generator().manual_seed(_mix(seed, "synthetic-samples", split, num_classes, image_size))
+    g = torch.Generator().manual_seed(mix(seed, "synthetic-samples", split, num_classes, image_size))
     labels = (torch.arange(n) % num_classes)[torch.randperm(n, generator=g)]
     images = torch.empty(n, 3, image_size, image_size, dtype=torch.uint8)
     for lo in range(0, n, 2048):  # chunks bound the float working memory
@@ -208,43 +175,6 @@ def make_synthetic(n: int, seed: int, num_classes: int = 10, image_size: int = 3
         x += 40 * torch.randn(b, 3, image_size, image_size, generator=g)
         images[lo:lo + b] = x.round_().clamp_(0, 255).to(torch.uint8)
     return ArrayDataset(images, labels, tuple(f"class{k}" for k in range(num_classes)))
-
-
-class Normalizer:
-    """uint8 [B, C, H, W] -> (x/255 - mean)/std as `dtype`, in one float conversion.
-
-    The per-channel constants are expanded to whole-image maps in storage order, so the
-    multiply-add runs over contiguous rows: broadcasting a [1, C, 1, 1] operand over a
-    channels_last tensor (innermost dimension C = 3) measured 7x slower on a CPU.
-    """
-
-    def __init__(self, mean: Sequence[float], std: Sequence[float], channels: int,
-                 device: torch.device, dtype: torch.dtype, channels_last: bool) -> None:
-        if len(mean) != channels or len(std) != channels:
-            raise UsageError(f"mean/std have {len(mean)}/{len(std)} values, expected {channels} "
-                             "(one per image channel)")
-        m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-        s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-        self._scale, self._bias = 1 / (255 * s), -m / s  # (x/255 - m)/s == x*scale + bias
-        self.device, self.dtype, self.channels_last = device, dtype, channels_last
-        self._maps: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _flat(self, x: torch.Tensor) -> torch.Tensor:  # a [B, C*H*W] view in storage order
-        return (x.permute(0, 2, 3, 1) if self.channels_last else x).reshape(len(x), -1)
-
-    def __call__(self, u: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = u.shape
-        if (h, w) not in self._maps:
-            self._maps[(h, w)] = tuple(  # type: ignore[assignment]
-                self._flat(t.expand(1, c, h, w)).contiguous().to(self.device)
-                for t in (self._scale, self._bias))
-        scale, bias = self._maps[(h, w)]
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
-        x = torch.empty(u.shape, dtype=torch.float32, device=u.device, memory_format=fmt)
-        x.copy_(u)
-        # In-place mul_ + add_: ~4x faster on a CPU than torch.addcmul; equal on a GPU.
-        self._flat(x).mul_(scale).add_(bias)
-        return x if self.dtype == torch.float32 else x.to(self.dtype)
 
 
 def eval_batches(ds: Any, *, batch_size: int, rank: int, world_size: int,
@@ -368,7 +298,7 @@ class PluginLoader:
         self.sampler.set_step(epoch * self.steps_per_epoch + start_step)
         # The DataLoader draws its workers' base seed from this generator, not the global RNG,
         # whose state a resumed run restores exactly and must not be shifted.
-        gen = torch.Generator().manual_seed(_mix(self.seed, "workers", epoch))
+        gen = torch.Generator().manual_seed(mix(self.seed, "workers", epoch))
         loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
             self.ds, batch_sampler=self.sampler, num_workers=self.num_workers, generator=gen,
             worker_init_fn=_ignore_preemption_signals, pin_memory=self.device.type == "cuda")
@@ -385,8 +315,6 @@ class PluginLoader:
 def make_train_loader(ds: Any, *, num_workers: int = 0, **kwargs: Any) -> TensorLoader | PluginLoader:
     """TensorLoader for in-memory sets (cifar10, synthetic, ArrayDataset plugins), else PluginLoader."""
     if isinstance(ds, ArrayDataset):
-        from ddpjob.train.tensorloader import TensorLoader  # (it imports this module)
-
         return TensorLoader(ds, **kwargs)
     return PluginLoader(ds, num_workers=num_workers, **kwargs)
 

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.train.data import CIFAR10_MEAN, CIFAR10_STD, PAD, ArrayDataset, Batch, Normalizer, _mix
+from ddpjob.train.arrays import CIFAR10_MEAN, CIFAR10_STD, ArrayDataset, Batch, Normalizer, mix
+
+PAD = 4  # random-crop padding, as in the standard CIFAR recipe
 
 
 class TensorLoader:
@@ -72,7 +74,7 @@ class TensorLoader:
 
     def _epoch_perm(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(_mix(self.seed, "perm", epoch))
+            g = torch.Generator().manual_seed(mix(self.seed, "perm", epoch))
             self._perm, self._perm_epoch = torch.randperm(len(self._labels), generator=g), epoch
         return self._perm
 
@@ -91,7 +93,7 @@ class TensorLoader:
         for step in range(start_step, self.steps_per_epoch):
             ids = self._split(perm[step * g:(step + 1) * g])
             if self.augment:  # all of this is host-side arithmetic on small CPU tensors
-                gen = torch.Generator().manual_seed(_mix(self.seed, "augment", epoch, step))
+                gen = torch.Generator().manual_seed(mix(self.seed, "augment", epoch, step))
                 shift = self._split(torch.randint(0, 2 * PAD + 1, (g, 2), generator=gen))
                 flip = self._split(torch.randint(0, 2, (g,), generator=gen, dtype=torch.bool))
                 if self._one_copy:

@@ -227,7 +227,7 @@ def test_the_loader_on_the_gpu_gives_the_cpu_loaders_batches(channels_last: bool
     """The GPU path copies each step's indices once, through pinned memory, and flips by
     selection: the same pixels and labels as the CPU path, so a run resumed on other hardware
     reads the same data."""
-    from ddpjob.train.data import ArrayDataset
+    from ddpjob.train.arrays import ArrayDataset
     from ddpjob.train.tensorloader import TensorLoader
 
     g = torch.Generator().manual_seed(0)

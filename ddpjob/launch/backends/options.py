@@ -8,7 +8,7 @@ of the allocation) reach the template as placeholders and submitit's script as s
 
 from __future__ import annotations
 
-from ddpjob import scriptsafe
+from ddpjob import scriptsafe, validate
 from ddpjob.config import JobConfig
 
 Option = tuple[str, str | int | bool]  # ("nodes", 2), ("requeue", True): --nodes=2, --requeue
@@ -23,7 +23,7 @@ def sbatch_options(cfg: JobConfig) -> tuple[list[Option], list[Option]]:
     """(ddpjob's options from [slurm] in a fixed order, the user's slurm.sbatch_extra). Raises
     UsageError for a string that could not reach sbatch unchanged (scriptsafe's rules)."""
     s = cfg.slurm
-    scriptsafe.job_strings(cfg)
+    validate.job_strings(cfg)
     own: list[Option] = [("job-name", cfg.name), ("nodes", s.nodes), ("ntasks-per-node", s.tasks_per_node)]
     if s.gpus_per_node > 0:
         own.append(("gpus-per-node", s.gpus_per_node))
