@@ -4,15 +4,13 @@ with the uninterrupted reference, and say it in four table rows."""
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench import slurmctl, storm
+from bench.core import Bench, Row
 from bench.storm_ledger import Figures, figures, loss_mismatches, train_records
 from ddpjob.rundir import read_jsonl
 from ddpjob.launch import phases as phases_mod
-
-if TYPE_CHECKING:
-    from bench.suite import Bench, Row
 
 
 def phase_text(phases: dict[str, float]) -> str:
@@ -22,8 +20,6 @@ def phase_text(phases: dict[str, float]) -> str:
 def rows_of(f: Figures, state_diff: list[str], tensors: int, loss_problems: list[str], losses: int,
             evals_equal: bool, details: dict[str, Any], size: storm.StormSize) -> list[Row]:
     """The table rows from the measured pieces (split from p11() so a test can build them)."""
-    from bench.suite import Row
-
     n = len(f.recoveries)
     same = not state_diff and not loss_problems and evals_equal
     if same:

@@ -39,12 +39,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from bench import harness
-
-if TYPE_CHECKING:
-    from bench.suite import Bench, Row
+from bench.core import Bench, Row
 
 EPOCHS = 2  # figures from the second
 SEEDS_WORKERS = 8  # the seeds' DataLoader(num_workers=8)
@@ -232,8 +230,6 @@ class Runs:
 def p8(b: Bench) -> list[Row]:
     import torch
 
-    from bench.suite import Row
-
     if not torch.cuda.is_available():
         return [Row("P8", "GPU: the recipes, precision, compile modes, checkpoint cost", "report",
                     "not measured: no CUDA GPU on this machine", None)]
@@ -307,8 +303,6 @@ def _ratio(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[float, lis
 
 
 def rows(b: Bench, runs: Runs, other: dict[int, Arm], gpu: str) -> list[Row]:
-    from bench.suite import Row
-
     f = runs.figures
     out: list[Row] = []
 

@@ -20,7 +20,8 @@ if __package__ in (None, ""):  # `python bench/run.py`: make `import bench` work
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness  # noqa: E402
-from bench.suite import BENCHMARKS, NO_DATA, ON_DEMAND, Bench, Row  # noqa: E402
+from bench.core import Bench, Row  # noqa: E402
+from bench.suite import BENCHMARKS, NO_DATA, ON_DEMAND  # noqa: E402
 
 
 def _log(message: str) -> None:

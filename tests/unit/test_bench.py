@@ -14,7 +14,8 @@ if str(REPO) not in sys.path:  # bench/ is a top-level folder of the repository,
     sys.path.insert(0, str(REPO))
 
 from bench import harness, run  # noqa: E402
-from bench.suite import BENCHMARKS, ON_DEMAND, Row  # noqa: E402
+from bench.core import Row  # noqa: E402
+from bench.suite import BENCHMARKS, ON_DEMAND  # noqa: E402
 IDS = [f"P{i}" for i in range(1, 11)] + ["P13"]  # the default set; P11 (the cluster storm) only by name
 
 
