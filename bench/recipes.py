@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ddpjob.config import JobConfig
 from ddpjob.node.dist import DistContext
-from ddpjob.train import data, models
+from ddpjob.train import arrays, data, models
 from ddpjob.train.tensorloader import TensorLoader
 
 from bench.marks import Marks
@@ -124,7 +124,7 @@ def _pil_dataset(root: str) -> Any:
         meta = {"filename": "batches.meta", "key": "label_names", "md5": None}
 
     transform = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-                           T.Normalize(data.CIFAR10_MEAN, data.CIFAR10_STD)])
+                           T.Normalize(arrays.CIFAR10_MEAN, arrays.CIFAR10_STD)])
     return LocalCIFAR10(root=root, train=True, download=False, transform=transform)
 
 
