@@ -137,9 +137,10 @@ def requeue(job_id: str) -> Result:
     return res
 
 
-# scontrol's answer for job arrays: one "IDS: message" line per group of tasks, IDS like
-# 548_0 or 80520_31-33,71-74,91 (slurm_requeue2 & co. keep an error code per task; scontrol
-# prints them all, "No error" included, when any failed, and exits non-zero).
+# scontrol's answer for job arrays: the controller answers with an error code per task (group),
+# and scontrol (src/scontrol/update_job.c, scontrol_requeue) prints one "IDS: message" line per
+# entry on stderr, IDS like 548_0 or 80520_31-33,71: for more than one entry every line, "No
+# error" included, and exit status 1 even when all succeeded; for one entry only a failure.
 _TASK_ANSWER = re.compile(r"^\s*([0-9]+(?:_\[?[0-9][0-9,\-]*\]?)?): (.+?)\s*$", re.MULTILINE)
 
 

@@ -227,6 +227,8 @@ def test_scontrols_per_task_answer_is_read_for_the_asked_task(fake_slurm, tmp_pa
     res = slurm.requeue("548_0")
     assert not res.ok and res.error == "scontrol requeue 548_0 failed: Job is pending execution"
     assert not slurm.requeue("548").ok  # the whole array: one of its tasks was refused
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="548_0: No error\n548_1: No error\n")
+    assert slurm.requeue("548").ok  # several entries: exit 1 even when every one succeeded
     fake_slurm.answer("scontrol requeue", rc=1, stderr="80520_31-33,71: Job has already finished\n"
                                                        "80520_[36,56-63]: No error\n")
     assert not slurm.requeue("80520_32").ok and slurm.requeue("80520_60").ok
