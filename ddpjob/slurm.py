@@ -117,11 +117,51 @@ def being_preempted(job_id: str) -> bool | Failed:
 
 
 def requeue(job_id: str) -> Result:
-    """`scontrol requeue JOB` (the job goes back to PENDING, keeping its id)."""
+    """`scontrol requeue JOB` (the job goes back to PENDING, keeping its id). JOB is one job or
+    one array task (ARRAYID_TASK: only that task; a bare array id would requeue every task).
+    Where scontrol answers per task, JOB's own answer decides (see _task_answers)."""
     bad = _bad_id(job_id)
     if bad is not None:
         return Result(("scontrol", "requeue", str(job_id)), None, error=bad.why)
-    return run(["scontrol", "requeue", str(job_id)], timeout=60)
+    res = run(["scontrol", "requeue", str(job_id)], timeout=60)
+    if res.ok:
+        return res
+    mine = [msg for ids, msg in _task_answers(res.stderr + "\n" + res.stdout) if _names(ids, str(job_id))]
+    if mine and all(msg == "No error" for msg in mine):
+        # e.g. "548_0: Job is pending execution" / "548_1: No error" for 548_1: it was
+        # requeued; reading the exit status alone would bring it back a second time
+        return Result(res.args, res.rc, res.stdout, res.stderr)
+    if mine:
+        return Result(res.args, res.rc, res.stdout, res.stderr,
+                      f"scontrol requeue {job_id} failed: {'; '.join(mine)}")
+    return res
+
+
+# scontrol's answer for job arrays: the controller answers with an error code per task (group),
+# and scontrol (src/scontrol/update_job.c, scontrol_requeue) prints one "IDS: message" line per
+# entry on stderr, IDS like 548_0 or 80520_31-33,71: for more than one entry every line, "No
+# error" included, and exit status 1 even when all succeeded; for one entry only a failure.
+_TASK_ANSWER = re.compile(r"^\s*([0-9]+(?:_\[?[0-9][0-9,\-]*\]?)?): (.+?)\s*$", re.MULTILINE)
+
+
+def _task_answers(text: str) -> list[tuple[str, str]]:
+    """scontrol's per-task answers in `text`: [(ids, message)], [] where it printed none."""
+    return [(m.group(1), m.group(2)) for m in _TASK_ANSWER.finditer(text)]
+
+
+def _names(ids: str, job_id: str) -> bool:
+    """Whether `ids` (548, 548_1, 548_0-3,7, 548_[0-3]) takes in `job_id` (548 or 548_2)."""
+    base, _, ranges = ids.partition("_")
+    job, _, task = job_id.partition("_")
+    if base != job:
+        return False
+    if not task or not ranges:  # asked for the whole array, or answered for all of it
+        return True
+    for part in ranges.strip("[]").split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit() and (hi or lo).isdigit() and int(lo) <= int(task) <= int(hi or lo):
+            return True
+    return False
 
 
 def parse_time(text: str) -> float | None:
@@ -179,11 +219,19 @@ def submit(script: str | Path, *sbatch_args: str, cwd: str | Path | None = None)
 def submit_successor(job_id: str, script: str | Path, cwd: str | Path | None = None) -> str | Failed:
     """A new job running `script` once `job_id` has ended, however it ends (afterany): the
     requeue that needs no `scontrol requeue`. Should the old job be requeued after all, the
-    successor waits for its final end (and finds the run completed)."""
+    successor waits for its final end (and finds the run completed).
+
+    For an array task (ARRAYID_TASK) the successor is that task alone: a one-task array of the
+    same index (`--array=TASK` on the command line overrides the script's `#SBATCH --array`),
+    whose id, NEWID_TASK, is returned. A sweep point's script is submitit's script of the whole
+    sweep; resubmitted as is it would run every point again. The same index keeps what the
+    script derives from SLURM_ARRAY_TASK_ID (the point's code, submitit's NEWID_TASK pickle)."""
     bad = _bad_id(job_id)
     if bad is not None:
         return bad
-    return submit(script, f"--dependency=afterany:{job_id}", cwd=cwd)
+    _, _, task = job_id.partition("_")
+    new = submit(script, f"--dependency=afterany:{job_id}", *([f"--array={task}"] if task else []), cwd=cwd)
+    return f"{new}_{task}" if task and not isinstance(new, Failed) else new
 
 
 def sacct_states(base_ids: Sequence[str]) -> list[list[str]] | Failed:

@@ -127,6 +127,7 @@ class ClusterEnv:
     num_nodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
+    # The job as SLURM's commands name it (_slurm_job_id): ARRAYID_TASK for an array task
     job_id: str | None = None
     restart_count: int = 0
     source: str = "single"  # "torchrun" | "slurm" | "local" | "single"
@@ -219,10 +220,22 @@ class ClusterEnv:
         from_environ refuses this process (SLURM_NTASKS > 1 without SLURM_STEP_ID)."""
         v = _Vars(os.environ if environ is None else environ)
         nodes = v.text("SLURM_JOB_NODELIST")  # the allocation: what a restart inside it may use
-        return cls(job_id=v.text("SLURM_JOB_ID"), restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
+        return cls(job_id=_slurm_job_id(v), restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
                    source="slurm", hostname=v.text("SLURMD_NODENAME") or socket.gethostname(),
                    partition=v.text("SLURM_JOB_PARTITION"), num_nodes=len(parse_hostlist(nodes)) if nodes else 1,
                    hosts=tuple(parse_hostlist(nodes)) if nodes else ())
+
+
+def _slurm_job_id(v: _Vars) -> str | None:
+    """This job's id for scontrol/scancel/sbatch --dependency: ARRAYJOBID_TASKID for a task of a
+    job array (a sweep), else SLURM_JOB_ID. An array task's own SLURM_JOB_ID is no safe name for
+    it: one task of every array has SLURM_JOB_ID equal to the array's id (task 548_1 had
+    SLURM_JOB_ID=548 on the test cluster), and `scontrol requeue 548` requeues every task of
+    the array. It is also the id job.json records (submitit's) and `ddpjob stop` asks by."""
+    array, task = v.text("SLURM_ARRAY_JOB_ID"), v.integer("SLURM_ARRAY_TASK_ID")
+    if array is not None and task is not None:
+        return f"{array}_{task}"
+    return v.text("SLURM_JOB_ID")
 
 
 def _master(v: _Vars, addr: str, job_id: str | None) -> dict:
@@ -259,7 +272,7 @@ def _from_torchrun(v: _Vars, argv_local_rank: int | None) -> dict:
     node_rank = v.required("GROUP_RANK", default=rank // max(local_world, 1))
     num_nodes = v.required("GROUP_WORLD_SIZE", default=-(-world // max(local_world, 1)))
     local = bool(v.text("DDPJOB_JOB_ID"))
-    job_id = v.text("DDPJOB_JOB_ID", "SLURM_JOB_ID") or _elastic_run(v)
+    job_id = v.text("DDPJOB_JOB_ID") or _slurm_job_id(v) or _elastic_run(v)
     if world > 1 and not v.text("MASTER_ADDR"):
         raise DDPJobError(f"WORLD_SIZE={world} but MASTER_ADDR is not set",
                           "launch with torchrun, which sets MASTER_ADDR and MASTER_PORT")
@@ -270,7 +283,7 @@ def _from_torchrun(v: _Vars, argv_local_rank: int | None) -> dict:
                 node_rank=node_rank, num_nodes=num_nodes, job_id=job_id, restart_count=restarts,
                 source="local" if local else "torchrun", slurm_step=bool(v.text("SLURM_STEP_ID")),
                 agent_round=_restart_count(v, "TORCHELASTIC_RESTART_COUNT") if agent else None,
-                **_master(v, "127.0.0.1", job_id))
+                **_master(v, "127.0.0.1", v.text("DDPJOB_JOB_ID", "SLURM_JOB_ID") or job_id))
 
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
@@ -297,8 +310,9 @@ def _single(v: _Vars) -> dict:
 
 def _from_slurm(v: _Vars) -> dict:
     """Inside a SLURM allocation. srun tasks see the step's values (SLURM_STEP_*); the batch
-    shell and an salloc shell see only the job's and are not a rank of anything."""
-    job_id = v.text("SLURM_JOB_ID")
+    shell and an salloc shell see only the job's and are not a rank of anything. The port comes
+    from SLURM_JOB_ID, numeric and different for every array task."""
+    job_id, port_id = _slurm_job_id(v), v.text("SLURM_JOB_ID")
     in_step = bool(v.text("SLURM_STEP_ID"))
     ntasks = v.required("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", default=1)
     if not in_step:
@@ -313,7 +327,7 @@ def _from_slurm(v: _Vars) -> dict:
                 f"of job {job_id}, not as one of its {ntasks} srun tasks",
                 "start it with `srun ddpjob ...` (one process per task), or ask for --ntasks=1")
         return dict(job_id=job_id, restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
-                    source="slurm", **_master(v, "127.0.0.1", job_id))
+                    source="slurm", **_master(v, "127.0.0.1", port_id))
     job_ntasks = v.integer("SLURM_NTASKS")  # srun sets it to the step's count, like STEP_NUM_TASKS
     if job_ntasks is not None and job_ntasks != ntasks:
         raise DDPJobError(f"SLURM_NTASKS={job_ntasks} but SLURM_STEP_NUM_TASKS={ntasks} in this srun step",
@@ -347,7 +361,7 @@ def _from_slurm(v: _Vars) -> dict:
                 local_world_size=per_node[node_rank], node_rank=node_rank, num_nodes=nodes,
                 job_id=job_id, restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
                 source="slurm", slurm_step=True, hosts=hosts,
-                **_master(v, hosts[0] if hosts else "127.0.0.1", job_id))
+                **_master(v, hosts[0] if hosts else "127.0.0.1", port_id))
 
 
 def _check(e: ClusterEnv) -> None:

@@ -35,7 +35,11 @@ sleep: Callable[[float], None] = time.sleep  # tests skip the pauses
 
 
 def bring_back(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> dict[str, Any]:
-    """`scontrol requeue`, else a successor job; the fields for the stop event."""
+    """`scontrol requeue`, else a successor job; the fields for the stop event. A sweep point
+    (an array task, job id ARRAYID_TASK) is brought back alone: scontrol requeues that task, and
+    its successor is a one-task array of the same index (slurm.submit_successor), never the
+    whole sweep its job.sbatch holds: a user who requeues one point expects that point back,
+    and the other points, running or done, left as they are (not run again)."""
     job_id = str(env.job_id)
     res = slurm.requeue(job_id)
     if res.ok:

@@ -67,9 +67,10 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
     a rank that imported or hashed the live code fails the asserts, or refuses its checkpoint
     ("written by other code") instead of finishing.
 
-    Only the point whose SLURM job id differs from the array's id gets the time-limit warning: for
-    the other one, rank 0's `scontrol requeue <its SLURM_JOB_ID>` names the whole array (a known
-    limit of rank/requeue.py, reported with issue 21), which is not what this test is about."""
+    Both points get the time-limit warning, among them the one whose SLURM_JOB_ID equals the
+    array's id (one task of every array has it): rank 0 must requeue that task alone, as
+    ARRAYID_TASK (a bare `scontrol requeue <array id>` requeued the whole array, was read as a
+    refusal, and the successor fallback then submitted the whole sweep again)."""
     import json
 
     import slurmtools
@@ -102,11 +103,14 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
             while (runs.last_metric(p)[0] or 0) < 10:
                 assert time.monotonic() < deadline, f"no step 10 in {p}/metrics.jsonl"
                 time.sleep(0.5)
-        # a time-limit warning: checkpoint, requeue, the same array task resumes
-        [warned] = [i for i, jid in enumerate(ids) if slurmtools.job_info(jid)["JobId"] != base]
-        subprocess.run(["scancel", "--signal=USR2", ids[warned]], check=True, timeout=30)
-        slurmtools.wait_state(ids[warned], ("PENDING", "REQUEUED"), timeout=120)
-        slurmtools.release_now(ids[warned])
+        # a time-limit warning to each point: checkpoint, requeue, the same array task resumes
+        colliding = [i for i, jid in enumerate(ids) if slurmtools.job_info(jid)["JobId"] == base]
+        assert colliding, [slurmtools.job_info(jid)["JobId"] for jid in ids]  # what this test covers
+        for jid in ids:
+            subprocess.run(["scancel", "--signal=USR2", jid], check=True, timeout=30)
+        for jid in ids:
+            slurmtools.wait_state(jid, ("PENDING", "REQUEUED"), timeout=120)
+            slurmtools.release_now(jid)
         for p in points:
             deadline = time.monotonic() + 400
             while rundir.completed(p) is None:
@@ -117,13 +121,14 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
             mine = [t for name, t in logs.items() if name.startswith(f"{base}_{i}_")]
             assert len(mine) == 2, sorted(logs)  # both ranks of the point, appended across the requeue
             where = f"ddpjob imported from {(p / 'code' / 'python').resolve()}/ddpjob/__init__.py"
-            starts = 2 if i == warned else 1  # the warned point: its first run and the resumed one
+            starts = 2  # each point: its first run and the resumed one
             for text in mine:
                 assert text.count(where) == starts, text[-3000:]
             stops = [e for e in rundir.events(p) if e.get("event") == "stop" and "rank" not in e]
-            if i == warned:
-                assert stops[0]["reason"] == "time_limit" and stops[0]["requeued"] is True, stops
+            assert stops[0]["reason"] == "time_limit" and stops[0]["requeued_by"] == "scontrol", stops
+            assert stops[0]["job_id"] == ids[i] and stops[0]["note"] == f"requeued job {ids[i]}", stops
             assert stops[-1]["reason"] == "finished" and stops[-1]["restart"] == starts - 1, stops
+            assert rundir.read_json(p / "job.json")["job_id"] == ids[i]  # no successor job took over
             manifests = list((p / "checkpoints").glob("step-*/manifest.json"))
             assert manifests and all(json.loads(m.read_text())["code_hash"] == code for m in manifests)
     finally:

@@ -137,6 +137,25 @@ def test_slurm_extras() -> None:
     assert env.cpus_per_task == 3 and env.submitit_folder == "/runs/r1/submitit" and env.gpus == 2
 
 
+def test_an_array_task_is_named_by_array_and_index() -> None:
+    # One task of every array has SLURM_JOB_ID equal to the array's id (548_1 had 548 on the
+    # test cluster): that id would name the whole array to scontrol, so the job is 548_1 on every
+    # path (ranks, torchrun, the batch shell). The port comes from SLURM_JOB_ID, unique per task.
+    array = {"SLURM_ARRAY_JOB_ID": "548", "SLURM_ARRAY_TASK_ID": "1"}
+    env = ClusterEnv.from_environ(slurm_task(0, job_id="548", **array), [])
+    assert (env.job_id, env.master_port) == ("548_1", port_for_job("548"))
+    other = ClusterEnv.from_environ(slurm_task(0, job_id="549", SLURM_ARRAY_JOB_ID="548",
+                                               SLURM_ARRAY_TASK_ID="0"), [])
+    assert (other.job_id, other.master_port) == ("548_0", port_for_job("549"))
+    assert ClusterEnv.batch_shell({"SLURM_JOB_ID": "548", **array}).job_id == "548_1"
+    torchrun = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                "SLURM_JOB_ID": "548", **array}
+    assert ClusterEnv.from_environ(torchrun, []).job_id == "548_1"
+    # the local backend's own id wins, and a job outside an array keeps its plain id
+    assert ClusterEnv.from_environ({**torchrun, "DDPJOB_JOB_ID": "local-7"}, []).job_id == "local-7"
+    assert ClusterEnv.from_environ(slurm_task(0, job_id="548"), []).job_id == "548"
+
+
 def test_explicit_master_variables_win() -> None:
     env = ClusterEnv.from_environ(slurm_task(2, MASTER_ADDR="10.1.2.3", MASTER_PORT="23456"), [])
     assert (env.master_addr, env.master_port) == ("10.1.2.3", 23456)

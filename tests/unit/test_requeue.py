@@ -159,6 +159,88 @@ def test_no_successor_for_a_cancelled_run_or_without_sbatch(fake_slurm, tmp_path
     assert len(fake_slurm.called("sbatch")) == 1
 
 
+# ------------------------------------------------------------------ sweep points (array tasks)
+def array_task(array: str, task: int, slurm_job_id: str) -> ClusterEnv:
+    """Rank 0 of a one-task array task as SLURM's variables describe it."""
+    return ClusterEnv.from_environ({"SLURM_JOB_ID": slurm_job_id, "SLURM_ARRAY_JOB_ID": array,
+                                    "SLURM_ARRAY_TASK_ID": str(task), "SLURM_STEP_ID": "0",
+                                    "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, argv=[])
+
+
+def sweep_point(tmp_path: Path, task: int) -> tuple[config.JobConfig, Path, Path]:
+    """SWEEP/<task>: job.sbatch is submitit's script of the whole array; the pickles are in SWEEP/logs."""
+    (tmp_path / str(task)).mkdir()
+    cfg, d = run_dir(tmp_path / str(task))
+    rundir.write_text_atomic(d / "job.sbatch", "#!/bin/bash\n#SBATCH --array=0-1%2\n")
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    (logs / f"548_{task}_submitted.pkl").write_bytes(b"point %d" % task)
+    rundir.write_json_atomic(d / "job.json", {"backend": "slurm", "job_id": f"548_{task}", "log_folder": str(logs),
+                                              "array": {"job_id": "548", "index": task, "count": 2}})
+    return cfg, d, logs
+
+
+def test_the_array_task_whose_job_id_is_the_arrays_requeues_itself_only(fake_slurm, tmp_path) -> None:
+    # Task 548_1 runs with SLURM_JOB_ID=548 = the array's id: `scontrol requeue 548` would
+    # requeue the whole array (test cluster: "548_0: Job is pending execution; 548_1: No error").
+    cfg, d, _ = sweep_point(tmp_path, 1)
+    env = array_task("548", 1, slurm_job_id="548")
+    fake_slurm.answer("scontrol requeue")
+    assert requeue.after_stop(cfg, env, d, preemption.REQUEUE, 9) is True
+    assert fake_slurm.called("scontrol requeue") == [["scontrol", "requeue", "548_1"]]
+    assert not fake_slurm.called("sbatch")
+    stop = last_stop(d)
+    assert (stop["job_id"], stop["requeued_by"], stop["note"]) == ("548_1", "scontrol", "requeued job 548_1")
+    # the preemption check and `ddpjob stop` (which asks by job.json's id, 548_1) name it alike
+    fake_slurm.answer("scontrol show job", PREEMPTING.replace("JobId=77", "JobId=548 ArrayJobId=548 ArrayTaskId=1"))
+    assert requeue.after_stop(cfg, env, d, preemption.PREEMPTED, 10) is True
+    assert fake_slurm.called("scontrol show job")[-1] == ["scontrol", "show", "job", "-o", "548_1"]
+    rundir.record_event(d, "stop_request", by="user", job_id="548_1", restart=2)
+    assert requeue.after_stop(cfg, env, d, preemption.REQUEUE, 11) is None
+    assert last_stop(d)["reason"] == "user_stop" and len(fake_slurm.called("scontrol requeue")) == 2
+
+
+def test_a_sweep_points_successor_runs_that_point_alone(fake_slurm, tmp_path) -> None:
+    cfg, d, logs = sweep_point(tmp_path, 1)
+    env = array_task("548", 1, slurm_job_id="548")
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled").answer("sbatch", "560")
+    assert requeue.after_stop(cfg, env, d, preemption.REQUEUE, 9) is True
+    # never the whole array: the script's `#SBATCH --array=0-1%2` is overridden by index 1 alone
+    assert fake_slurm.called("sbatch") == [["sbatch", "--parsable", "--dependency=afterany:548_1", "--array=1",
+                                            str(d / "job.sbatch")]]
+    stop = last_stop(d)
+    assert (stop["requeued_by"], stop["next_job_id"]) == ("successor", "560_1")
+    job = json.loads((d / "job.json").read_text())
+    assert job["job_id"] == "560_1" and job["job_ids"] == ["548_1", "560_1"]
+    assert (logs / "560_1_submitted.pkl").read_bytes() == b"point 1"  # submitit loads NEWID_TASK's
+    assert [f.name for f in control.log_files(d, 0)][1:] == [
+        "548_1_0_log.out", "548_1_0_log.err", "560_1_0_log.out", "560_1_0_log.err"]
+    # the successor's task names itself 560_1 and finds its restart
+    successor = array_task("560", 1, slurm_job_id="560")
+    assert successor.job_id == "560_1" and rundir.run_restart(d, successor.job_id, 0) == 1
+
+
+def test_scontrols_per_task_answer_is_read_for_the_asked_task(fake_slurm, tmp_path) -> None:
+    # scontrol answers per task and exits 1 when any task failed, "No error" included
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="548_0: Job is pending execution\n548_1: No error\n")
+    assert slurm.requeue("548_1").ok
+    res = slurm.requeue("548_0")
+    assert not res.ok and res.error == "scontrol requeue 548_0 failed: Job is pending execution"
+    assert not slurm.requeue("548").ok  # the whole array: one of its tasks was refused
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="548_0: No error\n548_1: No error\n")
+    assert slurm.requeue("548").ok  # several entries: exit 1 even when every one succeeded
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="80520_31-33,71: Job has already finished\n"
+                                                       "80520_[36,56-63]: No error\n")
+    assert not slurm.requeue("80520_32").ok and slurm.requeue("80520_60").ok
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled")  # no per-task lines
+    assert "Requeue of job is disabled" in slurm.requeue("548_1").error
+    # rank 0 of 548_1, so answered: requeued, no successor
+    cfg, d, _ = sweep_point(tmp_path, 1)
+    fake_slurm.answer("scontrol requeue", rc=1, stderr="548_1: No error\n548_0: Job is pending execution\n")
+    assert requeue.after_stop(cfg, array_task("548", 1, "548"), d, preemption.REQUEUE, 9) is True
+    assert last_stop(d)["requeued_by"] == "scontrol" and not fake_slurm.called("sbatch")
+
+
 def test_max_requeues_counts_successors_too(fake_slurm, tmp_path) -> None:
     cfg, d = run_dir(tmp_path, max_requeues=1)
     fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled").answer("sbatch", "78")
