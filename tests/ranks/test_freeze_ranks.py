@@ -1,8 +1,7 @@
-"""launch/freeze.py: the code a run imports is frozen at submission. What is collected (git-tracked
-files as in the work tree, a plain folder, plugin packages), modes and the size limit; then a local
-run whose plugin is edited after submission: `ddpjob run` by hand refuses its checkpoint with one
-line (`--allow-code-change` resumes), and `ddpjob resume` runs the frozen code to the same result
-as an uninterrupted run."""
+"""freeze.py with real runs: a local run whose plugin is edited after submission (`ddpjob run` by
+hand refuses its checkpoint with one line, `--allow-code-change` resumes, `ddpjob resume` runs the
+frozen code to the same result as an uninterrupted run), and a script that reads data next to it
+outside git. What is collected is checked in-process in tests/unit/test_freeze.py."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""`train.compile` across a stop (issue 13, item 3): torch.compile's caches live in the run dir
-(ddpjob/node/compilecache.py), so the resumed attempt takes its compiled training step from
-there instead of compiling again, and the compiled run resumes bit-exactly.
-
-One real local run of 2 ranks, stopped at a step it causes (example_hooks' DDPJOB_TEST_STOP_AT)
-and restarted by the local supervisor, then an uninterrupted reference run that is pointed at
-the first run's cache by TORCHINDUCTOR_CACHE_DIR (a user's own setting wins), so that only the
-first attempt pays for a cold compile (about a minute per rank on this 2-core machine).
-"""
+"""`train.compile`'s caches (ddpjob/node/compilecache.py), in-process: they go into the run dir,
+unless the user chose a place (TORCHINDUCTOR_CACHE_DIR wins). The compiled run across a stop is
+tests/ranks/test_compile_ranks.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""launch/freeze.py: the code a run imports is frozen at submission. What is collected (git-tracked
-files as in the work tree, a plain folder, plugin packages), modes and the size limit; then a local
-run whose plugin is edited after submission: `ddpjob run` by hand refuses its checkpoint with one
-line (`--allow-code-change` resumes), and `ddpjob resume` runs the frozen code to the same result
-as an uninterrupted run."""
+"""freeze.py, in-process: what a submission freezes of the user's code (git-tracked files as in
+the work tree, a plain folder, plugin packages), the modes and the size limit. The runs that use
+the frozen copy are in tests/ranks/test_freeze_ranks.py."""
 
 from __future__ import annotations
 
