@@ -17,6 +17,8 @@ from clirun import REPO as ROOT
 from clirun import ddpjob as run_cli
 from ranks import LAG
 
+SMOKE = str(ROOT / "jobs" / "smoke.toml")
+
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
