@@ -22,7 +22,6 @@ from typing import Annotated, Any, TypeVar
 
 from ddpjob.errors import UsageError
 from ddpjob.validate import ENTRY_SCRIPT, canonical_signal, validate
-from ddpjob.validate import SIGNALS, parse_time_s  # noqa: F401 (re-exported)
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpjob import console, slurm
-from ddpjob.config import JobConfig, parse_time_s, resolve
+from ddpjob.config import JobConfig, resolve
+from ddpjob.validate import parse_time_s
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.node import cluster
 

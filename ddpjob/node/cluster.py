@@ -17,9 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from ddpjob.errors import DDPJobError
-from ddpjob.node.hostlist import first_host, parse_hostlist, parse_tasks_per_node
-
-__all__ = ["ClusterEnv", "first_host", "parse_hostlist", "port_for_job"]
+from ddpjob.node.hostlist import parse_hostlist, parse_tasks_per_node
 
 # MASTER_PORT window. Linux hands out ephemeral ports (the local side of every outgoing
 # connection, gloo/NCCL's own included) from net.ipv4.ip_local_port_range, 32768-60999 by

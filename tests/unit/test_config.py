@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import config
+from ddpjob import config, validate
 from ddpjob.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def test_set_values_are_typed() -> None:
     ("2-00:00:10", 172810),
 ])
 def test_parse_time_s(text: str, seconds: int) -> None:
-    assert config.parse_time_s(text) == seconds
+    assert validate.parse_time_s(text) == seconds
 
 
 def test_resume_hash_ignores_resources_but_not_the_recipe() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import cli, config, rundir
+from ddpjob import cli, config, rundir, validate
 
 
 def test_run_dir_target_refuses_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -24,7 +24,7 @@ def test_an_error_inside_ddpjob_stays_an_internal_error() -> None:
     from ddpjob.rank import runner
 
     try:
-        config.parse_time_s(None)  # type: ignore[arg-type]  # raised inside ddpjob
+        validate.parse_time_s(None)  # type: ignore[arg-type]  # raised inside ddpjob
     except Exception as exc:
         assert runner._theirs(exc, 0) is exc
     else:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, freeze, rundir, scriptsafe
+from ddpjob import console, freeze, rundir, scriptsafe, validate
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import container
@@ -47,7 +47,7 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None, *,
     params: dict[str, Any] = {
         # submitit wants whole minutes (it also times its own timeout logic with them); the
         # exact limit still reaches sbatch through additional_parameters ("time").
-        "time": max(1, math.ceil(config.parse_time_s(s.time) / 60)),
+        "time": max(1, math.ceil(validate.parse_time_s(s.time) / 60)),
         "signal_delay_s": s.signal_lead_s,
         # As in the template: one failed rank ends the step instead of leaving the others
         # hanging in a collective until the time limit.
