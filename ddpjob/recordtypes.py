@@ -12,7 +12,8 @@ from typing import Any
 _INTS = frozenset({"step", "restart", "resumed_step", "world_size", "steps_lost", "status", "rank",
                    "accumulation", "master_port", "failed_rank", "no_progress"})
 _NUMBERS = frozenset({"epoch"})  # a custom loop may log a fractional epoch
-_TIMES = frozenset({"time", "signal_time", "launched_time", "load_s", "updated_at"})
+_TIMES = frozenset({"time", "signal_time", "launched_time", "load_s", "updated_at", "decided_time", "saved_time",
+                    "block_s", "snapshot_s"})
 # ddpjob's own words only: a loop's job.log() may use any other name for any value
 _STRS = frozenset({"event", "reason", "kind"})
 _BIG = 1 << 53  # past this an int no longer converts to float exactly (plot, rates)

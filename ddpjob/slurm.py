@@ -248,6 +248,7 @@ class Incarnation:
     state: str  # first word: "CANCELLED by 0" -> CANCELLED
     start: float | None
     end: float | None
+    submit: float | None = None  # when it (re)entered the queue: a requeued start's is its requeue
 
 
 def incarnations(job_id: str) -> list[Incarnation] | Failed:
@@ -261,6 +262,27 @@ def incarnations(job_id: str) -> list[Incarnation] | Failed:
     rows = [ln.split("|") for ln in res.stdout.splitlines() if ln.count("|") == 2]
     out = [Incarnation((r[0].split() or ["UNKNOWN"])[0], parse_time(r[1]), parse_time(r[2])) for r in rows]
     return sorted(out, key=lambda i: i.start if i.start is not None else float("inf"))
+
+
+def incarnations_of(job_ids: Sequence[str]) -> dict[str, list[Incarnation]] | Failed:
+    """Every start of each job, oldest first, in one `sacct -X -D` (the goodput ledger's queue
+    wait): {job id: [Incarnation, ...]}; an array task is keyed as sacct names it (548_1)."""
+    for job_id in job_ids:
+        if (bad := _bad_id(job_id)) is not None:
+            return bad
+    if not job_ids:
+        return {}
+    res = run(["sacct", "-X", "-D", "-n", "-P", "-o", "JobID,State,Submit,Start,End", "-j", ",".join(job_ids)],
+              timeout=20)
+    if not res.ok:
+        return res.failed()
+    out: dict[str, list[Incarnation]] = {}
+    for row in (ln.split("|") for ln in res.stdout.splitlines() if ln.count("|") == 4):
+        out.setdefault(row[0], []).append(Incarnation((row[1].split() or ["UNKNOWN"])[0], parse_time(row[3]),
+                                                      parse_time(row[4]), parse_time(row[2])))
+    for rows in out.values():
+        rows.sort(key=lambda i: i.start if i.start is not None else float("inf"))
+    return out
 
 
 def squeue_states(base_ids: Sequence[str]) -> list[list[str]] | Failed:

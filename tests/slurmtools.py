@@ -141,6 +141,22 @@ def sacct_state(job_id: str) -> str | None:
     return _combined(states)
 
 
+def sacct_times(job_id: str, timeout: float = 30) -> list[tuple[float, float, float]]:
+    """(Submit, Start, End) in epoch seconds of every start of the job, oldest first, once
+    slurmdbd has the end of each (it may lag the controller by a moment). SLURM_TIME_FORMAT=%s:
+    sacct itself writes epoch seconds, so nothing here shares ddpjob's parsing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = _run(["sacct", "-X", "-D", "-n", "-P", "-o", "Submit,Start,End", "-j", str(job_id)],
+                    check=False, env={**os.environ, "SLURM_TIME_FORMAT": "%s"})
+        rows = [line.split("|") for line in proc.stdout.splitlines() if line.count("|") == 2]
+        if rows and all(v.isdigit() for row in rows for v in row):
+            return sorted((float(a), float(b), float(c)) for a, b, c in rows)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sacct has no complete times for job {job_id}: {proc.stdout!r}")
+        time.sleep(1)
+
+
 def _state(job_id: str) -> tuple[str | None, str]:
     """(state, scontrol text) now; falls back to sacct once slurmctld has forgotten the job."""
     infos, text = _scontrol_jobs(job_id)

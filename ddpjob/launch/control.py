@@ -53,6 +53,11 @@ def format_status(i: RunInfo) -> str:
         skipped = rundir.damaged_lines(i.run_dir / record)
         if skipped:
             lines.append(f"damaged     {skipped}"[:300])
+    from ddpjob.launch import goodput
+
+    ledger = goodput.of_runs([i])[i.run_dir]
+    if ledger is not None:  # where the run's time went, over every attempt (launch/goodput.py)
+        lines.append(f"goodput     {ledger.describe()}")
     code = code_state(i.run_dir)
     if code:
         lines.append(f"code        {code['text']}")

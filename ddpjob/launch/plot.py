@@ -1,7 +1,8 @@
 """`ddpjob plot RUN [RUN...] -o curves.png` and `summary(run_dir)`: a run's history at a glance.
 
-Last step of the flow, on the login node: reads only what the ranks appended to the run dir
-(metrics.jsonl, events.jsonl, COMPLETED, checkpoints/), never SLURM. Each restart becomes a
+Last step of the flow, on the login node: the curves read only what the ranks appended to the run
+dir (metrics.jsonl, events.jsonl, COMPLETED, checkpoints/); only the goodput bars below them
+(launch/goodput.py) ask the scheduler, for the queue wait. Each restart becomes a
 marker at the step it resumed from, labelled with the reason of the stop before it.
 matplotlib is an optional extra (`pip install 'ddpjob[plot]'`); `summary` needs nothing.
 """
@@ -13,17 +14,18 @@ import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ddpjob import console, crashes, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import phases
+from ddpjob.launch import goodput, phases
 
 # (metrics key, panel title): the four panels, in reading order.
 PANELS = (("loss", "train loss"), ("eval_acc", "eval accuracy"), ("lr", "learning rate"),
           ("img_s", "images/s"))
 # A record's bookkeeping, not a metric; every other number a loop logs gets a panel of its own.
-_NOT_METRICS = frozenset({"kind", "time", "step", "restart", "epoch"})
+# eval_s: the evaluation's seconds, drawn in the goodput panel's "eval" instead
+_NOT_METRICS = frozenset({"kind", "time", "step", "restart", "epoch", "eval_s"})
 MAX_CUSTOM_PANELS = 8
 
 
@@ -69,6 +71,7 @@ class PlotRecord:
     output: Path
     series: dict[str, list[str]] = field(default_factory=dict)  # panel key -> runs with data
     markers: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # run -> (step, label)
+    goodput: dict[str, dict[str, float]] = field(default_factory=dict)  # run -> seconds per category
 
 
 def _num(v: Any) -> float:
@@ -120,8 +123,10 @@ def _names(run_dirs: list[Path]) -> list[str]:
             for p in run_dirs]
 
 
-def plot_runs(run_dirs: list[str | Path], output: str | Path) -> PlotRecord:
-    """Draw the four panels for all runs into one PNG; returns what was drawn."""
+def plot_runs(run_dirs: list[str | Path], output: str | Path,
+              ledgers: Mapping[Path, goodput.Ledger | None] | None = None) -> PlotRecord:
+    """Draw the four panels (and the user's own metrics) for all runs into one PNG, with a bar
+    per run of where its wall time went where `ledgers` has one; returns what was drawn."""
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas for PNG
     from matplotlib.lines import Line2D
 
@@ -142,8 +147,15 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path) -> PlotRecord:
 
     panels = [*PANELS, *((key, key) for key in custom_metrics(histories))]
     rows = (len(panels) + 1) // 2
-    fig = Figure(figsize=(13, 4.25 * rows), layout="constrained")
-    axes = fig.subplots(rows, 2, sharex=True, squeeze=False).ravel()
+    bars = [(h.name, ledger) for h, p in zip(histories, paths) if (ledger := (ledgers or {}).get(p)) is not None]
+    tall = 1.6 + 0.45 * len(bars) if bars else 0.0
+    fig = Figure(figsize=(13, 4.25 * rows + tall), layout="constrained")
+    top: Any = fig
+    low: Any = None
+    if bars:  # the curves on top, the goodput bars below, each with its own x axis
+        subs: Any = fig.subfigures(2, 1, height_ratios=[4.25 * rows, tall])
+        top, low = subs[0], subs[1]
+    axes = top.subplots(rows, 2, sharex=True, squeeze=False).ravel()
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     record = PlotRecord(Path(output), {key: [] for key, _ in panels})
@@ -181,12 +193,33 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path) -> PlotRecord:
     if handles:  # below the panels: never on top of a curve or a marker label
         fig.legend(handles, labels, fontsize=8, loc="outside lower center",
                    ncols=min(len(handles), 4))
+    if low is not None:
+        _draw_goodput(low.subplots(), bars, record)
     fig.suptitle("ddpjob: " + (histories[0].name if len(histories) == 1
                                else f"{len(histories)} runs"))
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
     out.write(png.getvalue())  # a viewer never sees half a PNG; a device or FIFO is written in place
     return record
+
+
+def _draw_goodput(ax: Any, bars: list[tuple[str, goodput.Ledger]], record: PlotRecord) -> None:
+    """One horizontal bar per run: its wall time split by category, in percent."""
+    for y, (name, ledger) in enumerate(bars):
+        left, wall = 0.0, max(ledger.wall_s, 1e-9)
+        record.goodput[name] = dict(ledger.seconds)
+        for n, cat in enumerate(goodput.CATEGORIES):
+            share = 100 * ledger.seconds[cat] / wall
+            if share > 0:
+                ax.barh(y, share, left=left, color=f"C{n}", label=cat if y == 0 else None)
+                left += share
+    ax.set_yticks(range(len(bars)), [f"{name}\ngoodput {100 * ledger.goodput:.1f}% of "
+                                     f"{goodput.duration(ledger.wall_s)}" for name, ledger in bars], fontsize=8)
+    ax.set_xlim(0, 100)
+    ax.invert_yaxis()  # the first run on top, as in the legend of the curves
+    ax.set_xlabel("% of the run's wall time (every attempt, queue included)")
+    ax.set_title("where the time went")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))  # beside the bars, never on them
 
 
 # ------------------------------------------------------------------------- text summary
@@ -295,7 +328,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
     except ImportError:
         raise DDPJobError("matplotlib is not installed, and `ddpjob plot` needs it",
                           "pip install 'ddpjob[plot]' (or pip install matplotlib)") from None
-    record = plot_runs(args.runs, args.output)
+    from ddpjob.launch import runs
+
+    infos = runs.infos([(Path(r), "") for r in args.runs])
+    record = plot_runs(args.runs, args.output, goodput.of_runs(infos))
     n = sum(len(m) for m in record.markers.values())
     console.info(f"wrote {record.output}: {len(args.runs)} run(s), {n} restart marker(s)")
     for run, marks in record.markers.items():

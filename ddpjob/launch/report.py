@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from ddpjob import rundir
-from ddpjob.launch import phases, plot, runs
+from ddpjob.launch import goodput, phases, plot, runs
 
 SCHEMA = "ddpjob.run/1"
 STOP_KEYS = ("reason", "step", "job_id", "restart", "steps_lost", "requeued", "requeued_by",
@@ -26,7 +26,7 @@ def _num(v: Any) -> float | int | None:
     return v if math.isfinite(v) else None
 
 
-def record(i: runs.RunInfo) -> dict[str, Any]:
+def record(i: runs.RunInfo, ledger: goodput.Ledger | None = None) -> dict[str, Any]:
     """The JSON object for one run."""
     job = runs.job_record(i.run_dir) if i.state != "DAMAGED" else {}
     ids = [str(j) for j in (job.get("job_ids") or ([job["job_id"]] if job.get("job_id") else []))]
@@ -62,6 +62,7 @@ def record(i: runs.RunInfo) -> dict[str, Any]:
         "best_accuracy": None if best is None else {"value": best[0], "step": best[1]},
         "final_accuracy": _num((done or {}).get("accuracy")),
         "code": ({k: v for k, v in code.items() if k != "text"} or None) if i.state != "DAMAGED" else None,
+        "goodput": ledger.record() if ledger is not None else None,
     }
 
 
@@ -71,5 +72,6 @@ def dumps(obj: dict[str, Any]) -> str:
 
 def print_records(infos: list[runs.RunInfo]) -> None:
     """JSON Lines: one object per run, in the order the table would list them."""
+    found = goodput.of_runs(infos)
     for i in infos:
-        print(dumps(record(i)), flush=True)
+        print(dumps(record(i, found.get(i.run_dir))), flush=True)

@@ -89,6 +89,7 @@ class Job:
         self._metrics = MetricLog(run_dir, restart) if self.is_rank0 else None  # rank 0 writes them
         self._closed = False
         self.vote_s = 0.0
+        self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
         self._load_s: float | None = None  # resume()'s, for the recovery's phases (launch/phases.py)
         # On GPUs the kernel choice decides both speed and whether a resume is bit-exact: say it.
         kernels = "" if self.device.type != "cuda" else (
@@ -244,20 +245,35 @@ class Job:
                     if self._metrics is not None:
                         self._metrics.flush()  # what a resume from this checkpoint keeps is on disk
                     decider.saved(time.monotonic() - t0)
+                    if not now.stop:  # a stop's save is the ledger's "stop and save" already
+                        self._record_checkpoint(step, time.monotonic() - t0)
                 if now.stop:
                     self._stop_for_requeue(step, now.stop, lag=decider.lag, decided_time=decided,
                                            saved_time=time.time())
                 elif self._store.snapshot_due(step):  # node-local memory, no collective
                     for s in samplers:
                         s.set_step(step)
+                    t0 = time.monotonic()
                     self._store.snapshot(step, state)
+                    self._snapshot_s += time.monotonic() - t0
                 decider.next_step(step)
         finally:
             self.vote_s += decider.vote_s
         decider.close()  # every rank reads the last vote: the groups stay in step
         for s in samplers:
             s.set_step(step)
+        t0 = time.monotonic()
         self._store.save(step, state, blocking=True)
+        self._record_checkpoint(step, time.monotonic() - t0)
+
+    def _record_checkpoint(self, step: int, block_s: float) -> None:
+        """Rank 0, after a save: how long it held the loop, and the in-memory snapshots' hold
+        since the last record (the goodput ledger, launch/goodput.py). One line per checkpoint,
+        nothing per step."""
+        if self.is_rank0:
+            rundir.record_event(self.run_dir, "checkpoint", step=step, job_id=self.job_id, restart=self.restart,
+                                block_s=round(block_s, 4), snapshot_s=round(self._snapshot_s, 4))
+        self._snapshot_s = 0.0
 
     def _stop_for_requeue(self, step: int, code: int, *, lag: int, **times: float) -> None:
         from ddpjob.node import preemption

@@ -177,6 +177,7 @@ def fit(job: Job) -> FitResult:
                 logged = job.log(done, average=["loss"], epoch=epoch, loss=loss, lr=lr, **timing)
                 bar.update(done, epoch, logged["loss"], lr, timing)
             if eval_due(done) or done == total:
+                evaluating = time.perf_counter()
                 job.broadcast_buffers(raw)  # rank 0's BatchNorm statistics: one model evaluated
                 # eager under CUDA graphs: eval mode and the short last batch would each compile
                 # and record graphs of their own, for a pass that runs once an epoch
@@ -184,7 +185,9 @@ def fit(job: Job) -> FitResult:
                     acc, eval_loss = evaluate(raw, test_set, job, batch_size=max(t.batch_size, 256),
                                               amp_dtype=amp_dtype, channels_last=t.channels_last)
                 progress.record_eval(done, acc)
-                job.log(done, epoch=(done - 1) // spe, eval_acc=acc, eval_loss=eval_loss)
+                # eval_s: the goodput ledger's "eval" (launch/goodput.py)
+                job.log(done, epoch=(done - 1) // spe, eval_acc=acc, eval_loss=eval_loss,
+                        eval_s=round(time.perf_counter() - evaluating, 4))
                 bar.message(f"eval step {done}: accuracy {acc:.4f} loss {eval_loss:.4f}")
                 meter.pause()
     finally:

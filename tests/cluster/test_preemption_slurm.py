@@ -319,6 +319,7 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     ref = reference.run_dir()
     counts = assert_same_as_reference(run, ref)
     assert counts["replayed"] >= last_logged - resumed
+    ledger = assert_goodput_ledger(run, jid, tmp_path, replayed=[0, 0, 0, last_logged - resumed])
     # TensorBoard (train.tensorboard) across the 3 requeues, as its own reader sees RUN_DIR/tb:
     # one series, every step once although the killed incarnation logged steps it replayed
     import numpy as np
@@ -346,6 +347,29 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
           f"{counts['replayed']} step(s) trained twice with identical losses; steps run after a "
           f"signal arrived: {lost}; phases at {json.dumps({k: round(v) for k, v in times.items()})} s; "
           f"reference took {reference.took:.0f} s")
+
+
+def assert_goodput_ledger(run: Path, jid: str, cwd: Path, *, replayed: list[int]) -> dict[str, Any]:
+    """`status --json`'s goodput ledger against sacct's own record of the job's starts: one
+    attempt per start, its times SLURM's within 1 s, the queue wait sacct's, the categories
+    adding up to the wall time, and the replayed steps the ones re-run."""
+    import slurmtools
+
+    gp = json.loads(ddpjob("status", str(run), "--json", cwd=cwd).stdout)["goodput"]
+    assert abs(sum(gp["seconds"].values()) - gp["wall_s"]) <= 0.01 * gp["wall_s"], gp
+    rows = slurmtools.sacct_times(jid)  # (submit, start, end) per start, oldest first
+    attempts = gp["attempts"]
+    assert [a["job_id"] for a in attempts] == [jid] * len(rows), (attempts, rows)
+    for a, (_, start, end) in zip(attempts, rows):
+        assert abs(a["begin"] - start) <= 1 and abs(a["end"] - end) <= 1, (a, start, end)
+    assert abs(gp["seconds"]["queue"] - sum(start - submit for submit, start, _ in rows)) <= 1 + len(rows), (gp, rows)
+    assert [a["replayed_steps"] for a in attempts] == replayed, attempts
+    assert gp["replayed_steps"] == sum(replayed) and (gp["seconds"]["replayed"] > 0) == (sum(replayed) > 0)
+    for cat in ("start-up", "load", "productive", "checkpoint", "eval", "stop and save"):
+        assert gp["seconds"][cat] > 0, (cat, gp)
+    assert 0 < gp["goodput"] < 1
+    print(f"\ngoodput ledger of job {jid}: " + ", ".join(f"{k} {v:.1f} s" for k, v in gp["seconds"].items()))
+    return gp
 
 
 # ------------------------------------------------------------------ job M: ddpjob submit (submitit)

@@ -146,6 +146,18 @@ def test_kill_9_resumes_from_the_in_memory_snapshot_inside_the_allocation(
     assert [(s["job_id"], s["resumed_step"]) for s in starts] == [(jid, None), (jid, 32)], starts
     assert_same_as_reference(run, reference.run_dir())
     assert not list(Path("/dev/shm").glob(f"ddpjob-{os.getuid()}/{jid}-*")), "snapshots left behind"
+    # The goodput ledger: two attempts in one start of the job, the second from where the first
+    # ended (no queue between them), replaying the step the crash lost
+    gp = json.loads(ddpjob("status", str(run), "--json", cwd=tmp_path).stdout)["goodput"]
+    (submit, start, end), = slurmtools.sacct_times(jid)
+    first, second = gp["attempts"]
+    assert (first["job_id"], second["job_id"]) == (jid, jid), gp["attempts"]
+    assert abs(first["begin"] - start) <= 1 and abs(second["end"] - end) <= 1, (gp["attempts"], start, end)
+    assert first["end"] == second["begin"] and first["ended_by"] == "crash", gp["attempts"]
+    assert [a["replayed_steps"] for a in gp["attempts"]] == [0, crash["steps_lost"]], gp["attempts"]
+    assert abs(gp["seconds"]["queue"] - (start - submit)) <= 1, gp
+    assert gp["seconds"]["replayed"] > 0 and gp["seconds"]["checkpoint"] > 0, gp
+    assert abs(sum(gp["seconds"].values()) - gp["wall_s"]) <= 0.01 * gp["wall_s"], gp
 
 
 def node_pids(job_id: str, node: str) -> list[int]:

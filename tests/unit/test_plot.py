@@ -67,6 +67,36 @@ def test_a_custom_loops_own_metrics_are_plotted_and_summarized(tmp_path: Path) -
     assert "progress    step 30, epoch 3, loss 1.3809, lr 0.05, 1100 img/s" in plot.summary(trainer_like)
 
 
+def test_the_goodput_bars_under_the_curves_and_the_status_line(tmp_path: Path, capsys) -> None:
+    """`ddpjob plot` draws each run's ledger as a bar (launch/goodput.py) and `status` says it in
+    one line; a run without one (the second) has no bar."""
+    d = tmp_path / "runs" / "timed"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    (d / "job.json").write_text(json.dumps({"backend": "local", "job_id": "local-1", "submitted_at": 100.0}))
+    evs = [{"event": "start", "job_id": "local-1", "restart": 0, "time": 110.0, "load_s": 1.0,
+            "launched_time": 104.0},
+           {"event": "stop", "reason": "finished", "job_id": "local-1", "restart": 0, "step": 20, "time": 130.0}]
+    recs = [{"kind": "train", "step": s, "restart": 0, "time": 110.0 + s, "loss": 1 / s} for s in range(1, 21)]
+    (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evs))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    other = _fake_run(tmp_path / "runs", "untimed", 0.1, 10, None)
+    assert main(["plot", str(d), str(other), "-o", str(tmp_path / "gp.png")]) == 0
+    assert (tmp_path / "gp.png").read_bytes()[:4] == b"\x89PNG"
+    from ddpjob.launch import goodput, runs
+
+    ledgers = goodput.of_runs(runs.infos([(d, ""), (other, "")]))
+    assert ledgers[other] is None
+    record = plot.plot_runs([d, other], tmp_path / "gp2.png", ledgers)
+    assert list(record.goodput) == ["timed"]
+    assert record.goodput["timed"]["productive"] == pytest.approx(20)  # 110 -> 130
+    assert record.goodput["timed"]["start-up"] == pytest.approx(109 - 104)
+    capsys.readouterr()
+    assert main(["status", str(d)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("goodput"))
+    assert line == "goodput     66.7% of 30 s trained; start-up 16.7%, load 3.3%, other 13.3%"
+
+
 def test_restart_without_a_stop_record_is_a_kill() -> None:
     ev = [{"event": "start", "restart": 0}, {"event": "start", "restart": 1, "resumed_step": 40}]
     assert plot.restart_markers(ev) == [plot.Marker(40, "killed (no stop recorded)", 1)]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ddpjob.config import JobConfig
+from ddpjob.slurm import Incarnation
 
 # SLURM states after which nothing more will happen (a requeued job goes back to PENDING).
 TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "STOPPED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -50,6 +51,10 @@ class Backend(Protocol):
 
     def state(self, run_dir: Path, job: dict[str, Any], known: dict[str, dict[str, Any]] | None) -> JobState:
         """The state of the run's job (job.json), from `known` (states()) if given."""
+
+    def incarnations(self, job_ids: list[str]) -> dict[str, list[Incarnation]]:
+        """Every start of each job with its queue times, in one query (the goodput ledger's queue
+        wait); {} where there is no queue or the scheduler cannot say."""
 
     def cancel(self, run_dir: Path, job: dict[str, Any], state: str) -> None:
         """End the job now (the ranks get SIGTERM; a pending job never starts)."""

@@ -19,6 +19,7 @@ from ddpjob import console, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.launch.backends import TERMINAL, JobState
+from ddpjob.slurm import Incarnation
 from ddpjob.launch.local import LOCAL, rank_command  # the supervisor's state file, what each rank runs
 
 SUPERVISOR = "ddpjob.launch.local"
@@ -83,6 +84,9 @@ class LocalBackend:
 
     def states(self, job_ids: list[str]) -> dict[str, dict[str, Any]]:
         return {}  # each run's local.json says it
+
+    def incarnations(self, job_ids: list[str]) -> dict[str, list[Incarnation]]:
+        return {}  # no queue: the supervisor starts the ranks at once
 
     def state(self, run_dir: Path, job: dict[str, Any], known: dict[str, dict[str, Any]] | None) -> JobState:
         rec = rundir.read_record(run_dir / LOCAL) or None

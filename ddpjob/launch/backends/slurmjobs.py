@@ -15,6 +15,7 @@ from ddpjob import config, rundir, slurm
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.launch.backends import TERMINAL, JobState
+from ddpjob.slurm import Incarnation
 
 _ARRAY = re.compile(r"(\d+)_\[([0-9,\-]+)(?:%\d+)?\]", re.ASCII)
 
@@ -86,6 +87,10 @@ class SlurmJobs:
 
     def states(self, job_ids: list[str]) -> dict[str, dict[str, Any]]:
         return slurm_states(job_ids)
+
+    def incarnations(self, job_ids: list[str]) -> dict[str, list[Incarnation]]:
+        res = slurm.incarnations_of(job_ids)
+        return {} if isinstance(res, slurm.Failed) else res  # no accounting: no queue wait, said as "other"
 
     def state(self, run_dir: Path, job: dict[str, Any], known: dict[str, dict[str, Any]] | None) -> JobState:
         job_id = str(job.get("job_id", ""))
