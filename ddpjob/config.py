@@ -138,6 +138,11 @@ class TrainConfig:
     # stop lands one step later, nothing on the critical path); sync: read at once (one blocking
     # all-reduce per step, the stop one step sooner: for steps of minutes under a short GraceTime)
     stop_vote: Free[str] = "overlap"
+    # a rank whose work per step (its arrival at the gradient all-reduce) stays this much above
+    # the ranks' median over straggler_window steps is named, with its host and the cause
+    # (rank/straggler.py); straggler_window = 0: off
+    straggler_threshold: Free[float] = 0.5
+    straggler_window: Free[int] = 20
     log_sample_ids: Free[bool] = False  # each rank logs its samples per step to RUN_DIR/samples/ (tests)
     entry: Match[str] = ""  # "" = the built-in trainer; "path/to/script.py" or "package.module:function"
     args: Match[tuple[str, ...]] = ()  # sys.argv[1:] of the entry

@@ -46,7 +46,7 @@ LIMITS: dict[str, int] = {
     "train.log_every": 10**12, "train.threads": 1024, "train.dist_timeout_s": 7 * 86400,
     "data.num_workers": 256, "data.synthetic_train": 100_000_000,
     "data.synthetic_test": 100_000_000, "checkpoint.every_steps": 10**12,
-    "checkpoint.keep_last": 10_000, "checkpoint.snapshot_every": 10**12,
+    "checkpoint.keep_last": 10_000, "checkpoint.snapshot_every": 10**12, "train.straggler_window": 1_000_000,
 }
 MAX_WORLD = 1 << 20
 _POSITIVE = {"slurm.nodes", "slurm.max_no_progress", "slurm.tasks_per_node", "slurm.cpus_per_task", "train.num_classes",
@@ -93,7 +93,7 @@ def _sizes(cfg: JobConfig) -> None:
     floats = {"train.lr": t.lr, "train.momentum": t.momentum, "train.weight_decay": t.weight_decay,
               "train.warmup_epochs": t.warmup_epochs, "train.lr_gamma": t.lr_gamma,
               "train.grad_clip": t.grad_clip, "train.label_smoothing": t.label_smoothing,
-              "checkpoint.every_minutes": c.every_minutes}
+              "checkpoint.every_minutes": c.every_minutes, "train.straggler_threshold": t.straggler_threshold}
     for key, v in floats.items():
         _check(not v < 0, f"{key} is {v}, expected >= 0", f"set {key} = 0 to disable")
         _check(math.isfinite(v) and v <= 1e6, f"{key} is {v}, expected a finite number at most "

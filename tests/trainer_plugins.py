@@ -17,7 +17,14 @@ on the ranks' PYTHONPATH.
   restart's choice of snapshot is caused by the test, not by how fast a thread wrote.
   DDPJOB_TEST_SLOW="SECONDS[:RESTART]" sleeps that long in every training forward call (of that
   incarnation only): stretches wall time without changing a single number.
+- Stragglers, DDPJOB_TEST_STRAGGLE="RANK:CALL:HOW:SECONDS": from training forward call CALL on,
+  rank RANK is slow by SECONDS per call. HOW = "compute": a busy-wait in the backward pass (a
+  hook on the output's gradient); "data": a sleep in data loading (with the dataset plugin
+  `trainer_plugins:slow_synthetic`, which waits before handing out a batch's first sample);
+  "hog": a process spinning on the CPU this rank is pinned to, from that call on (the rank pins
+  itself to its node's last core and every other rank to the first).
 """
+
 
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -114,3 +122,83 @@ def _wait_for_snapshots(timeout: float = 120) -> None:
 
 def signalling_cnn(num_classes: int = 10) -> nn.Module:
     return SignallingCNN(num_classes)
+
+
+# ---------------------------------------------------------------- stragglers (DDPJOB_TEST_STRAGGLE)
+def _straggle() -> tuple[bool, int, str, float]:
+    """(this rank is the slow one, from which call, how, seconds per call)."""
+    spec = os.environ.get("DDPJOB_TEST_STRAGGLE", "")
+    if not spec:
+        return False, 0, "", 0.0
+    rank, call, how, secs = spec.split(":")
+    me = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    return rank == me, int(call), how, float(secs)
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class StragglingCNN(SignallingCNN):
+    """signalling_cnn, slow on one rank as DDPJOB_TEST_STRAGGLE says (compute or hog)."""
+
+    def __init__(self, num_classes: int) -> None:
+        super().__init__(num_classes)
+        self._slow, self._from, self._how_slow, self._secs = _straggle()
+        self._forwards = 0
+        self._hog: Any = None
+        if self._how_slow == "hog" and hasattr(os, "sched_setaffinity"):
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[-1] if self._slow else cores[0]})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.training and self._slow:
+            self._forwards += 1
+            if self._forwards >= self._from:
+                if self._how_slow == "compute" and out.requires_grad:
+                    out.register_hook(lambda g: (_spin(self._secs), g)[1])
+                elif self._how_slow == "hog" and self._hog is None:
+                    import subprocess
+                    import sys
+
+                    core = str(sorted(os.sched_getaffinity(0))[-1])
+                    self._hog = subprocess.Popen(["taskset", "-c", core, sys.executable, "-c", "while True: pass"])
+                    import atexit
+
+                    atexit.register(self._hog.kill)
+        return out
+
+
+def straggling_cnn(num_classes: int = 10) -> nn.Module:
+    return StragglingCNN(num_classes)
+
+
+class _SlowSynthetic(torch.utils.data.Dataset):
+    """A synthetic CIFAR-sized set whose samples come late on the straggling rank (data)."""
+
+    def __init__(self, n: int, seed: int, batch: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.rand(n, 3, 32, 32, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+        self._slow, self._from, self._how_slow, self._secs = _straggle()
+        self._batch, self._served = batch, 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._served += 1
+        batch_no = (self._served - 1) // self._batch + 1  # which batch of this rank (= forward call)
+        if (self._slow and self._how_slow == "data" and batch_no >= self._from
+                and (self._served - 1) % self._batch == 0):
+            time.sleep(self._secs)
+        return self.x[i], self.y[i]
+
+
+def slow_synthetic(root: str, train: bool) -> torch.utils.data.Dataset:
+    """data.dataset = "trainer_plugins:slow_synthetic": 1024 train / 128 test samples; the batch
+    size of the straggler tests' jobs (16) tells where a batch begins."""
+    return _SlowSynthetic(1024 if train else 128, 1 if train else 2, int(os.environ.get("DDPJOB_TEST_BATCH", "16")))

@@ -45,7 +45,7 @@ def format_status(i: RunInfo) -> str:
 
     try:
         lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts", "attempt",
-                                                                       "recovery", "hosts")
+                                                                       "recovery", "hosts", "straggler")
                   and not ln.startswith("restarts    0")]
     except (ValueError, OSError) as exc:  # a damaged record (rundir.RecordError, ...): said, not raised
         lines.append(f"damaged     {exc}"[:300])

@@ -219,7 +219,10 @@ def build(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
         elif inc is not None and inc.end is not None and not any(
                 str(s.get("job_id")) == jid and (_num(s, "launched_time") or 0) > launched and
                 (_num(s, "launched_time") or 0) <= inc.end for s in starts[n + 1:]):
-            end = max(end or 0.0, inc.end)  # the last attempt of this start of the job: SLURM's end
+            # the last attempt of this start of the job: SLURM's end (a requeue's is when the
+            # controller requeued it, while the ranks may still be exiting: their records after
+            # it overlap the next queue wait, and the painting gives them to "stop and save")
+            end = inc.end
         attempts.append(Attempt(jid, restart, round(begin, 3), None if end is None else round(end, 3),
                                 resumed, reached, replayed, (stop or {}).get("reason")))
         stops.append(stop)

@@ -275,6 +275,11 @@ def summary(run_dir: str | Path) -> list[str]:
         lines.append(f"attempt     {line}")
         if took:
             lines.append(f"  recovery  {took}")
+    for e in h.events:  # the straggler watch's findings (rank/straggler.py)
+        if e.get("event") == "straggler":
+            lines.append(f"straggler   rank {e.get('rank')} on {e.get('host')} ({e.get('cause')}), steps "
+                         f"{e.get('first_step')}-{e.get('step')}: {_num(e.get('busy_ms')):.1f} ms of work per "
+                         f"step against {_num(e.get('median_ms')):.1f} ms (job {e.get('job_id')})")
     failures = crashes.host_failures(h.events)
     if failures:  # the run's host ledger: what a restart inside the allocation leaves out
         out = set(crashes.excluded(h.events))

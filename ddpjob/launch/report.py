@@ -16,6 +16,8 @@ from ddpjob import rundir
 from ddpjob.launch import goodput, phases, plot, runs
 
 SCHEMA = "ddpjob.run/1"
+STRAGGLER_KEYS = ("rank", "host", "cause", "busy_ms", "median_ms", "data_ms", "first_step", "step", "job_id",
+                  "restart", "time")
 STOP_KEYS = ("reason", "step", "job_id", "restart", "steps_lost", "requeued", "requeued_by",
              "next_job_id", "time", "note")
 
@@ -63,6 +65,7 @@ def record(i: runs.RunInfo, ledger: goodput.Ledger | None = None) -> dict[str, A
         "final_accuracy": _num((done or {}).get("accuracy")),
         "code": ({k: v for k, v in code.items() if k != "text"} or None) if i.state != "DAMAGED" else None,
         "goodput": ledger.record() if ledger is not None else None,
+        "stragglers": [{k: e.get(k) for k in STRAGGLER_KEYS} for e in evs if e.get("event") == "straggler"],
     }
 
 

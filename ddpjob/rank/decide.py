@@ -29,6 +29,15 @@ class Pending(Protocol):
     def result(self) -> list[int]: ...
 
 
+class Rider(Protocol):
+    """Values that travel with the vote, after its own three (rank/straggler.StepTimer): the
+    same number on every rank, each rank filling its own slots (the channel takes the MAX)."""
+
+    def values(self) -> list[int]: ...
+
+    def arrived_votes(self, step: int, values: list[int]) -> None: ...
+
+
 class Channel(Protocol):
     """Element-wise MAX of a few small integers over all ranks (node/dist.Control)."""
 
@@ -55,8 +64,9 @@ class StepDecider:
 
     def __init__(self, channel: Channel, *, stop: StopFlag, schedule: SaveSchedule,
                  deadline: DeadlineWatch, busy: Callable[[], bool], total: int, lag: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, rider: Rider | None = None) -> None:
         self._channel, self._stop, self._schedule, self._deadline = channel, stop, schedule, deadline
+        self._rider = rider
         self._busy, self.total, self.lag, self._clock = busy, total, lag, clock
         self._deadline.lag_steps = lag
         self._pending: Pending | None = None
@@ -72,15 +82,19 @@ class StepDecider:
             return Decision(step, last=True)  # finishing costs no more than stopping would
         t0 = time.perf_counter()
         if not self.lag:
-            stop, save, busy = self._channel.agree(self.my_vote(step))
+            (stop, save, busy), rides = self._split(self._channel.agree(self.my_vote(step)))
+            ridden = step
         elif self._pending is None:
             # nothing in flight after an attempt's first step: only the schedule's step answer,
             # which every rank gives alike (a minute answer would need the vote)
-            stop, save, busy = 0, int(self._schedule.due_by_steps(step)), 1
+            (stop, save, busy), rides = (0, int(self._schedule.due_by_steps(step)), 1), []
         else:
-            stop, save, busy = self._pending.result()
+            (stop, save, busy), rides = self._split(self._pending.result())
+            ridden = step - 1  # started after the step before: it carries that step's values
         self._pending = None
         self.vote_s += time.perf_counter() - t0
+        if rides and self._rider is not None:
+            self._rider.arrived_votes(ridden, rides)
         return Decision(step, stop=stop, save=bool(save or stop), busy=bool(busy))
 
     def saved(self, seconds: float) -> None:
@@ -103,8 +117,14 @@ class StepDecider:
             self._pending = None
 
     def my_vote(self, due_at: int) -> list[int]:
-        """This rank's [stop code, checkpoint due at step `due_at`, background write busy]."""
+        """This rank's [stop code, checkpoint due at step `due_at`, background write busy], and
+        the rider's values after them."""
         if self._deadline.expired():
             self._stop.request(DEADLINE)
-        return [self._stop.code, int(self._schedule.due(due_at)), int(self._busy())]
+        own = [self._stop.code, int(self._schedule.due(due_at)), int(self._busy())]
+        return own + (self._rider.values() if self._rider is not None else [])
+
+    @staticmethod
+    def _split(result: list[int]) -> tuple[tuple[int, int, int], list[int]]:
+        return (result[0], result[1], result[2]), result[3:]
 

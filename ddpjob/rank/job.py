@@ -91,6 +91,7 @@ class Job:
         self.vote_s = 0.0
         self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
         self._load_s: float | None = None  # resume()'s, for the recovery's phases (launch/phases.py)
+        self._timer = self._step_timer()
         # On GPUs the kernel choice decides both speed and whether a resume is bit-exact: say it.
         kernels = "" if self.device.type != "cuda" else (
             ", deterministic kernels (train.deterministic)" if cfg.train.deterministic
@@ -161,8 +162,46 @@ class Job:
         self._ctx.hold(ddp)  # it lets go of the group at the end (DistContext._release)
         t = self.config.train
         dist.register_comm_hook(ddp, ordered=t.deterministic_reduce and self.world_size > 2,
-                                compression=t.grad_compression)
+                                compression=t.grad_compression, stamp=self._timer)
+        if self._timer.world_size:  # the buffer broadcast in DDP's forward is a wait, not work
+            timer = self._timer
+            ddp.register_forward_pre_hook(lambda _m, _a: timer.forward_called())
+            model.register_forward_pre_hook(lambda _m, _a: timer.forward_entered())
         return ddp
+
+    def timed(self, batches: Any) -> Iterator[Any]:
+        """Yield from `batches`, counting the wait for each as this step's data wait: the
+        straggler watch then tells a slow loader from a slow rank (rank/straggler.py)."""
+        it, timer, clock = iter(batches), self._timer, time.perf_counter
+        while True:
+            t0 = clock()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            timer.data_s += clock() - t0
+            yield item
+
+    def _step_timer(self) -> Any:
+        """Each step's busy time and data wait, riding the stop vote; rank 0 watches for a slow
+        rank (train.straggler_window > 0, several ranks)."""
+        from ddpjob.rank import straggler
+
+        t = self.config.train
+        watch = None
+        if self.is_rank0 and self.world_size > 1 and t.straggler_window > 0:
+            per_node = self.env.local_world_size
+            hosts = [straggler.host_of(r, self.env.hosts, per_node, self.env.hostname) for r in range(self.world_size)]
+            watch = straggler.Watch(hosts, window=t.straggler_window, threshold=t.straggler_threshold)
+        return straggler.StepTimer(self.rank, self.world_size if t.straggler_window > 0 else 0, watch,
+                                   report=self._report_straggler)
+
+    def _report_straggler(self, flag: Any) -> None:
+        console.warn(flag.describe())
+        rundir.record_event(self.run_dir, "straggler", rank=flag.rank, host=flag.host, cause=flag.cause,
+                            busy_ms=round(1000 * flag.busy_s, 3), median_ms=round(1000 * flag.median_s, 3),
+                            data_ms=round(1000 * flag.data_s, 3), step=flag.last, first_step=flag.first,
+                            job_id=self.job_id, restart=self.restart)
 
     # ------------------------------------------------------------------ resume / steps
     def resume(self, state: dict[str, Any], *, seed: int | None = None) -> int:
@@ -219,11 +258,14 @@ class Job:
         self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
         decider = StepDecider(self._control, stop=self._stop, schedule=self._schedule, deadline=self._deadline,
-                              busy=self._store.busy, total=total, lag=int(self.config.train.stop_vote == "overlap"))
+                              busy=self._store.busy, total=total, lag=int(self.config.train.stop_vote == "overlap"),
+                              rider=self._timer if self._timer.world_size else None)
         self._stop.current_step = step
         try:
             while step < total:
+                self._timer.step_started()
                 yield step
+                self._timer.step_done()
                 step += 1
                 self._step = step
                 if first_step:  # the recovery's last phase ends here (launch/phases.py)

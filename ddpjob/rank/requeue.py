@@ -228,12 +228,16 @@ ATTEMPT_MARK = "ddpjob: attempt "
 
 def _attempt_log(run_dir: Path, job_id: str) -> str:
     """The batch log from this attempt's srun on (its last 64 KiB): srun's lines name the task
-    that failed and its host. '' where it cannot be read (a custom --output)."""
-    try:
-        text = rundir.read_bounded(run_dir / rundir.LOGS / f"batch-{job_id}.out", 1 << 16, tail=True)
-    except (OSError, rundir.RecordError):
-        return ""
-    return text[text.rfind(ATTEMPT_MARK):] if ATTEMPT_MARK in text else text
+    that failed and its host. The template's batch-ID.out, else submitit's ID_0_log.err (its
+    batch shell's stderr, which srun's own lines go to). '' where neither can be read (a
+    custom --output, a sweep's shared log folder)."""
+    for name in (f"batch-{job_id}.out", f"{job_id}_0_log.err"):
+        try:
+            text = rundir.read_bounded(run_dir / rundir.LOGS / name, 1 << 16, tail=True)
+        except (OSError, rundir.RecordError):
+            continue
+        return text[text.rfind(ATTEMPT_MARK):] if ATTEMPT_MARK in text else text
+    return ""
 
 
 def restart_layout(run_dir: Path, env: ClusterEnv, tasks_per_node: int) -> tuple[int, list[str]] | None:

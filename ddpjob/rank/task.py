@@ -10,8 +10,10 @@ successor job gets a copy of the pickle under its own id). On the node,
 stop rank 0's Job decides and does the requeue (rank/requeue.py, the one decision, preemption
 within GraceTime included), and the task returns 3; `NodeTask` then ends with SystemExit(3) and
 no result pickle, as submitit's own handler does after requeueing, so a submitit Job waits for
-the next incarnation. 0 returns 0; a crash goes to requeue.after_crash on rank 0 (max_failures),
-else raises, so submitit records the failure and the job ends FAILED. Should a signal reach
+the next incarnation. 0 returns 0; a crash raises, so submitit records the failure, and the
+batch shell's srun loop (DDPJOB_ATTEMPT set: launch/backends/submitit_slurm.restart_lines)
+decides whether the ranks run again inside the allocation (max_failures); a job submitted before
+that loop existed has rank 0 decide here instead (requeue.after_crash: a requeue). Should a signal reach
 submitit's handler before ours is installed, `checkpoint()` hands submitit the same task.
 """
 
@@ -59,6 +61,11 @@ class NodeTask:
 
         env = ClusterEnv.from_environ()
         if not env.is_rank0 or env.source != "slurm":
+            return False
+        if "DDPJOB_ATTEMPT" in env.ddpjob_vars:
+            # the batch shell's srun loop decides once every task has ended (submitit_slurm's
+            # restart_lines): run again inside the allocation, or not at all. Deciding here
+            # too would requeue the job under the loop's feet.
             return False
         return bool(requeue.after_crash(config.read_run_config(self.run_dir), env,
                                         Path(self.run_dir), code))

@@ -157,7 +157,7 @@ def fit(job: Job) -> FitResult:
         for step in job.steps(state, total, accumulation=accumulation):
             epoch, within = divmod(step, spe)
             if batches is None or within == 0:
-                batches = meter.timed(loader.batches(epoch, within))
+                batches = meter.timed(job.timed(loader.batches(epoch, within)))  # job: the straggler watch's data wait
             micro_batches = next(batches)
             lr = lr_at(step)
             for group in optimizer.param_groups:

@@ -160,6 +160,39 @@ def test_kill_9_resumes_from_the_in_memory_snapshot_inside_the_allocation(
     assert abs(sum(gp["seconds"].values()) - gp["wall_s"]) <= 0.01 * gp["wall_s"], gp
 
 
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_submitit_kill_9_restarts_inside_the_allocation_from_the_in_memory_snapshot(
+        slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
+    """The same kill -9 of rank 2 in step 34 through `ddpjob submit`: submitit's srun line goes
+    through the batch shell's restart loop (submitit_slurm.restart_lines), so the same job id
+    runs the ranks again in its allocation, from the snapshot of step 32, with no requeue."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    reference.start()
+    job = write_job(tmp_path / "job.toml", slurm={**SLURM, "max_failures": 1}, train=TRAIN, data=DATA,
+                    checkpoint={**CHECKPOINT, "snapshot_every": 2})
+    run = tmp_path / "run"
+    ddpjob("submit", str(job), "--backend", "slurm", "--run-dir", str(run), cwd=tmp_path,
+           env=job_env(DDPJOB_TEST_SIGNAL="2:67:0:kill", DDPJOB_TEST_SNAP_WAIT="32"))
+    jid = json.loads((run / "job.json").read_text())["job_id"]
+    slurmtools.submitted.append(jid)  # conftest cancels what a failed test leaves
+    assert slurmtools.wait_done(jid, 900) == "COMPLETED"
+    stops = [e for e in events(run, "stop") if "rank" not in e]
+    assert [e["reason"] for e in stops] == ["crash", "finished"], stops
+    crash = stops[0]
+    assert (crash["step"], crash["steps_lost"], crash["failed_rank"]) == (32, 1, 2), crash
+    assert crash["requeued_by"] == "in_allocation", crash
+    starts = events(run, "start")
+    assert [(s["job_id"], s["resumed_step"]) for s in starts] == [(jid, None), (jid, 32)], starts
+    assert len(slurmtools.sacct_times(jid)) == 1  # one start of the job: never requeued
+    batch = (run / "logs" / f"{jid}_0_log.err").read_text()
+    assert "ddpjob: attempt 0: ranks on 2 node(s)" in batch and "ddpjob: attempt 1: ranks on 2 node(s)" in batch
+    assert_same_as_reference(run, reference.run_dir())
+    assert not list(Path("/dev/shm").glob(f"ddpjob-{os.getuid()}/{jid}-*")), "snapshots left behind"
+
+
 def node_pids(job_id: str, node: str) -> list[int]:
     """Every process of the job on `node` (`scontrol listpids`: ranks and their children)."""
     out = subprocess.run(["scontrol", "listpids", job_id, node], capture_output=True, text=True,

@@ -127,7 +127,8 @@ def test_the_json_record_of_a_run(tmp_path):
         "step": 14, "loss": None,
         "checkpoint": {"step": 10, "path": str(run / "checkpoints" / "step-000000010")},
         "best_accuracy": {"value": 0.75, "step": 12}, "final_accuracy": None, "code": None,
-        "goodput": None}  # its starts recorded no times: no ledger (tests/unit/test_goodput.py)
+        "goodput": None,  # its starts recorded no times: no ledger (tests/unit/test_goodput.py)
+        "stragglers": []}
     # a damaged run dir is still one line, and no runs are no lines
     (tmp_path / "runs" / "bad").mkdir()
     (tmp_path / "runs" / "bad" / "config.json").write_text("{}")

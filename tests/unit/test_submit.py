@@ -55,6 +55,53 @@ def test_slurm_parameters_map_every_field():
         "exclusive": True, "mail-type": "END"}
 
 
+def _srun_loop(tmp_path: Path, srun_body: str, decide_body: str) -> tuple[int, list[str], str]:
+    """Run submitit's srun line through the guard's shell function, with a fake `srun` on PATH
+    and a fake decision in place of `python -m ddpjob.rank.requeue`. Returns (status, srun's
+    argument lines, what the decision was asked)."""
+    from ddpjob.rank.requeue import ATTEMPT_MARK
+
+    cfg = cfg_with(nodes=2, tasks_per_node=2)
+    lines = submitit_slurm.guard_lines(cfg, tmp_path / "run" / "logs", [tmp_path / "run"])
+    lines = [ln for ln in lines if "PYTHONPATH" not in ln and "find " not in ln]  # no folder checks here
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "srun").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path}/srun-args\n{srun_body}\n")
+    (bin_ / "decide").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path}/asked\n{decide_body}\n")
+    for f in ("srun", "decide"):
+        (bin_ / f).chmod(0o755)
+    script = "\n".join([*lines, "srun --unbuffered --kill-on-bad-exit=1 python -u -m submitit.core._submit F",
+                        'echo "exit $?"']).replace(shlex.quote(sys.executable), str(bin_ / "decide"))
+    out = subprocess.run(["bash", "-c", script], env={"PATH": f"{bin_}:/usr/bin:/bin", "SLURM_JOB_NUM_NODES": "2"},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.stderr.startswith(ATTEMPT_MARK + "0: ranks on 2 node(s)"), out.stderr  # the decision's mark
+    args = (tmp_path / "srun-args").read_text().splitlines()
+    asked = (tmp_path / "asked").read_text() if (tmp_path / "asked").exists() else ""
+    return int(out.stdout.split()[-1]), args, asked
+
+
+def test_the_submitit_script_runs_a_crashed_job_again_inside_its_allocation(tmp_path):
+    """Submitit's one srun line goes through the guard's `srun` function: a crash asks ddpjob's
+    decision, and on RESTART (4) the ranks run again on the nodes it names, excluded host left
+    out; a stop for a requeue (3), a finish, a "no" from the decision or a signal to the batch
+    shell end the loop with srun's status."""
+    crash_once = f'[ -e {tmp_path}/crashed ] && exit 0; touch {tmp_path}/crashed; exit 137'
+    status, args, asked = _srun_loop(tmp_path, crash_once, 'echo "ddpjob: excluding n2" >&2; echo "1 n2"; exit 4')
+    assert status == 0 and len(args) == 2, args
+    assert args[0] == "--nodes=2 --ntasks=4 --unbuffered --kill-on-bad-exit=1 python -u -m submitit.core._submit F"
+    assert args[1] == ("--nodes=1 --ntasks=2 --exclude=n2 --unbuffered --kill-on-bad-exit=1 python -u -m "
+                       "submitit.core._submit F")
+    assert asked.split() == ["-m", "ddpjob.rank.requeue", str(tmp_path / "run"), "137"]
+    for srun_body, decide_body, expected in (("exit 3", "exit 4", 3), ("exit 0", "exit 4", 0),
+                                             ("exit 1", "exit 1", 1),
+                                             ("kill -TERM $PPID; sleep 0.2; exit 143", "exit 4", 143)):
+        for f in ("srun-args", "asked", "crashed"):
+            (tmp_path / f).unlink(missing_ok=True)
+        status, args, asked = _srun_loop(tmp_path, srun_body, decide_body)
+        assert (status, len(args)) == (expected, 1), (srun_body, status, args)
+        assert bool(asked) == (expected == 1), (srun_body, asked)  # asked only after a crash with no signal
+
+
 def test_template_and_submitit_scripts_carry_the_same_sbatch_options(tmp_path):
     """One mapping from [slurm] (backends/options.py) feeds both scripts: every #SBATCH option of
     the rendered template but its batch log is in submitit's script, with the same value."""
