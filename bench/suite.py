@@ -147,6 +147,26 @@ def p13(b: Bench) -> list[Row]:
     return rows
 
 
+# ------------------------------------------------------------------------------------ P14
+def p14(b: Bench) -> list[Row]:
+    """The straggler watch's cost (rank/straggler.py): the same run with the watch on
+    (train.straggler_window = 20: two perf_counter stamps and two forward pre-hooks per step, a
+    stamping comm hook, two more vote slots per rank, rank 0's medians every 10 steps) against
+    it off, side by side, by mean step time. Goal: <= 1% of the step time."""
+    s = b.sizes
+    steps = s.warm + s.steps
+    over = ['train.model="cnn_tiny"', "checkpoint.every_steps=0"]
+    on, off = b.lockstep(Arm("P14-watch", "fit", 2, {"config": b.config(2, *over, "train.straggler_window=20")}),
+                         Arm("P14-off", "fit", 2, {"config": b.config(2, *over, "train.straggler_window=0")}),
+                         steps=steps)
+    ratios = [harness.window_rate(y, s.warm, steps) / harness.window_rate(x, s.warm, steps) for x, y in zip(on, off)]
+    cost = median(ratios) - 1.0
+    step_ms = 1000.0 / median([harness.window_rate(y, s.warm, steps) for y in off])
+    return [Row("P14", "straggler watch on / off, mean step time, jobs/smoke.toml's network (2 ranks x 1 thread)",
+                "<= 1% of the step time", f"{1 + cost:.3f}x ({100 * cost:+.1f}% of a {step_ms:.0f} ms step)",
+                cost <= 0.01, {"trial_ratios": [round(r, 3) for r in ratios], "step_ms": round(step_ms, 1)})]
+
+
 # ------------------------------------------------------------------------------------ P2
 def p2(b: Bench) -> list[Row]:
     s = b.sizes
@@ -488,7 +508,7 @@ def p11(b: Bench) -> list[Row]:
 
 BENCHMARKS: dict[str, Callable[[Bench], list[Row]]] = {
     "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9, "P10": p10,
-    "P11": p11, "P13": p13}
+    "P11": p11, "P13": p13, "P14": p14}
 # Run only when named: P11 needs the SLURM test cluster and ~15 minutes, so neither the default
 # set nor CI's `bench --tiny` (tests/unit/test_bench.py) may start it.
 ON_DEMAND = frozenset({"P11"})

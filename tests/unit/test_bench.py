@@ -16,7 +16,7 @@ if str(REPO) not in sys.path:  # bench/ is a top-level folder of the repository,
 from bench import harness, run  # noqa: E402
 from bench.core import Row  # noqa: E402
 from bench.suite import BENCHMARKS, ON_DEMAND  # noqa: E402
-IDS = [f"P{i}" for i in range(1, 11)] + ["P13"]  # the default set; P11 (the cluster storm) only by name
+IDS = [f"P{i}" for i in range(1, 11)] + ["P13", "P14"]  # the default set; P11 (the cluster storm) only by name
 
 
 def test_unknown_id_is_a_usage_error(tmp_path: Path) -> None:
@@ -47,7 +47,7 @@ def test_step_times_skip_gate_waits_and_take_the_slowest_rank() -> None:
 
 
 def test_every_id_has_a_benchmark_and_the_job_file_exists() -> None:
-    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P13"]
+    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P13", "P14"]
     assert ON_DEMAND == {"P11"}  # never in the default set nor CI's --tiny run: it needs the cluster
     assert harness.JOB.is_file()
     # the benchmark's config is the user's job file plus overrides, and it validates
