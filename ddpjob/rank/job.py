@@ -59,6 +59,7 @@ class Job:
         self._standalone, self._lock, self._on_close = standalone, lock, on_close
         # torch loads here, not at import: `import ddpjob` stays light on a login node
         from ddpjob.node import dist, preemption
+        from ddpjob.rank import straggler
         from ddpjob.store import memsnap
         from ddpjob.store.schedule import SaveSchedule
         from ddpjob.store.state import StateStore
@@ -91,7 +92,7 @@ class Job:
         self.vote_s = 0.0
         self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
         self._load_s: float | None = None  # resume()'s, for the recovery's phases (launch/phases.py)
-        self._timer = self._step_timer()
+        self._timer = straggler.for_job(self)  # each step's work and data wait, riding the vote
         # On GPUs the kernel choice decides both speed and whether a resume is bit-exact: say it.
         kernels = "" if self.device.type != "cuda" else (
             ", deterministic kernels (train.deterministic)" if cfg.train.deterministic
@@ -141,7 +142,7 @@ class Job:
         With train.strategy = "fsdp" the model is sharded in place instead (FSDP2 fully_shard
         on each child with parameters and on the root, node/fsdp.py) and returned: build the
         optimizer after wrap(). `ddp_kwargs` are DDP's only."""
-        from ddpjob.node import dist
+        from ddpjob.node import commhooks
 
         model.to(self.device)
         if not self._ctx.initialized:
@@ -161,12 +162,9 @@ class Job:
         ddp = DDP(model, **ddp_kwargs)
         self._ctx.hold(ddp)  # it lets go of the group at the end (DistContext._release)
         t = self.config.train
-        dist.register_comm_hook(ddp, ordered=t.deterministic_reduce and self.world_size > 2,
-                                compression=t.grad_compression, stamp=self._timer)
-        if self._timer.world_size:  # the buffer broadcast in DDP's forward is a wait, not work
-            timer = self._timer
-            ddp.register_forward_pre_hook(lambda _m, _a: timer.forward_called())
-            model.register_forward_pre_hook(lambda _m, _a: timer.forward_entered())
+        commhooks.register_comm_hook(ddp, ordered=t.deterministic_reduce and self.world_size > 2,
+                                     compression=t.grad_compression, stamp=self._timer)
+        self._timer.watch_forward(ddp, model)
         return ddp
 
     def timed(self, batches: Any) -> Iterator[Any]:
@@ -181,27 +179,6 @@ class Job:
                 return
             timer.data_s += clock() - t0
             yield item
-
-    def _step_timer(self) -> Any:
-        """Each step's busy time and data wait, riding the stop vote; rank 0 watches for a slow
-        rank (train.straggler_window > 0, several ranks)."""
-        from ddpjob.rank import straggler
-
-        t = self.config.train
-        watch = None
-        if self.is_rank0 and self.world_size > 1 and t.straggler_window > 0:
-            per_node = self.env.local_world_size
-            hosts = [straggler.host_of(r, self.env.hosts, per_node, self.env.hostname) for r in range(self.world_size)]
-            watch = straggler.Watch(hosts, window=t.straggler_window, threshold=t.straggler_threshold)
-        return straggler.StepTimer(self.rank, self.world_size if t.straggler_window > 0 else 0, watch,
-                                   report=self._report_straggler)
-
-    def _report_straggler(self, flag: Any) -> None:
-        console.warn(flag.describe())
-        rundir.record_event(self.run_dir, "straggler", rank=flag.rank, host=flag.host, cause=flag.cause,
-                            busy_ms=round(1000 * flag.busy_s, 3), median_ms=round(1000 * flag.median_s, 3),
-                            data_ms=round(1000 * flag.data_s, 3), step=flag.last, first_step=flag.first,
-                            job_id=self.job_id, restart=self.restart)
 
     # ------------------------------------------------------------------ resume / steps
     def resume(self, state: dict[str, Any], *, seed: int | None = None) -> int:

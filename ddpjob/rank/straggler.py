@@ -4,7 +4,7 @@ rank 0 names a rank that stays slower than the others.
 Under DDP the gradient all-reduce makes every rank's step take as long as the slowest one's, so
 per-rank step times show nothing. What differs is when a rank *arrives* at that all-reduce: the
 time from the start of its step to the moment DDP hands it its last gradient bucket (the comm
-hook, node/dist.register_comm_hook, stamps it), which is the rank's own work, data wait
+hook, node/commhooks.py, stamps it), which is the rank's own work, data wait
 included, and not the time it then waits for the others. The one collective before it, DDP's
 broadcast of rank 0's buffers at the start of each forward, is taken out (pre-hooks on DDP and
 on the model it wraps time it). The data wait is what the loop's
@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 MIN_EXCESS_S = 0.002  # a rank 1 ms slower in a 1 ms step is noise, not a straggler
 CONFIRM = 2  # looks in a row (every half window) that must find a rank slow before it is named
@@ -105,6 +106,13 @@ class StepTimer:
         self._started = 0.0
         self._last = (0, 0)  # (busy, data) of the last step, in microseconds
 
+    def watch_forward(self, ddp: Any, model: Any) -> None:
+        """Pre-hooks on DDP and on the model it wraps: the time between them is DDP's buffer
+        broadcast, a wait for rank 0, not this rank's work."""
+        if self.world_size:
+            ddp.register_forward_pre_hook(lambda _m, _a: self.forward_called())
+            model.register_forward_pre_hook(lambda _m, _a: self.forward_entered())
+
     def step_started(self) -> None:
         self._started, self.data_s, self._blocked = self._clock(), 0.0, 0.0
 
@@ -146,3 +154,26 @@ def host_of(rank: int, hosts: Sequence[str], tasks_per_node: int, fallback: str)
     node of the step, ...); `fallback` (this host) where the step's hosts are unknown."""
     node = rank // max(1, tasks_per_node)
     return hosts[node] if 0 <= node < len(hosts) else fallback
+
+
+def for_job(job: Any) -> StepTimer:
+    """A Job's timer (rank/job.py): it rides the vote when train.straggler_window > 0 and there
+    are several ranks (world_size 0 otherwise: no slots, no hooks); rank 0 also watches, and
+    says and records what it finds."""
+    t, env = job.config.train, job.env
+    on = t.straggler_window > 0 and job.world_size > 1
+    watch = None
+    if on and job.is_rank0:
+        hosts = [host_of(r, env.hosts, env.local_world_size, env.hostname) for r in range(job.world_size)]
+        watch = Watch(hosts, window=t.straggler_window, threshold=t.straggler_threshold)
+
+    def report(flag: Flag) -> None:
+        from ddpjob import console, rundir
+
+        console.warn(flag.describe())
+        rundir.record_event(job.run_dir, "straggler", rank=flag.rank, host=flag.host, cause=flag.cause,
+                            busy_ms=round(1000 * flag.busy_s, 3), median_ms=round(1000 * flag.median_s, 3),
+                            data_ms=round(1000 * flag.data_s, 3), step=flag.last, first_step=flag.first,
+                            job_id=job.job_id, restart=job.restart)
+
+    return StepTimer(job.rank, job.world_size if on else 0, watch, report=report)
