@@ -127,8 +127,8 @@ def build(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
     # ---- SLURM's queue: each start of each job waited from its submission (or requeue) on
     for jid, rows in incarnations.items():
         for row in rows:
-            if row.start is not None and row.submit is not None:
-                spans.append((row.submit, row.start, "queue"))
+            if row.submit is not None:  # one still pending waits until now (or its cancel)
+                spans.append((row.submit, row.start if row.start is not None else row.end or now, "queue"))
 
     def incarnation_of(job_id: str, t: float) -> Incarnation | None:
         for inc in incarnations.get(job_id, ()):
@@ -234,7 +234,7 @@ def build(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
             spans.append((a.end, b.begin, "idle"))
 
     times = [t for a in attempts for t in (a.begin, a.end) if t is not None]
-    times += [t for _, i in incs for t in (i.submit, i.start, i.end) if t is not None]
+    times += [t for rows in incarnations.values() for i in rows for t in (i.submit, i.start, i.end) if t is not None]
     begin = min([*times, *([submitted] if submitted is not None else [])])
     end = now if running else max(times)
     seconds = paint(spans, begin, end)

@@ -118,6 +118,13 @@ def test_a_running_job_counts_up_to_now_and_a_pending_one_is_all_queue() -> None
     assert ledger is not None
     assert ledger.end == 30 and ledger.attempts[0].end is None
     assert ledger.seconds["productive"] == pytest.approx(20) and ledger.seconds["queue"] == 5
+    # requeued, waiting again: the wait since the requeue is queue, up to now
+    evs.append({"event": "stop", "reason": "preemption", "job_id": "7", "restart": 0, "step": 5, "requeued": True,
+                "signal_time": 14.5, "decided_time": 14.6, "time": 15})
+    requeued = goodput.build(evs, steps(0, 1, 5, 10), {"7": [Incarnation("REQUEUED", 5, 16, 0),
+                                                             Incarnation("PENDING", None, None, 16)]},
+                             now=40, running=True)
+    assert requeued is not None and requeued.seconds["queue"] == pytest.approx(5 + 24)
     pending = goodput.build([], [], {"9": [Incarnation("PENDING", None, None, 100)]}, now=130, running=True)
     assert pending is None  # nothing started yet: status says PENDING, no ledger
     assert goodput.build([], [], {}, now=1, running=False) is None
