@@ -12,14 +12,27 @@
 # Exit status 0 only when `sinfo` shows n1 and n2 usable and `sacct` answers.
 # --clean: also cancel every job already queued or running (CI does this: jobs left by an earlier
 # session would otherwise hold the CPUs its tests need).
+# --nodes N (2-32, default 2): N slurmd daemons, n1..nN on 127.0.0.2..; `low` and `high` keep
+# n1 and n2 (the preemption tests need exactly those), partition `wide` holds them all, for the
+# tests and benchmarks that need more nodes (a lost node with a spare, 2 to 32 ranks). Another N
+# than the running cluster's restarts the controller (fresh state).
 set -euo pipefail
 
 CLEAN=false
-case "${1:-}" in
-    --clean) CLEAN=true ;;
-    "") ;;
-    *) echo "usage: bash tests/cluster/start.sh [--clean]" >&2; exit 2 ;;
-esac
+# Without --nodes: as many as the running cluster has (a test that grew it is not undone by the
+# next one that only wants the cluster up), else 2.
+NODE_COUNT=$(grep -c '^NodeName=n' /etc/slurm/slurm.conf 2>/dev/null || true)
+[[ $NODE_COUNT =~ ^[0-9]+$ ]] && [ "$NODE_COUNT" -ge 2 ] || NODE_COUNT=2
+usage() { echo "usage: bash tests/cluster/start.sh [--clean] [--nodes N]   (2 <= N <= 32)" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --clean) CLEAN=true ;;
+        --nodes) [ $# -ge 2 ] || usage; NODE_COUNT=$2; shift ;;
+        *) usage ;;
+    esac
+    shift
+done
+[[ $NODE_COUNT =~ ^[0-9]+$ ]] && [ "$NODE_COUNT" -ge 2 ] && [ "$NODE_COUNT" -le 32 ] || usage
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 DIR=${DDPJOB_CLUSTER_DIR:-/var/lib/ddpjob-test-cluster}
@@ -31,7 +44,8 @@ DBPASS=ddpjob-test-only                  # local test database reached only thro
 MEM=2000                                 # MB per node: modest, well under the machine's memory
 ETC=/etc/slurm
 MARKER="ddpjob's one-machine test cluster"
-NODES=(n1 n2)
+NODES=()
+for k in $(seq 1 "$NODE_COUNT"); do NODES+=("n$k"); done
 PACKAGES=(slurm-wlm munge slurmdbd mariadb-server)
 T0=$(date +%s%N)
 
@@ -124,6 +138,13 @@ render() {  # render TEMPLATE FIRSTJOBID: print the template with @VARS@ filled 
     sed -e "s|@CLUSTER@|$CLUSTER|g" -e "s|@HOST@|$HOST|g" -e "s|@DIR@|$DIR|g" \
         -e "s|@MEM@|$MEM|g" -e "s|@FIRSTJOBID@|$2|g" \
         -e "s|@DBUSER@|$DBUSER|g" -e "s|@DBPASS@|$DBPASS|g" "$1"
+    if [ "$(basename "$1")" = slurm.conf.in ] && [ "$NODE_COUNT" -gt 2 ]; then
+        # the nodes past n2, each on its own loopback address and slurmd port, and `wide`
+        for k in $(seq 3 "$NODE_COUNT"); do
+            echo "NodeName=n$k NodeHostname=$HOST NodeAddr=127.0.0.$((k + 1)) Port=$((17000 + k)) CPUs=2 RealMemory=$MEM State=UNKNOWN"
+        done
+        echo "PartitionName=wide Nodes=n[1-$NODE_COUNT] Default=NO MaxTime=1:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=20 OverSubscribe=NO"
+    fi
 }
 
 [ "$(id -u)" = 0 ] || die "tests/cluster/start.sh must run as root (it starts system daemons and edits /etc/hosts)"
@@ -163,8 +184,7 @@ add_host() {  # add_host IP NAME, idempotent
     [ "$(getent hosts "$2" | awk '{print $1; exit}')" = "$1" ] \
         || die "/etc/hosts maps $2 to $(getent hosts "$2" | awk '{print $1; exit}'), expected $1"
 }
-add_host 127.0.0.2 n1
-add_host 127.0.0.3 n2
+for k in $(seq 1 "$NODE_COUNT"); do add_host "127.0.0.$((k + 1))" "n$k"; done
 
 # ---- 3. munge --------------------------------------------------------------------------------
 if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
@@ -245,7 +265,7 @@ if alive "$DIR/run/slurmctld.pid" slurmctld \
 else
     # A fresh controller: stop the slurmds too (they would keep running jobs the controller
     # no longer knows), clear saved state (stale jobs from before a reboot or crash), start clean.
-    for n in "${NODES[@]}"; do stop_pidfile "$DIR/run/slurmd-$n.pid" slurmd; done
+    for f in "$DIR"/run/slurmd-*.pid; do [ -e "$f" ] && stop_pidfile "$f" slurmd; done  # every node of before
     stop_pidfile "$DIR/run/slurmctld.pid" slurmctld
     rm -rf "${DIR:?}/state" "${DIR:?}/spool"
     mkdir -p "$DIR/state" "$DIR/spool"
@@ -257,7 +277,7 @@ else
     wait_for "slurmctld" "$SLURMCTLD_LOG" sh -c 'timeout 15 scontrol ping | grep -q "is UP"'
 fi
 
-# ---- 7. slurmd n1, n2 ------------------------------------------------------------------------
+# ---- 7. slurmd n1 .. nN ----------------------------------------------------------------------
 for n in "${NODES[@]}"; do
     if alive "$DIR/run/slurmd-$n.pid" slurmd; then
         log "slurmd $n already running"
@@ -274,7 +294,7 @@ done
 # Usable: idle, mixed, allocated or completing, without the `*` that marks "not responding".
 nodes_up() {
     local states
-    states=$(timeout 15 sinfo -h -N -p low -o '%N %T' 2>/dev/null | sort -u) || return 1
+    states=$(timeout 15 sinfo -h -N -o '%N %T' 2>/dev/null | sort -u) || return 1
     for n in "${NODES[@]}"; do
         grep -qE "^$n (idle|mixed|allocated|completing)$" <<<"$states" || return 1
     done
@@ -292,7 +312,7 @@ until nodes_up; do
     fi
     if [ "$(date +%s)" -ge "$deadline" ]; then
         sinfo -N -l >&2 || true
-        die "nodes n1/n2 were not usable within ${TIMEOUT}s" "$SLURMCTLD_LOG" "$DIR/log/slurmd-n1.log" "$DIR/log/slurmd-n2.log"
+        die "nodes ${NODES[*]} were not usable within ${TIMEOUT}s" "$SLURMCTLD_LOG" "$DIR/log/slurmd-n1.log" "$DIR/log/slurmd-n2.log"
     fi
     sleep 0.5
 done
@@ -329,5 +349,5 @@ if $CLEAN; then
 fi
 
 $ctld_ok && how=warm || how=cold
-log "cluster $CLUSTER ready ($how) in $(elapsed)s: $(sinfo -h -N -p low -o '%N=%T' | sort -u | tr '\n' ' ')"
+log "cluster $CLUSTER ready ($how) in $(elapsed)s: $(sinfo -h -N -o '%N=%T' | sort -u | tr '\n' ' ')"
 log "state and logs under $DIR; stop with: bash tests/cluster/stop.sh"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stop ddpjob's one-machine SLURM test cluster started by tests/cluster/start.sh: cancel its jobs,
-# then stop slurmd n1/n2, slurmctld, slurmdbd, MariaDB and munged. Idempotent: whatever is not
+# then stop every slurmd (n1 .. nN), slurmctld, slurmdbd, MariaDB and munged. Idempotent: whatever is not
 # running is skipped. Saved state and logs stay under $DDPJOB_CLUSTER_DIR for inspection.
 set -euo pipefail
 
@@ -48,7 +48,7 @@ if command -v scontrol >/dev/null && timeout 10 scontrol ping 2>/dev/null | grep
     fi
 fi
 
-for n in n1 n2; do stop_pidfile "$DIR/run/slurmd-$n.pid" slurmd; done
+for f in "$DIR"/run/slurmd-*.pid; do [ -e "$f" ] && stop_pidfile "$f" slurmd; done  # n1 .. nN
 stop_pidfile "$DIR/run/slurmctld.pid" slurmctld
 stop_pidfile "$DIR/run/slurmdbd.pid" slurmdbd
 

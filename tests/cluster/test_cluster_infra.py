@@ -70,6 +70,37 @@ def test_two_nodes_two_tasks_each(slurm_cluster, tmp_path: Path) -> None:
     assert slurmtools.sacct_state(job) == "COMPLETED"
 
 
+def test_the_cluster_grows_to_more_nodes_when_asked(slurm_cluster, tmp_path: Path) -> None:
+    """start.sh --nodes 3: a third slurmd (n3 on 127.0.0.4) in partition `wide`; `low` and
+    `high` keep n1 and n2, so the preemption tests see the cluster they were written for, and a
+    later start.sh without --nodes keeps the three. The test gives the 2-node cluster back (the
+    other tests list the partitions)."""
+    start = Path(__file__).parent / "start.sh"
+    slurmtools.cluster_free(timeout=300)
+    try:
+        _grown_cluster_runs_a_3_node_job(start, tmp_path)
+    finally:
+        back = subprocess.run(["bash", str(start), "--nodes", "2"], capture_output=True, text=True, timeout=300)
+        assert back.returncode == 0, back.stdout[-2000:] + back.stderr[-2000:]
+
+
+def _grown_cluster_runs_a_3_node_job(start: Path, tmp_path: Path) -> None:
+    for args in (["--nodes", "3"], []):
+        out = subprocess.run(["bash", str(start), *args], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert "n1=idle n2=idle n3=idle" in out.stdout, out.stdout[-500:]
+    parts = subprocess.run(["sinfo", "-h", "-o", "%P %D %N"], capture_output=True, text=True, timeout=30).stdout
+    assert parts.split("\n")[:3] == ["low* 2 n[1-2]", "high 2 n[1-2]", "wide 3 n[1-3]"], parts
+    script = tmp_path / "wide.sh"
+    script.write_text("#!/bin/bash\nsrun bash -c 'echo task $SLURM_PROCID $SLURMD_NODENAME'\n")
+    out_file = tmp_path / "wide.out"
+    job = slurmtools.submit(script, "-p", "wide", "-N", "3", "--ntasks-per-node=1", f"--output={out_file}", cwd=tmp_path)
+    assert slurmtools.wait_done(job, timeout=300) == "COMPLETED", out_file.read_text()
+    assert sorted(ln for ln in out_file.read_text().splitlines() if ln.startswith("task ")) == \
+        ["task 0 n1", "task 1 n2", "task 2 n3"]
+    assert subprocess.run(["getent", "hosts", "n3"], capture_output=True, text=True).stdout.split()[0] == "127.0.0.4"
+
+
 def test_node_names_resolve_to_their_own_addresses(slurm_cluster) -> None:
     hostnames = subprocess.run(["scontrol", "show", "hostnames", "n[1-2]"],
                                capture_output=True, text=True, check=True).stdout.split()
