@@ -69,6 +69,12 @@ class SlurmConfig:
     # this many crashes in a row that got no further than the checkpoint they resumed from end
     # the job before max_failures is spent (a crash loop: the same step keeps failing)
     max_no_progress: Free[int] = 3
+    # a node lost from the allocation: "requeue" (SLURM requeues the job, which resumes from its
+    # checkpoint, wherever it starts next) or "continue" (sbatch --no-kill: the job keeps its
+    # allocation, the ranks run again inside it on the nodes left, a spare taking the lost node's
+    # place, else at the smaller world size; spends max_failures like a crash)
+    on_node_loss: Free[str] = "requeue"
+    spare_nodes: Free[int] = 0  # nodes allocated beyond `nodes`, unused until one replaces a lost node
     setup: Free[tuple[str, ...]] = ()  # shell lines before the job (module load ...), written verbatim
     sbatch_extra: Free[tuple[str, ...]] = ()  # extra "--option=value" sbatch arguments
     requeue: Free[bool] = True

@@ -39,6 +39,7 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagrap
 LIMITS: dict[str, int] = {
     "slurm.nodes": 100_000, "slurm.tasks_per_node": 1024, "slurm.gpus_per_node": 64,
     "slurm.cpus_per_task": 4096, "slurm.max_requeues": 10_000, "slurm.max_no_progress": 10_000,
+    "slurm.spare_nodes": 100_000,
     "train.num_classes": 1_000_000, "train.epochs": 1_000_000, "train.max_steps": 10**12,
     "train.batch_size": 1 << 20, "train.global_batch_size": 1 << 30,
     "train.accumulation_steps": 65_536, "train.warmup_steps": 10**12,
@@ -146,6 +147,7 @@ def _slurm_strings(cfg: JobConfig) -> None:
     for arg in s.sbatch_extra:
         scriptsafe.sbatch_extra(arg)
     _container(cfg)
+    _node_loss(cfg)
 
 
 def _container(cfg: JobConfig) -> None:
@@ -241,6 +243,18 @@ def _fsdp(cfg: JobConfig) -> None:
 
 
 _STATE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # as store/state.py's keys
+
+
+def _node_loss(cfg: JobConfig) -> None:
+    s = cfg.slurm
+    _check(s.on_node_loss in ("requeue", "continue"), f"slurm.on_node_loss is {s.on_node_loss!r}, expected "
+           "requeue or continue", "e.g. on_node_loss = \"continue\"")
+    _check(s.on_node_loss == "requeue" or s.max_failures >= 1, "slurm.on_node_loss = \"continue\" with "
+           "max_failures = 0: a lost node would end the job all the same, expected max_failures >= 1",
+           "set slurm.max_failures = 1 (each lost node spends one)")
+    _check(s.spare_nodes == 0 or s.on_node_loss == "continue", f"slurm.spare_nodes = {s.spare_nodes} with "
+           "on_node_loss = \"requeue\": a requeued job gets a new allocation, expected on_node_loss = "
+           "\"continue\"", "set slurm.on_node_loss = \"continue\" and slurm.max_failures >= 1")
 
 
 def validate(cfg: JobConfig) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from ddpjob import console, crashes, exitcodes, requests, rundir, slurm
 from ddpjob.config import JobConfig
-from ddpjob.node import preemption
+from ddpjob.node import hostlist, preemption
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.store import memsnap
 
@@ -201,15 +201,23 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
     chain = rundir.job_chain(evs, env.job_id)
     culprit = crashes.with_rank_error(crashes.from_srun(_attempt_log(run_dir, str(env.job_id))) if in_place
                                       else None, evs, env.job_id, restart)
+    # on_node_loss = "continue" (sbatch --no-kill): a failed node left the allocation, the job did not end
+    gone = {h for e in evs if e.get("event") == "stop" and str(e.get("job_id")) == str(env.job_id)
+            for h in (e.get("lost_hosts") if isinstance(e.get("lost_hosts"), list) else [])}
+    lost = [h for h in env.hosts if h not in allocation_now(cfg, env) and h not in gone] if in_place else []
     with _term_held():
         # in place the job's snapshots count too (the restart resumes from them)
-        resume_at, lost = crashes.resume_point(run_dir, memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None))
+        resume_at, steps_lost = crashes.resume_point(
+            run_dir, memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None))
         streak, _ = crashes.no_progress(evs, chain, (env.job_id, restart, resume_at))
-        loop = crashes.crash_loop(cfg.slurm.max_no_progress, streak, resume_at, lost, culprit)
-        fields = _decide(cfg, env, run_dir, "crash", restart, f"ranks exited with status {status}",
-                         in_place=in_place, loop=loop)
-        rundir.record_event(run_dir, "stop", reason="crash", step=resume_at, job_id=env.job_id,
-                            restart=restart, status=status, steps_lost=lost, no_progress=streak,
+        loop = crashes.crash_loop(cfg.slurm.max_no_progress, streak, resume_at, steps_lost, culprit)
+        reason = "node_failure" if lost else "crash"
+        why = (f"node(s) {','.join(lost)} left allocation {env.job_id}" if lost
+               else f"ranks exited with status {status}")
+        fields = _decide(cfg, env, run_dir, reason, restart, why, in_place=in_place, loop=loop)
+        rundir.record_event(run_dir, "stop", reason=reason, step=resume_at, job_id=env.job_id,
+                            restart=restart, status=status, steps_lost=steps_lost, no_progress=streak,
+                            **({"lost_hosts": lost} if lost else {}),
                             **(culprit.fields() if culprit else {}), **fields)
     if loop is not None:
         who = "the ranks'" if culprit is None or culprit.rank is None else f"rank {culprit.rank}'s"
@@ -240,14 +248,32 @@ def _attempt_log(run_dir: Path, job_id: str) -> str:
     return ""
 
 
-def restart_layout(run_dir: Path, env: ClusterEnv, tasks_per_node: int) -> tuple[int, list[str]] | None:
+def allocation_now(cfg: JobConfig, env: ClusterEnv) -> tuple[str, ...]:
+    """The allocation's hosts now. With slurm.on_node_loss = "continue" (sbatch --no-kill) a
+    failed node leaves it and the job goes on: `scontrol show job`'s NodeList says which are
+    left. Otherwise (or when the controller does not answer) the job's nodelist."""
+    if cfg.slurm.on_node_loss != "continue" or not env.job_id:
+        return env.hosts
+    info = slurm.show_job(str(env.job_id))
+    nodes = "" if isinstance(info, slurm.Failed) else info.get("NodeList", "")
+    try:
+        return tuple(hostlist.parse_hostlist(nodes)) if nodes and nodes != "(null)" else env.hosts
+    except ValueError:
+        return env.hosts
+
+
+def restart_layout(run_dir: Path, env: ClusterEnv, cfg: JobConfig) -> tuple[int, list[str]] | None:
     """(nodes, excluded hosts) for the next srun inside the allocation: every node of it but the
-    hosts the run's ledger quarantines (crashes.QUARANTINE_AFTER host failures). None: no
-    node is left to run on."""
+    hosts the run's ledger quarantines (crashes.QUARANTINE_AFTER host failures), at most
+    slurm.nodes of them when on_node_loss = "continue" (a spare takes a lost node's place; with
+    none left the world is smaller). None: no node is left to run on."""
     evs = rundir.events(run_dir)
-    out = [h for h in crashes.excluded(evs, rundir.job_chain(evs, env.job_id)) if h in env.hosts]
-    nodes = (len(env.hosts) or env.num_nodes) - len(out)
-    return (nodes, out) if nodes > 0 and tasks_per_node > 0 else None
+    hosts = allocation_now(cfg, env)
+    out = [h for h in crashes.excluded(evs, rundir.job_chain(evs, env.job_id)) if h in hosts]
+    nodes = (len(hosts) or env.num_nodes) - len(out)
+    if cfg.slurm.on_node_loss == "continue":
+        nodes = min(nodes, cfg.slurm.nodes)
+    return (nodes, out) if nodes > 0 and cfg.slurm.tasks_per_node > 0 else None
 
 
 @contextlib.contextmanager
@@ -347,7 +373,7 @@ def main(argv: list[str]) -> int:
     if not after_crash(cfg, env, run_dir, status, in_place=True):
         memsnap.remove_job(run_dir, env.job_id)  # the job ends here: its snapshots with it
         return status
-    layout = restart_layout(run_dir, env, cfg.slurm.tasks_per_node)
+    layout = restart_layout(run_dir, env, cfg)
     if layout is None:
         print(f"ddpjob: error: every node of allocation {env.job_id} is excluded after failing "
               f"{crashes.QUARANTINE_AFTER} times, expected one left to restart on. Hint: `ddpjob resume "

@@ -6,6 +6,7 @@ same paths run on the real cluster in tests/cluster/test_crashes_slurm.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,55 @@ def batch_log(d: Path, text: str) -> None:
         f.write(text)
 
 
+@pytest.mark.parametrize("allocated, spare, layout", [(("n1", "n3"), 1, (2, [])), (("n1",), 0, (1, []))],
+                         ids=["a-spare-takes-its-place", "the-survivor-alone"])
+def test_a_node_lost_with_on_node_loss_continue_is_left_behind_inside_the_allocation(
+        fake_slurm, tmp_path, allocated, spare, layout) -> None:
+    """sbatch --no-kill: n2 failed and left the allocation (scontrol's NodeList no longer names
+    it), the job did not end. The decision records a node_failure naming n2, spends one of
+    max_failures and runs the ranks again on the nodes left: the spare keeps the world size,
+    without one the survivor goes on alone; an ordinary crash later is a crash again."""
+    env = ClusterEnv(source="slurm", job_id="77", restart_count=0, hosts=("n1", "n2", "n3")[:2 + spare],
+                     num_nodes=2 + spare)
+    cfg, d = run_dir(tmp_path, max_failures=3, on_node_loss="continue", spare_nodes=spare)
+    nodelist = "n[1,3]" if spare else "n1"
+    fake_slurm.answer("scontrol show job", f"JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None NodeList={nodelist}")
+    fake_checkpoint.committed(d, 30)
+    rundir.append_jsonl(d / "events.jsonl", start("77", 0, None))
+    batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: Node failure on n2\n"
+                 "srun: error: n2: task 2: Killed\nsrun: error: n1: task 0: Killed\n")
+    assert requeue.after_crash(cfg, env, d, 137, in_place=True) is True
+    stop = [e for e in rundir.events(d) if e["event"] == "stop"][-1]
+    assert (stop["reason"], stop["lost_hosts"], stop["requeued_by"]) == ("node_failure", ["n2"], "in_allocation")
+    assert stop["note"].startswith("node(s) n2 left allocation 77; restarting the ranks inside allocation 77")
+    assert requeue.restart_layout(d, env, cfg) == layout
+    rundir.append_jsonl(d / "events.jsonl", start("77", 1, 30))
+    batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n1: task 1: Exited with exit code 1\n")
+    assert requeue.after_crash(cfg, env, d, 1, in_place=True) is True
+    assert [e["reason"] for e in rundir.events(d) if e["event"] == "stop"] == ["node_failure", "crash"]
+
+
+def test_the_node_loss_settings_refuse_what_cannot_work(tmp_path) -> None:
+    for keys, says in (({"on_node_loss": "stay"}, "slurm.on_node_loss is 'stay', expected requeue or continue"),
+                       ({"on_node_loss": "continue"}, "with max_failures = 0: a lost node would end the job"),
+                       ({"spare_nodes": 1, "max_failures": 1}, "slurm.spare_nodes = 1 with on_node_loss = \"requeue\"")):
+        with pytest.raises(Exception, match=re.escape(says)):
+            config.from_dict({"name": "t", "slurm": {"nodes": 2, **keys}})
+    from ddpjob.launch.backends import options
+
+    cfg = config.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "spare_nodes": 1,
+                                                   "on_node_loss": "continue", "max_failures": 1}})
+    own, _ = options.sbatch_options(cfg)
+    assert ("nodes", 3) in own and ("no-kill", True) in own  # the spare is allocated, a lost node leaves
+    import subprocess
+
+    for alloc, ranks_on in (("3", "2"), ("2", "2"), ("1", "1"), (None, "2")):
+        env = {"PATH": "/usr/bin:/bin", **({"SLURM_JOB_NUM_NODES": alloc} if alloc else {})}
+        out = subprocess.run(["bash", "-c", f"echo {options.node_count(cfg)}"], env=env, capture_output=True,
+                             text=True, timeout=30)
+        assert out.stdout.strip() == ranks_on, (alloc, out)
+
+
 def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_path) -> None:
     cfg, d = run_dir(tmp_path, max_failures=5)
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
@@ -116,14 +166,14 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     assert requeue.after_crash(cfg, ENV, d, 137, in_place=True) is True
     first = [e for e in rundir.events(d) if e["event"] == "stop"][-1]
     assert (first["failed_rank"], first["failed_host"], first["host_fault"]) == (2, "n2", True)
-    assert requeue.restart_layout(d, ENV, 2) == (2, [])  # once is not yet the host
+    assert requeue.restart_layout(d, ENV, cfg) == (2, [])  # once is not yet the host
     fake_checkpoint.committed(d, 60)
     rundir.append_jsonl(d / "events.jsonl", start("77", 1, 30))
     # the first attempt's line is still in the log: only the newest attempt's lines count
     batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n2: task 3: Bus error\n")
     assert requeue.after_crash(cfg, ENV, d, 135, in_place=True) is True
     assert [e.get("failed_rank") for e in rundir.events(d) if e["event"] == "stop"] == [2, 3]
-    assert requeue.restart_layout(d, ENV, 2) == (1, ["n2"])
+    assert requeue.restart_layout(d, ENV, cfg) == (1, ["n2"])
     lines = "\n".join(plot.summary(d))  # what `ddpjob status` shows
     assert "n2 2 failures (excluded)" in lines and "rank 3 on n2: Bus error" in lines, lines
 

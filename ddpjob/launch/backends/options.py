@@ -24,7 +24,9 @@ def sbatch_options(cfg: JobConfig) -> tuple[list[Option], list[Option]]:
     UsageError for a string that could not reach sbatch unchanged (scriptsafe's rules)."""
     s = cfg.slurm
     validate.job_strings(cfg)
-    own: list[Option] = [("job-name", cfg.name), ("nodes", s.nodes), ("ntasks-per-node", s.tasks_per_node)]
+    # spare nodes are part of the allocation, the ranks run on `nodes` of them (node_count)
+    own: list[Option] = [("job-name", cfg.name), ("nodes", s.nodes + s.spare_nodes),
+                         ("ntasks-per-node", s.tasks_per_node)]
     if s.gpus_per_node > 0:
         own.append(("gpus-per-node", s.gpus_per_node))
     own.append(("cpus-per-task", s.cpus_per_task))
@@ -34,6 +36,8 @@ def sbatch_options(cfg: JobConfig) -> tuple[list[Option], list[Option]]:
         own.append(("constraint", s.constraint))
     # A requeued run appends to its logs instead of truncating the first run's.
     own += [("requeue" if s.requeue else "no-requeue", True), ("open-mode", "append")]
+    if s.on_node_loss == "continue":  # a failed node leaves the allocation, the job goes on
+        own.append(("no-kill", True))
     # No "B:": the warning goes to the ranks (the job steps), which checkpoint on it.
     own.append(("signal", f"{s.signal}@{s.signal_lead_s}"))
     extra: list[Option] = []
@@ -49,10 +53,14 @@ def as_flag(option: Option) -> str:
 
 
 def node_count(cfg: JobConfig) -> str:
-    """The allocation's node count in the batch shell. An admin may shrink a pending, requeued
+    """The ranks' node count in the batch shell. An admin may shrink a pending, requeued
     job (scontrol update NumNodes=1 ...) and ddpjob resumes elastically, so the count follows
-    the allocation this incarnation got, not the submission's ([slurm] nodes, the fallback)."""
-    return f"${{SLURM_JOB_NUM_NODES:-{int(cfg.slurm.nodes)}}}"
+    the allocation this incarnation got, not the submission's ([slurm] nodes, the fallback);
+    with spare nodes, at most `nodes` of it (the spares wait for a lost node)."""
+    n, k = int(cfg.slurm.nodes), int(cfg.slurm.spare_nodes)
+    if not k:
+        return f"${{SLURM_JOB_NUM_NODES:-{n}}}"
+    return f"$(( ${{SLURM_JOB_NUM_NODES:-{n + k}}} < {n} ? ${{SLURM_JOB_NUM_NODES:-{n + k}}} : {n} ))"
 
 
 def task_count(cfg: JobConfig, nodes_var: str) -> str:
