@@ -29,6 +29,9 @@ QUARANTINE_AFTER = 2
 # srun's own line for a task that ended badly, e.g. "srun: error: n2: task 2: Killed" or
 # "srun: error: n1: tasks 0-1: Exited with exit code 1". srun writes them as the tasks' ends
 # reach it: the first one is the task that failed first (--kill-on-bad-exit ends the rest after).
+# "srun: error: Node failure on n2" (a node of the step failed; with sbatch --no-kill the job goes on)
+NODE_FAILURE = re.compile(r"^srun: error: Node failure on (?P<host>[A-Za-z0-9][A-Za-z0-9._-]{0,254})[ \t]*$",
+                          re.M | re.ASCII)
 SRUN_ERROR = re.compile(r"srun: error: (?P<host>[A-Za-z0-9][A-Za-z0-9._-]{0,254}): tasks? "
                         r"(?P<task>[0-9]{1,7})(?:[-,][0-9,-]*)?: (?P<what>[^\r\n]{1,200})", re.ASCII)
 _EXITED = re.compile(r"Exited with exit code [0-9]{1,3}", re.ASCII)
@@ -50,6 +53,8 @@ class Culprit:
                 "host_fault": self.host_fault}
 
     def describe(self) -> str:
+        if self.how == "node failure" and self.host:
+            return f"node {self.host} failed"
         who = "a rank" if self.rank is None else f"rank {self.rank}"
         return f"{who}{'' if self.host is None else f' on {self.host}'}{f': {self.how}' if self.how else ''}"
 
@@ -58,6 +63,9 @@ def from_srun(text: str) -> Culprit | None:
     """The first task srun reported as failed in `text` (the batch log since this attempt's srun
     started). An exit with a code is the program's own end (a Python exception exits 1): not the
     host's fault; any other end (Killed, Segmentation fault, Bus error) is a death by a signal."""
+    lost = NODE_FAILURE.search(text)
+    if lost is not None:  # the node itself failed: its tasks and the others' ends follow from it
+        return Culprit(None, lost["host"], "node failure", True)
     m = SRUN_ERROR.search(text)
     if m is None:
         return None
@@ -104,7 +112,9 @@ def _short(error: str) -> str:
 
 
 def _crashes(evs: Iterable[dict[str, Any]], chain: set[str] | None) -> list[dict[str, Any]]:
-    return [e for e in evs if e.get("event") == "stop" and "rank" not in e and e.get("reason") == "crash"
+    # a node lost inside the allocation (on_node_loss = "continue") is the decision's record too
+    return [e for e in evs if e.get("event") == "stop" and "rank" not in e
+            and e.get("reason") in ("crash", "node_failure")
             and (chain is None or str(e.get("job_id")) in chain)]
 
 

@@ -84,7 +84,10 @@ def test_a_lost_node_is_left_behind_inside_the_allocation(three_nodes: Any, tmp_
     starts = events(run, "start")
     assert [s["job_id"] for s in starts] == [jid, jid], starts  # the same job: never requeued
     assert [s["world_size"] for s in starts] == [4, 4 if spare else 2], starts
-    assert 20 <= starts[1]["resumed_step"] <= 28, starts  # a checkpoint or a snapshot n1 still held
+    # the spare holds no snapshot: the checkpoint of step 20; alone, n1's newest snapshot
+    assert starts[1]["resumed_step"] == lost["step"] and (lost["step"] == 20 if spare else 20 < lost["step"] <= 28), \
+        (starts, lost)
+    assert (lost["failed_host"], lost["failed_how"]) == ("n2", "node failure"), lost
     rows = [ln.split("|") for ln in subprocess.run(
         ["sacct", "-X", "-D", "-n", "-P", "-o", "State,NodeList", "-j", jid],
         capture_output=True, text=True, timeout=30).stdout.split()]
@@ -93,7 +96,8 @@ def test_a_lost_node_is_left_behind_inside_the_allocation(three_nodes: Any, tmp_
     assert "srun: error: Node failure on n2" in batch, batch[-3000:]
     assert f"ddpjob: attempt 1: ranks on {2 if spare else 1} node(s)" in batch, batch[-3000:]
     status = ddpjob("status", str(run), cwd=tmp_path).stdout
-    assert "node_failure at step" in status and "restarted inside the allocation" in status, status
+    assert f"node_failure at step {lost['step']} (job {jid}), node n2 failed" in status, status
+    assert "restarted inside the allocation" in status and "n2 1 failure" in status, status
     if spare:
         assert_same_as_reference(run, reference.run_dir())
         return

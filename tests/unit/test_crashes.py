@@ -129,6 +129,9 @@ def test_a_node_lost_with_on_node_loss_continue_is_left_behind_inside_the_alloca
     stop = [e for e in rundir.events(d) if e["event"] == "stop"][-1]
     assert (stop["reason"], stop["lost_hosts"], stop["requeued_by"]) == ("node_failure", ["n2"], "in_allocation")
     assert stop["note"].startswith("node(s) n2 left allocation 77; restarting the ranks inside allocation 77")
+    # srun's "Node failure on n2" names the culprit, not the first task it then killed (on n1)
+    assert (stop["failed_rank"], stop["failed_host"], stop["failed_how"]) == (None, "n2", "node failure")
+    assert "node n2 failed" in "\n".join(plot.summary(d))
     assert requeue.restart_layout(d, env, cfg) == layout
     rundir.append_jsonl(d / "events.jsonl", start("77", 1, 30))
     batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n1: task 1: Exited with exit code 1\n")
