@@ -203,7 +203,7 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
                                       else None, evs, env.job_id, restart)
     # on_node_loss = "continue" (sbatch --no-kill): a failed node left the allocation, the job did not end
     gone = {h for e in evs if e.get("event") == "stop" and str(e.get("job_id")) == str(env.job_id)
-            for h in (e.get("lost_hosts") if isinstance(e.get("lost_hosts"), list) else [])}
+            and isinstance(e.get("lost_hosts"), list) for h in e["lost_hosts"]}
     lost = [h for h in env.hosts if h not in allocation_now(cfg, env) and h not in gone] if in_place else []
     with _term_held():
         # in place the job's snapshots count too (the restart resumes from them), unless a spare
