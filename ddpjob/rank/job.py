@@ -142,7 +142,7 @@ class Job:
         With train.strategy = "fsdp" the model is sharded in place instead (FSDP2 fully_shard
         on each child with parameters and on the root, node/fsdp.py) and returned: build the
         optimizer after wrap(). `ddp_kwargs` are DDP's only."""
-        from ddpjob.node import commhooks
+        from ddpjob.node import dist
 
         model.to(self.device)
         if not self._ctx.initialized:
@@ -162,8 +162,8 @@ class Job:
         ddp = DDP(model, **ddp_kwargs)
         self._ctx.hold(ddp)  # it lets go of the group at the end (DistContext._release)
         t = self.config.train
-        commhooks.register_comm_hook(ddp, ordered=t.deterministic_reduce and self.world_size > 2,
-                                     compression=t.grad_compression, stamp=self._timer)
+        dist.register_comm_hook(ddp, ordered=t.deterministic_reduce and self.world_size > 2,
+                                compression=t.grad_compression)
         self._timer.watch_forward(ddp, model)
         return ddp
 

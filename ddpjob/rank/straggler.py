@@ -3,8 +3,8 @@ rank 0 names a rank that stays slower than the others.
 
 Under DDP the gradient all-reduce makes every rank's step take as long as the slowest one's, so
 per-rank step times show nothing. What differs is when a rank *arrives* at that all-reduce: the
-time from the start of its step to the moment DDP hands it its last gradient bucket (the comm
-hook, node/commhooks.py, stamps it), which is the rank's own work, data wait
+time from the start of its step to the moment its last gradient is accumulated (a hook on each
+parameter stamps it; DDP then waits for the others' buckets), which is the rank's own work, data wait
 included, and not the time it then waits for the others. The one collective before it, DDP's
 broadcast of rank 0's buffers at the start of each forward, is taken out (pre-hooks on DDP and
 on the model it wraps time it). The data wait is what the loop's
@@ -108,10 +108,24 @@ class StepTimer:
 
     def watch_forward(self, ddp: Any, model: Any) -> None:
         """Pre-hooks on DDP and on the model it wraps: the time between them is DDP's buffer
-        broadcast, a wait for rank 0, not this rank's work."""
-        if self.world_size:
+        broadcast, a wait for rank 0, not this rank's work. And a hook on each parameter's
+        gradient accumulation: the last one of a step stamps `arrived`, this rank's backward
+        done, before DDP waits for the others' buckets (an autograd callback at the end of the
+        backward pass). No comm hook: the user may register their own after job.wrap."""
+        if not self.world_size:
+            return
+        if getattr(model, "_compiled_call_impl", None) is None:
+            # (a model compiled in place would trace the hook into its graph: not for those)
             ddp.register_forward_pre_hook(lambda _m, _a: self.forward_called())
             model.register_forward_pre_hook(lambda _m, _a: self.forward_entered())
+        clock = self._clock
+
+        def stamp(_p: Any) -> None:
+            self.arrived = clock()
+
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(stamp)
 
     def step_started(self) -> None:
         self._started, self.data_s, self._blocked = self._clock(), 0.0, 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -80,6 +81,16 @@ def test_group_that_does_not_form_names_the_missing_ranks() -> None:
                 print(exc.line())
         """)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=clean_environ())
     env = ClusterEnv(rank=1, local_rank=1, world_size=3, local_world_size=3, master_port=port, hostname="n2")
+    # rank 1 starts once rank 0 listens: on a loaded machine rank 0's imports alone can outlast
+    # rank 1's 10 s to reach it, and that is another error (no race with the clock)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert rank0.poll() is None and time.monotonic() < deadline, "rank 0 never listened"
+            time.sleep(0.05)
     start = time.monotonic()
     with pytest.raises(DDPJobError) as exc:
         dgroup.init_process_group(env, backend="gloo", timeout_s=10)
@@ -94,7 +105,7 @@ HOOK_WORKER = textwrap.dedent("""
     import json, sys
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from ddpjob.node import commhooks, group
+    from ddpjob.node import dist as d, group
     from ddpjob.node.cluster import ClusterEnv
     ordered, compression = sys.argv[1] == "ordered", sys.argv[2]
     env = ClusterEnv.from_environ(argv=[])
@@ -102,7 +113,7 @@ HOOK_WORKER = textwrap.dedent("""
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     ddp = DDP(model)
-    commhooks.register_comm_hook(ddp, ordered=ordered, compression=compression)
+    d.register_comm_hook(ddp, ordered=ordered, compression=compression)
     ddp(torch.randn(8, 64, generator=torch.Generator().manual_seed(env.rank))).square().sum().backward()
     print("RESULT " + json.dumps({"rank": env.rank, "grad": model.weight.grad.flatten().tolist()}), flush=True)
     del ddp  # its reducer holds the group: freed first, gloo's threads are joined in destroy (test_trainer)

@@ -119,8 +119,8 @@ def test_each_rank_s_times_ride_the_vote_and_reach_rank_0_with_their_step(lag: i
     assert [(f.rank, f.host, f.cause) for f in flags] == [(1, "h1", "compute")]
 
 
-def test_the_comm_hook_s_stamp_is_the_busy_time_not_the_whole_step() -> None:
-    """DDP's last bucket was handed over 2 ms into a 10 ms step: the rest was the wait for the
+def test_the_gradient_hook_s_stamp_is_the_busy_time_not_the_whole_step() -> None:
+    """The last gradient was accumulated 2 ms into a 10 ms step: the rest was the wait for the
     others, so this rank's busy time is 2 ms; a stamp from an earlier step does not count."""
     tick = Tick()
     timer = StepTimer(1, 2, None, clock=tick)
