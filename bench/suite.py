@@ -151,7 +151,8 @@ def p13(b: Bench) -> list[Row]:
 def p14(b: Bench) -> list[Row]:
     """The straggler watch's cost (rank/straggler.py): the same run with the watch on
     (train.straggler_window = 20: two perf_counter stamps and two forward pre-hooks per step, a
-    stamping comm hook, two more vote slots per rank, rank 0's medians every 10 steps) against
+    hook on each parameter's gradient accumulation, two more vote slots per rank, rank 0's
+    medians every 10 steps) against
     it off, side by side, by mean step time. Goal: <= 1% of the step time."""
     s = b.sizes
     steps = s.warm + s.steps
