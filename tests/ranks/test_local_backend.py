@@ -89,7 +89,8 @@ def test_one_rank_failing_kills_the_others_within_seconds(tmp_path):
     wait_for(lambda: all_started(run, 0, 3), what="3 ranks to start")
     t0 = time.monotonic()
     assert sup.wait(timeout=60) == 1
-    assert time.monotonic() - t0 < 10  # the others sleep 60 s unless killed
+    # the others sleep 60 s unless killed: well under that, whatever the machine's load
+    assert time.monotonic() - t0 < 45
     pids = [r["pid"] for r in fake_records(run, 0, 3)]
     assert all(pid_gone(p) for p in pids)
     state = local_state(run)
