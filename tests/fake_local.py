@@ -30,20 +30,32 @@ with open(path + ".tmp", "w") as f:
     json.dump(rec, f)
 os.replace(path + ".tmp", path)
 print(f"fake rank {rank} restart {restart} mode {mode}", flush=True)
+
+
+def all_started(timeout=120):
+    """A rank that fails does so once every rank of this restart has recorded its start: the
+    order is caused, not hoped for (a busy machine starts the others late)."""
+    world = int(os.environ["WORLD_SIZE"])
+    deadline = time.time() + timeout
+    while time.time() < deadline and not all(
+            os.path.exists(os.path.join(run_dir, f"fake-r{r}-s{restart}.json")) for r in range(world)):
+        time.sleep(0.02)
+
+
 if mode == "ok":
     sys.exit(0)
 if mode == "always3":
     sys.exit(3)
 if mode == "fail1once" and rank == 1 and restart == 0:
-    time.sleep(0.5)
+    all_started()
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "fail1once" and restart > 0:
     sys.exit(0)
 if mode == "kill1" and rank == 1:
-    time.sleep(0.5)
+    all_started()
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "fail1" and rank == 1:
-    time.sleep(0.5)
+    all_started()
     sys.exit(1)
 if mode == "wait" and restart > 0:
     sys.exit(0)
