@@ -9,7 +9,7 @@ rich bar on a terminal, fixed-width lines in batch logs (console.is_terminal).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,16 +37,11 @@ class Meter:
 
     def timed(self, batches: Iterable[T]) -> Iterator[T]:
         """Yield from `batches`, timing each fetch (data) and each fetch-to-fetch interval (step)."""
-        it = iter(batches)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            self._data += time.perf_counter() - t0
-            self._step_start = t0
-            yield item
+        return timed_fetches(batches, self._fetched)
+
+    def _fetched(self, started: float, seconds: float) -> None:
+        self._data += seconds
+        self._step_start = started
 
     def step_done(self) -> None:
         now = time.perf_counter()
@@ -143,3 +138,17 @@ class TensorBoard:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def timed_fetches(batches: Iterable[T], fetched: Callable[[float, float], None]) -> Iterator[T]:
+    """Yield from `batches`, telling `fetched(start, seconds)` how long each item took to come
+    (the meter's data time; Job.timed's data wait for the straggler watch)."""
+    it = iter(batches)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        fetched(t0, time.perf_counter() - t0)
+        yield item

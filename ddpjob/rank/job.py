@@ -170,15 +170,9 @@ class Job:
     def timed(self, batches: Any) -> Iterator[Any]:
         """Yield from `batches`, counting the wait for each as this step's data wait: the
         straggler watch then tells a slow loader from a slow rank (rank/straggler.py)."""
-        it, timer, clock = iter(batches), self._timer, time.perf_counter
-        while True:
-            t0 = clock()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            timer.data_s += clock() - t0
-            yield item
+        from ddpjob.node.metrics import timed_fetches
+
+        return timed_fetches(batches, self._timer.fetched)
 
     # ------------------------------------------------------------------ resume / steps
     def resume(self, state: dict[str, Any], *, seed: int | None = None) -> int:
@@ -236,7 +230,7 @@ class Job:
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
         decider = StepDecider(self._control, stop=self._stop, schedule=self._schedule, deadline=self._deadline,
                               busy=self._store.busy, total=total, lag=int(self.config.train.stop_vote == "overlap"),
-                              rider=self._timer if self._timer.world_size else None)
+                              rider=self._timer)  # no slots when the watch is off: nothing rides
         self._stop.current_step = step
         try:
             while step < total:

@@ -127,6 +127,10 @@ class StepTimer:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(stamp)
 
+    def fetched(self, _started: float, seconds: float) -> None:
+        """job.timed: a batch took `seconds` to come."""
+        self.data_s += seconds
+
     def step_started(self) -> None:
         self._started, self.data_s, self._blocked = self._clock(), 0.0, 0.0
 
@@ -149,6 +153,8 @@ class StepTimer:
 
     def values(self) -> list[int]:
         """This rank's slots of the vote: busy then data, each world_size wide, the others 0."""
+        if not self.world_size:  # the watch is off (or one rank): nothing rides
+            return []
         out = [0] * (2 * self.world_size)
         out[self.rank], out[self.world_size + self.rank] = self._last
         return out
