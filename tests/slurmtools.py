@@ -141,6 +141,25 @@ def sacct_state(job_id: str) -> str | None:
     return _combined(states)
 
 
+def sacct_rows(job_id: str, fields: str, timeout: float = 60) -> list[dict[str, str]]:
+    """Every start of the job in the accounting database (`sacct -X -D`), as {field: value},
+    once slurmdbd has them final: it lags the controller, so a job scontrol calls COMPLETED can
+    still be RUNNING here for a moment. RESIZING rows are history (a node left the allocation)."""
+    names = fields.split(",")
+    assert "State" in names, fields
+    deadline = time.monotonic() + timeout
+    while True:
+        proc = _run(["sacct", "-X", "-D", "-n", "-P", "-o", fields, "-j", str(job_id)], check=False)
+        rows = [dict(zip(names, line.split("|"))) for line in proc.stdout.splitlines()
+                if line.count("|") == len(names) - 1]
+        live = [r for r in rows if r["State"].split()[0] in ACTIVE_STATES and r["State"] != "RESIZING"]
+        if rows and not live:
+            return rows
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sacct has no final state for every start of job {job_id}: {proc.stdout!r}")
+        time.sleep(1)
+
+
 def sacct_times(job_id: str, timeout: float = 30) -> list[tuple[float, float, float]]:
     """(Submit, Start, End) in epoch seconds of every start of the job, oldest first, once
     slurmdbd has the end of each (it may lag the controller by a moment). SLURM_TIME_FORMAT=%s:

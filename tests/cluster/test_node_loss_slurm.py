@@ -88,10 +88,8 @@ def test_a_lost_node_is_left_behind_inside_the_allocation(three_nodes: Any, tmp_
     assert starts[1]["resumed_step"] == lost["step"] and (lost["step"] == 20 if spare else 20 < lost["step"] <= 28), \
         (starts, lost)
     assert (lost["failed_host"], lost["failed_how"]) == ("n2", "node failure"), lost
-    rows = [ln.split("|") for ln in subprocess.run(
-        ["sacct", "-X", "-D", "-n", "-P", "-o", "State,NodeList", "-j", jid],
-        capture_output=True, text=True, timeout=30).stdout.split()]
-    assert [r[0] for r in rows if r[0] != "RESIZING"] == ["COMPLETED"], rows  # no REQUEUED start
+    rows = slurmtools.sacct_rows(jid, "State,NodeList")
+    assert [r["State"] for r in rows if r["State"] != "RESIZING"] == ["COMPLETED"], rows  # no REQUEUED start
     batch = (run / "logs" / f"batch-{jid}.out").read_text()
     assert "srun: error: Node failure on n2" in batch, batch[-3000:]
     assert f"ddpjob: attempt 1: ranks on {2 if spare else 1} node(s)" in batch, batch[-3000:]

@@ -45,9 +45,8 @@ def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
         while not all(slurmjobs.slurm_states(ids).get(j, {}).get("state") in TERMINAL for j in ids):
             assert time.monotonic() < deadline, slurmjobs.slurm_states(ids)
             time.sleep(1)
-        acct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", base],
-                              capture_output=True, text=True, timeout=30).stdout.split()
-        assert f"{base}_0|COMPLETED" in acct and f"{base}_1|COMPLETED" in acct
+        acct = {r["JobID"]: r["State"] for r in slurmtools.sacct_rows(base, "JobID,State")}
+        assert acct.get(f"{base}_0") == acct.get(f"{base}_1") == "COMPLETED", acct
         for i in range(2):
             assert rundir.completed(sweep / str(i)) is not None
         status = ddpjob("status", base, "--runs-root", ".", cwd=tmp_path)  # the array id finds the sweep
