@@ -55,9 +55,9 @@ def p11(b: Bench) -> list[Row]:
     size = storm.TINY if b.sizes.tiny else storm.FULL
     work = b.base / "P11"
     work.mkdir(parents=True, exist_ok=True)
-    run, script, key = storm.prepare(work, size)
+    run, script, key = storm.prepare(work, storm.sets(size))
     job, highs, held = storm.storm(work, run, script, size, b.log)
-    ref, reused = storm.reference(work, size, key, b.log)
+    ref, reused = storm.reference(work, storm.sets(size), key, b.log)
     if (ref / "config.json").read_bytes() != (run / "config.json").read_bytes():
         raise RuntimeError(f"P11: {ref} was made from another config than {run}")  # key collision
     events = read_jsonl(run / "events.jsonl")

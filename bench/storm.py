@@ -64,48 +64,49 @@ def _ddpjob(*argv: str, cwd: Path) -> str:
     return out.stdout
 
 
-def _sets(size: StormSize) -> list[str]:
+def sets(size: StormSize) -> list[str]:
     return [a for o in overrides(size) for a in ("--set", o)]
 
 
-def prepare(work: Path, size: StormSize) -> tuple[Path, Path, str]:
-    """A fresh run dir + batch script from `ddpjob sbatch`; the reference key is the hash of
-    its config.json and frozen code (what decides every bit of the training)."""
+def prepare(work: Path, sets: list[str]) -> tuple[Path, Path, str]:
+    """A fresh run dir + batch script from `ddpjob sbatch` (jobs/smoke.toml, 2 nodes, `sets`:
+    --set arguments); the reference key is the hash of its config.json and frozen code (what
+    decides every bit of the training). P12 (bench/killstorm.py) prepares its job here too."""
     run, script = work / "storm-run", work / "storm.sbatch"
     shutil.rmtree(run, ignore_errors=True)
-    _ddpjob("sbatch", str(JOB), "--nodes", "2", *_sets(size), "-o", str(script), "--run-dir", str(run), cwd=work)
+    _ddpjob("sbatch", str(JOB), "--nodes", "2", *sets, "-o", str(script), "--run-dir", str(run), cwd=work)
     code = json.loads((run / "code.json").read_text())["hash"]
     key = hashlib.sha256((run / "config.json").read_bytes() + code.encode()).hexdigest()[:16]
     return run, script, key
 
 
-def reference(work: Path, size: StormSize, key: str, log: Callable[[str], None]) -> tuple[Path, bool]:
+def reference(work: Path, sets: list[str], key: str, log: Callable[[str], None]) -> tuple[Path, bool]:
     """The same job, never interrupted: 2 local ranks (`ddpjob submit --backend local`; gloo on
     2 ranks gives the same bits under srun and locally, test_runner.py). Reused when done."""
     ref = work / f"reference-{key}"
     if (ref / "COMPLETED").is_file() and (ref / "final" / "model.pt").is_file():
         return ref, True
     shutil.rmtree(ref, ignore_errors=True)
-    log(f"  P11: uninterrupted reference run ({size.steps} steps, 2 local ranks) in {ref}")
-    _ddpjob("submit", str(JOB), "--backend", "local", "--nodes", "2", *_sets(size), "--wait",
+    log(f"  uninterrupted reference run (2 local ranks) in {ref}")
+    _ddpjob("submit", str(JOB), "--backend", "local", "--nodes", "2", *sets, "--wait",
             "--run-dir", str(ref), cwd=work)
     if not (ref / "COMPLETED").is_file():
         raise RuntimeError(f"the reference run {ref} did not complete")
     return ref, False
 
 
-def _events(run: Path, kind: str, **match: Any) -> list[dict[str, Any]]:
+def events(run: Path, kind: str, **match: Any) -> list[dict[str, Any]]:
     return [e for e in read_jsonl(run / "events.jsonl") if e.get("event") == kind and "rank" not in e
             and all(e.get(k) == v for k, v in match.items())]
 
 
-def _wait(what: str, check: Callable[[], Any], job: str, timeout: float) -> Any:
+def wait_for(what: str, check: Callable[[], Any], job: str, timeout: float) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := check()):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"P11: no {what} after {timeout:.0f} s (job {job}: {slurmctl.state(job)})")
+            raise RuntimeError(f"no {what} after {timeout:.0f} s (job {job}: {slurmctl.state(job)})")
         if not slurmctl.active(job) and not (value := check()):
-            raise RuntimeError(f"P11: job {job} ended ({slurmctl.state(job)}) before {what}")
+            raise RuntimeError(f"job {job} ended ({slurmctl.state(job)}) before {what}")
         time.sleep(0.2)
     return value
 
@@ -125,19 +126,19 @@ def storm(work: Path, run: Path, script: Path, size: StormSize,
         log(f"  P11: storm job {job} submitted ({size.steps} steps)")
         last: float | None = None  # when the previous high job was submitted
         for k in range(1, size.preemptions + 1):
-            _wait(f"first step of attempt {k - 1}", lambda: _events(run, "first_step", restart=k - 1),
+            wait_for(f"first step of attempt {k - 1}", lambda: events(run, "first_step", restart=k - 1),
                   job, 600)
             first = time.monotonic()
             # the first one half a period in: the job must still be training after the last
             due = first + size.every_s / 2 if last is None else max(last + size.every_s, first + size.min_run_s)
             time.sleep(max(0.0, due - time.monotonic()))
-            if _events(run, "stop", reason="finished"):
+            if events(run, "stop", reason="finished"):
                 raise RuntimeError(f"P11: the job finished before preemption {k}: give it more steps")
             highs.append(slurmctl.sbatch(high, "--partition=high", "--nodes=2",
                                          "--exclusive", "--time=2", "--job-name=p11-high",
                                          f"--output={work / 'high-%j.out'}", cwd=work, env=env))
             last = time.monotonic()
-            stop = _wait(f"stop {k}", lambda: _events(run, "stop", restart=k - 1), job, 300)[0]
+            stop = wait_for(f"stop {k}", lambda: events(run, "stop", restart=k - 1), job, 300)[0]
             if stop.get("reason") != "preemption" or stop.get("requeued") is not True:
                 raise RuntimeError(f"P11: stop {k} was not a requeued preemption: {stop}")
             slurmctl.wait_state(job, {"PENDING"}, timeout=120)
@@ -227,8 +228,8 @@ def _main(argv: list[str] | None = None) -> int:
     work = harness.work_dir(args.work) / "P11"
     work.mkdir(parents=True, exist_ok=True)
     size = TINY if args.tiny else FULL
-    _, _, key = prepare(work, size)
-    ref, reused = reference(work, size, key, print)
+    _, _, key = prepare(work, sets(size))
+    ref, reused = reference(work, sets(size), key, print)
     print(f"reference {'reused' if reused else 'made'}: {ref}")
     return 0
 

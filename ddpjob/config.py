@@ -69,6 +69,9 @@ class SlurmConfig:
     # this many crashes in a row that got no further than the checkpoint they resumed from end
     # the job before max_failures is spent (a crash loop: the same step keeps failing)
     max_no_progress: Free[int] = 3
+    # a host whose ranks died by a signal (kill -9, the OOM killer, a segfault) or that failed
+    # this many times is left out of the next restart inside the allocation (0: never)
+    exclude_after: Free[int] = 2
     # a node lost from the allocation: "requeue" (SLURM requeues the job, which resumes from its
     # checkpoint, wherever it starts next) or "continue" (sbatch --no-kill: the job keeps its
     # allocation, the ranks run again inside it on the nodes left, a spare taking the lost node's

@@ -20,8 +20,8 @@ from typing import Any
 
 from ddpjob import rundir
 
-# Two failures on one host: once may be the job's bad luck, twice is the host (NVRx and Llama 3's
-# operators exclude on repeats too). Preemptions, time limits and the job's own exceptions never
+# Two failures on one host by default ([slurm] exclude_after): once may be the job's bad luck,
+# twice is the host (NVRx and Llama 3's operators exclude on repeats too). Preemptions, time limits and the job's own exceptions never
 # count: only a rank that died by a signal (kill -9, the OOM killer, a segfault, a bus error)
 # or a node that failed under it.
 QUARANTINE_AFTER = 2
@@ -128,9 +128,10 @@ def host_failures(evs: Iterable[dict[str, Any]], chain: set[str] | None = None) 
     return dict(count)
 
 
-def excluded(evs: Iterable[dict[str, Any]], chain: set[str] | None = None) -> list[str]:
-    """The hosts a restart leaves out, in name order."""
-    return sorted(h for h, n in host_failures(evs, chain).items() if n >= QUARANTINE_AFTER)
+def excluded(evs: Iterable[dict[str, Any]], chain: set[str] | None = None,
+             after: int = QUARANTINE_AFTER) -> list[str]:
+    """The hosts a restart leaves out (`after` failures each; 0: none), in name order."""
+    return [] if after <= 0 else sorted(h for h, n in host_failures(evs, chain).items() if n >= after)
 
 
 def no_progress(evs: Sequence[dict[str, Any]], chain: set[str] | None, now: tuple[Any, int, int] | None

@@ -38,7 +38,7 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagrap
 # could exhaust memory on the login node or overflow a C int on the nodes.
 LIMITS: dict[str, int] = {
     "slurm.nodes": 100_000, "slurm.tasks_per_node": 1024, "slurm.gpus_per_node": 64,
-    "slurm.cpus_per_task": 4096, "slurm.max_requeues": 10_000, "slurm.max_no_progress": 10_000,
+    "slurm.cpus_per_task": 4096, "slurm.max_requeues": 10_000, "slurm.max_no_progress": 10_000, "slurm.exclude_after": 10_000,
     "slurm.spare_nodes": 100_000,
     "train.num_classes": 1_000_000, "train.epochs": 1_000_000, "train.max_steps": 10**12,
     "train.batch_size": 1 << 20, "train.global_batch_size": 1 << 30,

@@ -62,6 +62,7 @@ class History:
     evals: list[dict[str, Any]]
     markers: list[Marker]
     events: list[dict[str, Any]]
+    exclude_after: int = crashes.QUARANTINE_AFTER  # the run's [slurm] exclude_after
 
 
 @dataclass
@@ -112,8 +113,10 @@ def load_history(run_dir: str | Path, name: str | None = None) -> History:
         is_eval = rec.get("kind") == "eval" or (rec.get("kind") is None and "eval_acc" in rec)
         (evals if is_eval else train)[rec["step"]] = rec  # later (re-run) records win
     events = rundir.events(run)
+    after = rundir.read_record(run / "config.json").get("slurm", {}).get("exclude_after")
     return History(name or run.name, [train[s] for s in sorted(train)],
-                   [evals[s] for s in sorted(evals)], restart_markers(events), events)
+                   [evals[s] for s in sorted(evals)], restart_markers(events), events,
+                   after if isinstance(after, int) and not isinstance(after, bool) else crashes.QUARANTINE_AFTER)
 
 
 def _names(run_dirs: list[Path]) -> list[str]:
@@ -282,7 +285,7 @@ def summary(run_dir: str | Path) -> list[str]:
                          f"step against {_num(e.get('median_ms')):.1f} ms (job {e.get('job_id')})")
     failures = crashes.host_failures(h.events)
     if failures:  # the run's host ledger: what a restart inside the allocation leaves out
-        out = set(crashes.excluded(h.events))
+        out = set(crashes.excluded(h.events, after=h.exclude_after))
         lines.append("hosts       " + ", ".join(
             f"{host} {n} failure{'s' * (n != 1)}{' (excluded)' if host in out else ''}"
             for host, n in sorted(failures.items())))

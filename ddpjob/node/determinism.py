@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from ddpjob.errors import DDPJobError
 from ddpjob.node.cluster import ClusterEnv
@@ -56,7 +57,16 @@ def apply(deterministic: bool) -> None:
 
     torch.backends.cudnn.deterministic = deterministic
     torch.backends.cudnn.benchmark = not deterministic
-    torch.use_deterministic_algorithms(deterministic, warn_only=False)
+    native = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if "torch._inductor.config" in sys.modules or native is None:
+        torch.use_deterministic_algorithms(deterministic, warn_only=False)
+    else:
+        # torch.use_deterministic_algorithms imports torch._inductor (and with it dynamo and
+        # sympy: 2-4 s of every rank's start, so of every restart after a crash) only to set
+        # inductor's `deterministic`, which reads TORCHINDUCTOR_DETERMINISTIC when first
+        # imported: the same setting, made when (if ever) something compiles.
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if deterministic else "0"
+        native(deterministic, warn_only=False)
     torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
 

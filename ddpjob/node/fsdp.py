@@ -9,6 +9,7 @@ such a model go through DCP (store/sharded.py).
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from typing import Any
 
@@ -25,8 +26,12 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 def is_sharded(obj: Any) -> bool:
     """A module whose parameters are DTensors (what fully_shard leaves), or an optimizer over
     such parameters."""
-    from torch.distributed.tensor import DTensor
-
+    # No DTensor exists before its module is imported (fully_shard imports it); importing it
+    # here would cost every DDP rank's start ~1 s (DTensor's ops), so every restart too.
+    loaded = sys.modules.get("torch.distributed.tensor")
+    DTensor = getattr(loaded, "DTensor", None)
+    if DTensor is None:
+        return False
     if isinstance(obj, nn.Module):
         params = list(obj.parameters())
     elif isinstance(obj, torch.optim.Optimizer):

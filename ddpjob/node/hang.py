@@ -177,9 +177,17 @@ class Watch:
 
     def _gather(self) -> dict[int, Report]:
         deadline = time.monotonic() + REPORT_S
-        while self._store.add(self._reported_key, 0) < self.world_size and time.monotonic() < deadline:
+        # A signal that comes now ends the wait: srun ends the step (SIGTERM, then SIGKILL after
+        # KillWait, 30 s by default) once a rank died, and a dead rank never reports. Waiting on
+        # would cost the restart inside the allocation that much, for reports that cannot come.
+        signalled = getattr(self.steps, "time", None)
+        def ending() -> bool:
+            return getattr(self.steps, "time", None) != signalled
+        while (self._store.add(self._reported_key, 0) < self.world_size and time.monotonic() < deadline
+               and not ending()):
             time.sleep(0.25)
-        time.sleep(0.5)  # ranks whose own collective fails a moment later re-report as waiting
+        if not ending():
+            time.sleep(0.5)  # ranks whose own collective fails a moment later re-report as waiting
         out: dict[int, Report] = {}
         for r in range(self.world_size):
             key = self._key(f"where/{r}")

@@ -266,12 +266,13 @@ def allocation_now(cfg: JobConfig, env: ClusterEnv) -> tuple[str, ...]:
 
 def restart_layout(run_dir: Path, env: ClusterEnv, cfg: JobConfig) -> tuple[int, list[str]] | None:
     """(nodes, excluded hosts) for the next srun inside the allocation: every node of it but the
-    hosts the run's ledger quarantines (crashes.QUARANTINE_AFTER host failures), at most
+    hosts the run's ledger quarantines (slurm.exclude_after host failures), at most
     slurm.nodes of them when on_node_loss = "continue" (a spare takes a lost node's place; with
     none left the world is smaller). None: no node is left to run on."""
     evs = rundir.events(run_dir)
     hosts = allocation_now(cfg, env)
-    out = [h for h in crashes.excluded(evs, rundir.job_chain(evs, env.job_id)) if h in hosts]
+    out = [h for h in crashes.excluded(evs, rundir.job_chain(evs, env.job_id), cfg.slurm.exclude_after)
+           if h in hosts]
     nodes = (len(hosts) or env.num_nodes) - len(out)
     if cfg.slurm.on_node_loss == "continue":
         nodes = min(nodes, cfg.slurm.nodes)
@@ -378,13 +379,13 @@ def main(argv: list[str]) -> int:
     layout = restart_layout(run_dir, env, cfg)
     if layout is None:
         print(f"ddpjob: error: every node of allocation {env.job_id} is excluded after failing "
-              f"{crashes.QUARANTINE_AFTER} times, expected one left to restart on. Hint: `ddpjob resume "
+              f"{cfg.slurm.exclude_after} times, expected one left to restart on. Hint: `ddpjob resume "
               f"{run_dir}` submits the run again on other nodes", file=sys.stderr, flush=True)
         memsnap.remove_job(run_dir, env.job_id)
         return status
     nodes, out = layout
     if out:
-        print(f"ddpjob: excluding {','.join(out)} ({crashes.QUARANTINE_AFTER} failures each): the ranks "
+        print(f"ddpjob: excluding {','.join(out)} ({cfg.slurm.exclude_after} failures each): the ranks "
               f"restart on {nodes} node(s)", file=sys.stderr, flush=True)
     # stdout is the batch script's: "NODES [EXCLUDED,HOSTS]" (hostnames: crashes.HOST, no shell)
     print(nodes, ",".join(out), flush=True)

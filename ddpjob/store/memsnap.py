@@ -132,7 +132,10 @@ class Snapshots:
 
         self._base, self._async = base, AsyncWrite
         self.every = every
-        self.store = CheckpointStore(root, keep_last=KEEP, config_hash=config_hash)
+        # One process writes a rank's folder at a time, so a staging folder this process did not
+        # open is a killed writer's (kill -9 mid-snapshot): the next prune drops it at once
+        # instead of after the durable store's 5 minutes, and /dev/shm holds KEEP + 1 at most.
+        self.store = CheckpointStore(root, keep_last=KEEP, config_hash=config_hash, stale_after_s=0.0)
         self._pending: Any = None  # AsyncWrite
         self.taken = self.skipped = 0
         self.why_not: str | None = refuse(root, base)

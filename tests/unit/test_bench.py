@@ -47,8 +47,8 @@ def test_step_times_skip_gate_waits_and_take_the_slowest_rank() -> None:
 
 
 def test_every_id_has_a_benchmark_and_the_job_file_exists() -> None:
-    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P13", "P14"]
-    assert ON_DEMAND == {"P11"}  # never in the default set nor CI's --tiny run: it needs the cluster
+    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P12", "P13", "P14"]
+    assert ON_DEMAND == {"P11", "P12"}  # never in the default set nor CI's --tiny run: they need the cluster
     assert harness.JOB.is_file()
     # the benchmark's config is the user's job file plus overrides, and it validates
     from ddpjob import config
@@ -118,3 +118,56 @@ def test_storm_rows_pass_only_when_identical_and_nothing_lost() -> None:
     assert bad[0].passed is False and "DIFFERS: .model.fc.weight" in bad[0].measured
     replayed = storm_ledger.figures(storm_ledger.read_jsonl(STORM_EVENTS), [1, 2, 2])
     assert p11_rows.rows_of(replayed, [], 40, [], 3, True, {}, p11_rows.storm.TINY)[1].passed is False
+
+
+# ------------------------------------------------------------------ P12: the kill storm
+from bench import killstorm, p12 as p12_rows  # noqa: E402
+
+def _kill_ledger() -> tuple[list[dict], list[dict]]:
+    """Two attempts: rank 1 killed at t=100 after step 43 was logged; the decision's record at
+    100.6, the new ranks started at 100.7, their loop at 108.0 after a 0.05 s snapshot load,
+    the first step at 108.1; resumed at the snapshot of step 40; finished at 120."""
+    events = [
+        {"event": "start", "job_id": "9", "restart": 0, "launched_time": 90.0, "time": 97.0, "load_s": 0.0,
+         "resumed_step": None},
+        {"event": "first_step", "job_id": "9", "restart": 0, "step": 1, "time": 97.1},
+        {"event": "stop", "job_id": "9", "rank": 0, "restart": 0, "reason": "crash", "time": 100.2},  # a rank's own
+        {"event": "stop", "job_id": "9", "restart": 0, "reason": "crash", "step": 40, "time": 100.6},
+        {"event": "start", "job_id": "9", "restart": 1, "launched_time": 100.7, "time": 108.0, "load_s": 0.05,
+         "resumed_step": 40},
+        {"event": "first_step", "job_id": "9", "restart": 1, "step": 41, "time": 108.1},
+        {"event": "stop", "job_id": "9", "restart": 1, "reason": "finished", "step": 80, "time": 120.0},
+    ]
+    records = ([{"kind": "train", "step": s, "restart": 0, "time": 97.0 + 0.05 * s} for s in range(1, 44)]
+               + [{"kind": "train", "step": s, "restart": 1, "time": 108.0 + 0.1 * (s - 40)} for s in range(41, 81)])
+    return events, records
+
+
+def test_kill_storm_figures_come_from_the_ledger_and_the_kill_times() -> None:
+    events, records = _kill_ledger()
+    fail = killstorm.Failure("kill -9 rank 1 on n2", attempt=0, target=41, killed_at=100.0)
+    (m,) = killstorm.measure([fail], events, records, "9")
+    assert (m["last_step"], m["resumed_step"], m["steps_lost"], m["same_job"]) == (43, 40, 3, True)
+    assert m["phases"] == {"detect and tear down": 0.6, "restart": 0.1, "start-up": 7.25, "load": 0.05,
+                           "first step": 0.1}
+    assert m["total_s"] == 8.1
+    loops, wall, ratio = killstorm.loop_ratio(events, records)
+    assert (loops, wall) == (round(43 * 0.05 + 12.0, 3), 30.0) and abs(ratio - loops / 30.0) < 1e-12
+    with pytest.raises(ValueError, match="no decision record"):
+        killstorm.measure([killstorm.Failure("x", 1, 0, 0.0)], events, records, "9")
+
+
+def test_kill_storm_rows_fail_on_a_lost_interval_a_slow_recovery_or_memory_left() -> None:
+    events, records = _kill_ledger()
+    fail = killstorm.Failure("kill -9 rank 1 on n2", attempt=0, target=41, killed_at=100.0)
+    measured = killstorm.measure([fail], events, records, "9")
+    shm = {"max_per_rank": 2, "max_bytes": 2 << 20, "left": []}
+    rows = p12_rows.rows_of(measured, killstorm.TINY, True, "bit-identical", (10.0, 30.0, 1 / 3), shm,
+                            {"requeued": 0})
+    assert [r.id for r in rows] == ["P12"] * 6
+    assert [r.passed for r in rows] == [True, True, True, False, None, True]  # 8.1 s > 5 s
+    assert "lost: 3" in rows[1].measured and "total 8.10 (median)" in rows[3].measured
+    measured[0]["steps_lost"] = killstorm.TINY.snapshot_every + 1
+    again = p12_rows.rows_of(measured, killstorm.TINY, True, "", (10.0, 30.0, 1 / 3),
+                             {**shm, "left": ["/dev/shm/ddpjob-0/9-abc"]}, {"requeued": 1})
+    assert again[1].passed is False and again[2].passed is False and again[5].passed is False

@@ -71,6 +71,8 @@ def test_two_host_failures_exclude_a_host_preemptions_and_exceptions_never_count
     assert crashes.excluded(evs) == ["n2"]
     assert crashes.excluded(evs[:2]) == []
     assert crashes.excluded(evs, chain={"78"}) == []  # another submission of the run: a fresh ledger
+    assert crashes.excluded(evs, after=3) == [] and crashes.excluded(evs, after=1) == ["n2"]
+    assert crashes.excluded(evs, after=0) == []  # [slurm] exclude_after = 0: never
     bad = crash("77", 4, 60, "n2; reboot")  # a record edited by hand is no host name
     assert crashes.host_failures([*evs, bad]) == {"n2": 2}
 
@@ -179,6 +181,12 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     assert requeue.restart_layout(d, ENV, cfg) == (1, ["n2"])
     lines = "\n".join(plot.summary(d))  # what `ddpjob status` shows
     assert "n2 2 failures (excluded)" in lines and "rank 3 on n2: Bus error" in lines, lines
+    # [slurm] exclude_after = 3: two failures are not yet the host, for the decision and status
+    cfg3 = config.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "exclude_after": 3}})
+    rundir.write_text_atomic(d / "config.json", cfg3.to_json())
+    assert requeue.restart_layout(d, ENV, cfg3) == (2, [])
+    lines = "\n".join(plot.summary(d))
+    assert "n2 2 failures" in lines and "(excluded)" not in lines, lines
 
 
 def test_the_decision_prints_the_layout_for_the_batch_script(fake_slurm, tmp_path, monkeypatch,

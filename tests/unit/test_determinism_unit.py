@@ -42,3 +42,26 @@ def test_explain_maps_only_torch_determinism_refusals() -> None:
     assert err.line().startswith("ddpjob: error: the operation put_ has no deterministic kernel")
     other = RuntimeError("CUDA out of memory")
     assert determinism.explain(other) is other
+
+
+def test_apply_sets_torch_and_a_later_compile_without_importing_inductor_at_start() -> None:
+    """A rank's start (so every restart after a crash) does not pay for importing torch._inductor
+    (dynamo, sympy: seconds) to set inductor's flag: the flag still holds when something
+    compiles later, and both ways. A fresh interpreter: this one has imported inductor already."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch\nfrom ddpjob.node import determinism\n"
+              "for on in (True, False):\n"
+              "    determinism.apply(on)\n"
+              "    assert torch.are_deterministic_algorithms_enabled() is on\n"
+              "    assert 'torch._inductor' not in sys.modules and 'torch._dynamo' not in sys.modules\n"
+              "determinism.apply(True)\n"
+              "import torch._inductor.config as c\n"
+              "assert c.deterministic is True, c.deterministic\n"
+              "determinism.apply(False)  # inductor imported now: torch's own call sets it\n"
+              "assert c.deterministic is False and not torch.are_deterministic_algorithms_enabled()\n"
+              "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_DETERMINISTIC"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

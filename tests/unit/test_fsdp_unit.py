@@ -54,7 +54,7 @@ def test_dcp_metadata_reader_builds_only_dcp_classes(tmp_path: Path) -> None:
     import pickle
 
     from ddpjob.errors import DDPJobError
-    from ddpjob.store import sharded
+    from ddpjob.store import dcpio, sharded
 
     class Evil:
         def __reduce__(self) -> tuple[Any, ...]:
@@ -62,7 +62,7 @@ def test_dcp_metadata_reader_builds_only_dcp_classes(tmp_path: Path) -> None:
 
     (tmp_path / sharded.METADATA).write_bytes(pickle.dumps(Evil()))
     with pytest.raises(DDPJobError, match="posix.system is not part of DCP's metadata|system is not part"):
-        sharded.read_metadata(tmp_path)
+        dcpio.read_metadata(tmp_path)
     assert not (tmp_path / "pwned").exists()
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -71,7 +71,7 @@ def test_dcp_metadata_reader_builds_only_dcp_classes(tmp_path: Path) -> None:
     md = Metadata({}, storage_data={MetadataIndex("x"): _StorageInfo("../../etc/passwd", 0, 1)})
     (tmp_path / sharded.METADATA).write_bytes(pickle.dumps(md))
     with pytest.raises(DDPJobError, match="names files outside its checkpoint"):
-        sharded.read_metadata(tmp_path)
+        dcpio.read_metadata(tmp_path)
     md.storage_data = {MetadataIndex("x"): _StorageInfo("__0_0.distcp", 0, 1)}
     (tmp_path / sharded.METADATA).write_bytes(pickle.dumps(md))
-    assert sharded.read_metadata(tmp_path).storage_data[MetadataIndex("x")].relative_path == "__0_0.distcp"
+    assert dcpio.read_metadata(tmp_path).storage_data[MetadataIndex("x")].relative_path == "__0_0.distcp"

@@ -44,3 +44,33 @@ def test_comm_failures_are_told_from_bugs() -> None:
     assert hang.is_comm_failure(RuntimeError("[pair.cc:534] Connection closed by peer [10.0.0.2]:4242"))
     assert not hang.is_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 3x2)"))
     assert not hang.is_comm_failure(ValueError("timed out"))  # a value error is the caller's
+
+
+def test_a_signal_ends_the_wait_for_reports_that_cannot_come(monkeypatch) -> None:
+    """A rank was killed (kill -9): its peer's collective fails and the peer waits for reports
+    (hang.REPORT_S) that the dead rank never sends. srun then ends the step (SIGTERM, SIGKILL
+    after KillWait): the signal ends the wait, so the restart inside the allocation is not held
+    up by it. Counted in polls of the store, not seconds."""
+    from ddpjob.node.preemption import StopFlag
+
+    flag = StopFlag()
+
+    class Store:
+        polls = 0
+
+        def add(self, key: str, n: int) -> int:
+            Store.polls += 1
+            if Store.polls == 2:
+                flag._handle(15, None)  # SIGTERM from slurmstepd, as the handler records it
+            return 1  # of 2 ranks: the dead one never reports
+
+        def check(self, keys: list[str]) -> bool:
+            return False
+
+    watch = object.__new__(hang.Watch)
+    watch.world_size, watch.steps, watch._store = 2, flag, Store()
+    watch._prefix = "ddpjob/hang/0/"
+    watch._reported_key = watch._key("reported")
+    monkeypatch.setattr(hang.time, "sleep", lambda s: None)
+    assert watch._gather() == {}
+    assert Store.polls == 2, Store.polls  # without the signal: every 0.25 s until REPORT_S

@@ -39,6 +39,23 @@ def test_snapshots_are_taken_when_due_kept_two_deep_and_verified(tmp_path: Path)
     assert s.newest(["model.pt"]) == [4]
 
 
+def test_a_snapshot_a_killed_writer_left_half_done_goes_at_the_next_one(tmp_path: Path) -> None:
+    """kill -9 during a snapshot's write leaves its staging folder; the restarted rank's first
+    snapshot removes it (one process per rank folder: it is nobody's), so the folder never holds
+    more than KEEP snapshots + the one being written."""
+    first = snaps(tmp_path)
+    assert first.take(2, files(2), {"step": 2})
+    first.close()
+    left = first.store.staging_dir(4, "pid999")  # the killed process's half-written snapshot
+    (left / "model.pt").write_bytes(b"half")
+    again = snaps(tmp_path)  # the restarted rank, moments later
+    for step in (4, 6):
+        assert again.take(step, files(step), {"step": step})
+        again.close()
+    names = sorted(p.name for p in again.store.root.iterdir())
+    assert names == ["step-000000004", "step-000000006"], names
+
+
 def test_a_tree_someone_else_can_change_is_never_used(tmp_path: Path) -> None:
     top = memsnap.top(tmp_path)
     top.mkdir(mode=0o777)
