@@ -513,11 +513,17 @@ def p12(b: Bench) -> list[Row]:
     return killstorm.p12(b)
 
 
+def p15(b: Bench) -> list[Row]:
+    from bench import p15 as machinery  # the SLURM driver: only imported when P15 is asked for
+
+    return machinery.p15(b)
+
+
 BENCHMARKS: dict[str, Callable[[Bench], list[Row]]] = {
     "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9, "P10": p10,
-    "P11": p11, "P12": p12, "P13": p13, "P14": p14}
-# Run only when named: P11 and P12 need the SLURM test cluster and ~10-15 minutes, so neither
+    "P11": p11, "P12": p12, "P13": p13, "P14": p14, "P15": p15}
+# Run only when named: P11, P12 and P15 need the SLURM test cluster and ~10-15 minutes, so neither
 # the default set nor CI's `bench --tiny` (tests/unit/test_bench.py) may start them.
-ON_DEMAND = frozenset({"P11", "P12"})
+ON_DEMAND = frozenset({"P11", "P12", "P15"})
 # Ids that do not read the CIFAR-10-format data set (a first run would write 50,000 images).
-NO_DATA = frozenset({"P8", "P11", "P12"})
+NO_DATA = frozenset({"P8", "P11", "P12", "P15"})

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ddpjob.errors import DDPJobError
 from ddpjob.store import manifest
-from ddpjob.store.sharded import METADATA
+from ddpjob.store.manifest import DCP_METADATA as METADATA
 
 _DCP_METADATA = ".metadata"  # what FileSystemWriter writes (torch 2.4 - 2.14 at least)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+DCP_METADATA = "dcp.metadata"  # a sharded checkpoint's DCP metadata, under a visible name (dcpio.py)
 STEP_DIR = re.compile(r"step-(\d+)", re.ASCII)
 # a plain name in the checkpoint's own folder (never "..", never a path); a leading "_" for the
 # shard files DCP names itself (`__<rank>_0.distcp`, store/sharded.py)

@@ -27,7 +27,7 @@ from ddpjob.node import dist
 from ddpjob.store import manifest
 from ddpjob.store.snapshot import snapshot_tree
 
-METADATA = "dcp.metadata"
+METADATA = manifest.DCP_METADATA
 
 # DCP's readers and writers (store/dcpio.py) are imported when a sharded state is saved or
 # loaded: torch.distributed.checkpoint imports DTensor and its ops, ~2 s of every rank's start

@@ -47,8 +47,8 @@ def test_step_times_skip_gate_waits_and_take_the_slowest_rank() -> None:
 
 
 def test_every_id_has_a_benchmark_and_the_job_file_exists() -> None:
-    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P12", "P13", "P14"]
-    assert ON_DEMAND == {"P11", "P12"}  # never in the default set nor CI's --tiny run: they need the cluster
+    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P12", "P13", "P14", "P15"]
+    assert ON_DEMAND == {"P11", "P12", "P15"}  # never in the default set nor CI's --tiny run: they need the cluster
     assert harness.JOB.is_file()
     # the benchmark's config is the user's job file plus overrides, and it validates
     from ddpjob import config
@@ -171,3 +171,53 @@ def test_kill_storm_rows_fail_on_a_lost_interval_a_slow_recovery_or_memory_left(
     again = p12_rows.rows_of(measured, killstorm.TINY, True, "", (10.0, 30.0, 1 / 3),
                              {**shm, "left": ["/dev/shm/ddpjob-0/9-abc"]}, {"requeued": 1})
     assert again[1].passed is False and again[2].passed is False and again[5].passed is False
+
+
+# ------------------------------------------------------------------ P15: the machinery at 2-32 ranks
+from bench import p15 as p15_rows, scale  # noqa: E402
+
+SDIAG = """Remote Procedure Call statistics by message type
+\tREQUEST_SUBMIT_BATCH_JOB                ( 4003) count:1      ave_time:900    total_time:900
+\tREQUEST_STEP_COMPLETE                   ( 5016) count:{steps}      ave_time:300    total_time:600
+\tREQUEST_JOB_REQUEUE                     ( 4024) count:1      ave_time:300    total_time:300
+\tREQUEST_KILL_JOB                        ( 5032) count:1      ave_time:300    total_time:300
+\tREQUEST_UPDATE_JOB                      ( 3001) count:1      ave_time:300    total_time:300
+
+Remote Procedure Call statistics by user
+\troot            (       0) count:9      ave_time:405    total_time:3645
+"""
+
+SS = """0      0      127.0.0.1:40001 127.0.0.2:15870 users:(("python",pid=101,fd=5))
+\t cubic wscale:7,7 rto:204 bytes_sent:900 segs_out:40 data_segs_out:30 data_segs_in:28
+0      0      127.0.0.1:40002 127.0.0.2:15870 users:(("python",pid=101,fd=9))
+\t cubic wscale:7,7 rto:204 bytes_sent:90 segs_out:10 data_segs_out:4 data_segs_in:4
+0      0      127.0.0.3:40003 127.0.0.2:15870 users:(("python",pid=202,fd=5))
+\t cubic wscale:7,7 rto:204 bytes_sent:900 segs_out:40 data_segs_out:31 data_segs_in:28
+"""
+
+
+def test_scale_reads_sdiag_by_type_and_store_segments_by_process() -> None:
+    assert scale.parse_sdiag(SDIAG.format(steps=2)) == {
+        "REQUEST_SUBMIT_BATCH_JOB": 1, "REQUEST_STEP_COMPLETE": 2, "REQUEST_JOB_REQUEUE": 1,
+        "REQUEST_KILL_JOB": 1, "REQUEST_UPDATE_JOB": 1}  # not the "by user" section
+    assert scale.parse_ss(SS) == {101: 34, 202: 31}  # both of a rank's connections
+
+
+def _scale_result(ranks: int, requeues: int = 1, per_s: float = 0.5, files: float = 1.5) -> dict:
+    rpcs = scale.parse_sdiag(SDIAG.format(steps=2 * ranks))
+    rpcs["REQUEST_JOB_REQUEUE"] = requeues
+    return {"ranks": ranks, "rpcs": rpcs, "store_segments_per_s": [per_s] * ranks,
+            "store_segments_per_step": [0.1] * ranks, "store_clients": ranks, "files_per_rank": files,
+            "first_step_s": 9.0, "vote_us": 800, "checkpoint_block_s": 0.05,
+            "recovery": {"stop vote": 0.1, "requeue": 3.0}, "status_s": 0.6}
+
+
+def test_scale_rows_pass_when_ddpjobs_rpcs_store_requests_and_files_stay_flat() -> None:
+    rows = p15_rows.rows_of([_scale_result(2), _scale_result(32)])
+    assert [r.passed for r in rows] == [True, None, True, True, None]
+    assert rows[0].measured == "REQUEST_JOB_REQUEUE 1 / 1"  # the driver's submit, signal, release: off
+    assert rows[1].measured == "REQUEST_STEP_COMPLETE 4 / 64"  # SLURM's own, per node
+    assert "recovery 3.1 / 3.1" in rows[4].measured
+    bad = p15_rows.rows_of([_scale_result(2), _scale_result(32, requeues=16, per_s=4.0, files=2.0)])
+    assert [r.passed for r in bad] == [False, None, False, False, None]
+    assert "REQUEST_JOB_REQUEUE 1 / 16 (NOT flat)" in bad[0].measured
