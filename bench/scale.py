@@ -1,7 +1,7 @@
-"""P15, the machinery at 2 to 32 ranks: the same small `ddpjob sbatch` job (`cnn_tiny`, 40
-steps, 2 tasks per node, a checkpoint every 10 steps) at 2, 4, 8, 16 and 32 ranks on the SLURM
-test cluster grown to 16 nodes (`tests/cluster/start.sh --nodes 16`, all on this machine),
-stopped once at step 20 by the time-limit warning (`scancel --signal=USR2`: every rank stops at
+"""P15, the machinery at 2 to 32 ranks: the same small `ddpjob sbatch` job (`cnn_tiny`, 2 tasks
+per node, a checkpoint every 10 steps; ~12 s of steps before the stop, `plan`) at 2, 4, 8, 16
+and 32 ranks on the SLURM test cluster grown to 16 nodes (`tests/cluster/start.sh --nodes 16`,
+all on this machine), stopped once by the time-limit warning (`scancel --signal=USR2`: every rank stops at
 the same step, checkpoints, rank 0 requeues the job) and resumed to the end.
 
 What is counted (trustworthy at any rank count on 2 cores):
@@ -9,8 +9,8 @@ What is counted (trustworthy at any rank count on 2 cores):
                        driver sends 3 of them (the submit, the signal, the release of the
                        requeued job) and otherwise watches the run dir, never slurmctld.
   store requests       TCP segments the ranks send to rank 0's TCPStore (`ss -ti`: data_segs_out
-                       of every connection to the master port, per process), per step per rank,
-                       between steps 5 and 15 of the first attempt
+                       of every connection to the master port, per process), per second and per
+                       step per rank, over ~12 s of the first attempt
   files per checkpoint per rank
 What is timed (with 2 cores, times at 16 and 32 ranks mostly measure CPU contention):
   the start to the first step, the stop vote per step, the checkpoint's blocking time, the
@@ -22,6 +22,7 @@ Only by name: `python -m bench P15` (~15 minutes); `--tiny`: 2 and 4 ranks.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import statistics
@@ -39,8 +40,8 @@ from ddpjob.rundir import read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 FULL = (2, 4, 8, 16, 32)
 TINY = (2, 4)
-STEPS, STOP_AT, EVERY = 40, 20, 10
-WINDOW = (5, 15)  # the steps between which the store requests are counted
+EVERY = 10  # checkpoint.every_steps
+FIRST = 5  # the store requests are counted from this step to two steps before the stop
 DRIVER_RPCS = {"REQUEST_SUBMIT_BATCH_JOB": 1, "REQUEST_KILL_JOB": 1, "REQUEST_UPDATE_JOB": 1}
 
 _SDIAG = re.compile(r"^\s+([A-Z_0-9]+)\s+\(\s*\d+\)\s+count:(\d+)\b", re.M)
@@ -48,8 +49,16 @@ _SS_USER = re.compile(r'users:\(\("[^"]*",pid=(\d+),')
 _SS_SEGS = re.compile(r"\bdata_segs_out:(\d+)\b")
 
 
+def plan(ranks: int) -> tuple[int, int]:
+    """(the step the stop comes at, max_steps). The hang watch asks the store on a clock, so the
+    first attempt should last ~12 s at every size: a step takes ~8 ms x ranks on this machine."""
+    stop = max(20, math.ceil(12.0 / (0.008 * ranks)))
+    return stop, stop + 20
+
+
 def overrides(ranks: int) -> list[str]:
-    return [f"train.max_steps={STEPS}", "train.batch_size=8", "train.log_every=1", f"train.eval_every={STEPS}",
+    steps = plan(ranks)[1]
+    return [f"train.max_steps={steps}", "train.batch_size=8", "train.log_every=1", f"train.eval_every={steps}",
             "train.threads=1", f"checkpoint.every_steps={EVERY}", f"data.synthetic_train={max(2048, 16 * ranks * 8)}",
             "data.synthetic_test=256", f"slurm.tasks_per_node={min(2, ranks)}", 'slurm.partition="wide"',
             "slurm.max_requeues=3", 'slurm.time="00:20:00"']
@@ -111,8 +120,14 @@ def _until(what: str, check: Callable[[], Any], job: str, timeout: float) -> Any
     return value
 
 
+def _ended(job: str) -> bool:
+    rows = slurmctl._run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job], check=False).stdout.split()
+    return bool(rows) and rows[-1].split()[0] in slurmctl.FINAL
+
+
 def one(work: Path, ranks: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """One size: submit, count, stop at STOP_AT, release, finish; the figures."""
+    """One size: submit, count, stop at plan()'s step, release, finish; the figures."""
+    stop_at = plan(ranks)[0]
     sets = [a for o in overrides(ranks) for a in ("--set", o)]
     run, script = work / f"run-{ranks}", work / f"job-{ranks}.sbatch"
     nodes = max(1, ranks // 2)
@@ -126,14 +141,14 @@ def one(work: Path, ranks: int, log: Callable[[str], None]) -> dict[str, Any]:
     slurmctl._run(["sdiag", "-r"])
     job = slurmctl.sbatch(script, cwd=work, env=slurmctl.clean_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
     try:
-        _until(f"step {WINDOW[0]}", lambda: _last_step(run, 0) >= WINDOW[0], job, 900)
+        _until(f"step {FIRST}", lambda: _last_step(run, 0) >= FIRST, job, 900)
         head = (run / "logs" / "rank-0.log").read_text(errors="replace")
         port = int(re.search(r"master [^:\s]+:(\d+)", head)[1])  # type: ignore[index]
         before, t_before = store_segments(port), time.monotonic()
-        _until(f"step {WINDOW[1]}", lambda: _last_step(run, 0) >= WINDOW[1], job, 900)
+        _until(f"step {stop_at - 2}", lambda: _last_step(run, 0) >= stop_at - 2, job, 900)
         after, window_s = store_segments(port), time.monotonic() - t_before
-        steps = _last_step(run, 0) - WINDOW[0]  # at most: the first sample may have come a step late
-        _until(f"step {STOP_AT}", lambda: _last_step(run, 0) >= STOP_AT, job, 900)
+        steps = _last_step(run, 0) - FIRST  # at most: the first sample may have come a step late
+        _until(f"step {stop_at}", lambda: _last_step(run, 0) >= stop_at, job, 900)
         slurmctl._run(["scancel", "--signal=USR2", job])
         stop = _until("the requeue", lambda: storm.events(run, "stop", restart=0), job, 600)[0]
         if stop.get("requeued") is not True:
@@ -141,7 +156,10 @@ def one(work: Path, ranks: int, log: Callable[[str], None]) -> dict[str, Any]:
         time.sleep(3)  # slurmd refuses a credential made in the second the attempt ended
         slurmctl.release(job)
         _until("the end", lambda: storm.events(run, "stop", reason="finished"), job, 900)
-        time.sleep(3)  # the end's epilog messages reach slurmctld
+        # then the job's end in SLURM (slurmdbd: asking it costs slurmctld nothing), so that the
+        # end's own messages (the batch script's, the steps', every node's epilog) are counted
+        _until("the job's end in sacct", lambda: _ended(job), job, 600)
+        time.sleep(3)
         rpcs = parse_sdiag(slurmctl._run(["sdiag"]).stdout)
     finally:
         if slurmctl.active(job):

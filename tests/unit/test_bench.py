@@ -220,4 +220,6 @@ def test_scale_rows_pass_when_ddpjobs_rpcs_store_requests_and_files_stay_flat() 
     assert "recovery 3.1 / 3.1" in rows[4].measured
     bad = p15_rows.rows_of([_scale_result(2), _scale_result(32, requeues=16, per_s=4.0, files=2.0)])
     assert [r.passed for r in bad] == [False, None, False, False, None]
-    assert "REQUEST_JOB_REQUEUE 1 / 16 (NOT flat)" in bad[0].measured
+    assert "REQUEST_JOB_REQUEUE 1 / 16 (GROWS)" in bad[0].measured
+    fewer = p15_rows.rows_of([_scale_result(2, requeues=2), _scale_result(32, requeues=1)])
+    assert fewer[0].passed is True  # fewer at more ranks is no growth
