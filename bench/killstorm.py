@@ -29,7 +29,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -42,8 +41,6 @@ from bench.storm_ledger import train_records
 from ddpjob.rundir import read_jsonl
 from ddpjob.store import memsnap
 
-ROOT = Path(__file__).resolve().parents[1]
-START = ROOT / "tests" / "cluster" / "start.sh"  # the test cluster's own script: run, not imported
 PHASES = ("detect and tear down", "restart", "start-up", "load", "first step")
 
 
@@ -74,17 +71,6 @@ def overrides(size: KillSize) -> list[str]:
             "slurm.tasks_per_node=1", 'slurm.partition="wide"', 'slurm.on_node_loss="continue"',
             f"slurm.spare_nodes={1 if size.node_down else 0}", f"slurm.max_failures={size.kills + 3}",
             "slurm.exclude_after=0", 'slurm.time="00:30:00"']
-
-
-def cluster_nodes() -> int:
-    out = slurmctl._run(["sinfo", "-h", "-N", "-o", "%N"]).stdout.split()
-    return len(set(out))
-
-
-def resize(nodes: int) -> None:
-    out = subprocess.run(["bash", str(START), "--nodes", str(nodes)], capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
-        raise RuntimeError(f"tests/cluster/start.sh --nodes {nodes} failed: {(out.stdout + out.stderr)[-1500:]}")
 
 
 def rank_process(job: str, rank: int) -> tuple[int, str] | None:

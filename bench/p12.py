@@ -60,17 +60,9 @@ def p12(b: Bench) -> list[Row]:
     work = b.base / "P12"
     work.mkdir(parents=True, exist_ok=True)
     sets = [a for o in killstorm.overrides(size) for a in ("--set", o)]
-    before = killstorm.cluster_nodes()
-    if before < 3:
-        b.log("  P12: the test cluster grows to 3 nodes (tests/cluster/start.sh --nodes 3)")
-        killstorm.resize(3)
-    try:
+    with slurmctl.at_least(3, b.log):  # 2 nodes + the spare
         run, script, key = storm.prepare(work, sets)
         job, failures, shm = killstorm.run_storm(work, run, script, size, b.log)
-    finally:
-        if before < 3:
-            slurmctl.wait_free(timeout=300)
-            killstorm.resize(before)
     ref, reused = storm.reference(work, sets, key, b.log)
     if (ref / "config.json").read_bytes() != (run / "config.json").read_bytes():
         raise RuntimeError(f"P12: {ref} was made from another config than {run}")  # key collision

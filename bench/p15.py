@@ -74,16 +74,6 @@ def p15(b: Bench) -> list[Row]:
     work = b.base / "P15"
     work.mkdir(parents=True, exist_ok=True)
     need = max(3, max(sizes) // 2)  # partition `wide` exists from 3 nodes on (start.sh)
-    from bench import killstorm
-
-    before = killstorm.cluster_nodes()
-    if before < need:
-        b.log(f"  P15: the test cluster grows to {need} nodes (tests/cluster/start.sh --nodes {need})")
-        killstorm.resize(need)
-    try:
+    with slurmctl.at_least(need, b.log):
         results = [scale.one(work, n, b.log) for n in sizes]
-    finally:
-        if before < need:
-            slurmctl.wait_free(timeout=600)
-            killstorm.resize(before)
     return rows_of(results)

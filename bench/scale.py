@@ -37,7 +37,6 @@ from bench import slurmctl, storm
 from ddpjob.launch import phases as phases_mod
 from ddpjob.rundir import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
 FULL = (2, 4, 8, 16, 32)
 TINY = (2, 4)
 EVERY = 10  # checkpoint.every_steps
@@ -113,16 +112,11 @@ def _until(what: str, check: Callable[[], Any], job: str, timeout: float) -> Any
             raise RuntimeError(f"P15: no {what} after {timeout:.0f} s (job {job})")
         if time.monotonic() - asked > 10:
             asked = time.monotonic()
-            rows = slurmctl._run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job], check=False).stdout.split()
-            if rows and rows[-1].split()[0] in slurmctl.FINAL - {"PREEMPTED"} and not (value := check()):
-                raise RuntimeError(f"P15: job {job} ended {rows[-1]} before {what}")
+            state = slurmctl.accounted(job)
+            if state in slurmctl.FINAL - {"PREEMPTED"} and not (value := check()):
+                raise RuntimeError(f"P15: job {job} ended {state} before {what}")
         time.sleep(0.2)
     return value
-
-
-def _ended(job: str) -> bool:
-    rows = slurmctl._run(["sacct", "-X", "-n", "-P", "-o", "State", "-j", job], check=False).stdout.split()
-    return bool(rows) and rows[-1].split()[0] in slurmctl.FINAL
 
 
 def one(work: Path, ranks: int, log: Callable[[str], None]) -> dict[str, Any]:
@@ -158,7 +152,7 @@ def one(work: Path, ranks: int, log: Callable[[str], None]) -> dict[str, Any]:
         _until("the end", lambda: storm.events(run, "stop", reason="finished"), job, 900)
         # then the job's end in SLURM (slurmdbd: asking it costs slurmctld nothing), so that the
         # end's own messages (the batch script's, the steps', every node's epilog) are counted
-        _until("the job's end in sacct", lambda: _ended(job), job, 600)
+        _until("the job's end in sacct", lambda: slurmctl.accounted(job) in slurmctl.FINAL, job, 600)
         time.sleep(3)
         rpcs = parse_sdiag(slurmctl._run(["sdiag"]).stdout)
     finally:

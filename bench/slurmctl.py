@@ -8,10 +8,12 @@ job id: the cluster is shared.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ddpjob import slurm
@@ -65,6 +67,11 @@ def state(job_id: str) -> str | None:
     info = slurm.show_job(job_id)
     if not isinstance(info, slurm.Failed) and info.get("JobState"):
         return info["JobState"]
+    return accounted(job_id)
+
+
+def accounted(job_id: str) -> str | None:
+    """The newest incarnation's state in accounting (slurmdbd: asking costs slurmctld nothing)."""
     rows = slurm.sacct_states([job_id])
     states = [] if isinstance(rows, slurm.Failed) else [r[1].split()[0] for r in rows
                                                        if len(r) > 1 and r[0] == job_id and r[1]]
@@ -125,3 +132,32 @@ def wait_free(timeout: float) -> None:
         if time.monotonic() > deadline:
             raise SlurmError(f"test cluster still busy after {timeout:.0f} s: jobs {jobs}, nodes {nodes}")
         time.sleep(1)
+
+
+START = Path(__file__).resolve().parents[1] / "tests" / "cluster" / "start.sh"  # run, not imported
+
+
+def node_count() -> int:
+    return len(set(_run(["sinfo", "-h", "-N", "-o", "%N"]).stdout.split()))
+
+
+def resize(nodes: int) -> None:
+    out = subprocess.run(["bash", str(START), "--nodes", str(nodes)], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise SlurmError(f"tests/cluster/start.sh --nodes {nodes} failed: {(out.stdout + out.stderr)[-1500:]}")
+
+
+@contextlib.contextmanager
+def at_least(nodes: int, log: Callable[[str], None]) -> Iterator[None]:
+    """The test cluster with `nodes` slurmd or more (partition `wide` holds them all), given back
+    to its size after, once it is idle."""
+    before = node_count()
+    if before < nodes:
+        log(f"  the test cluster grows to {nodes} nodes (tests/cluster/start.sh --nodes {nodes})")
+        resize(nodes)
+    try:
+        yield
+    finally:
+        if before < nodes:
+            wait_free(timeout=600)
+            resize(before)
