@@ -74,8 +74,21 @@ def overrides(size: KillSize) -> list[str]:
 
 
 def rank_process(job: str, rank: int) -> tuple[int, str] | None:
-    """(pid, node) of the job's rank `rank`: the `python -u -m ddpjob run` that srun started with
+    """(pid, node) of the job's rank `rank`: the process that trains, which is the one a node's
+    warm-start server forked for it (node/warm.py: named ddpjob-rRANK, its parent a server with
+    the job's environment), else the `python -u -m ddpjob run` srun started with
     SLURM_PROCID=rank (not srun itself, not the batch script's decision)."""
+    for p in Path("/proc").iterdir():
+        try:
+            if not p.name.isdigit() or (p / "comm").read_text().strip() != f"ddpjob-r{rank}":
+                continue
+            parent = (p / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{parent}/environ").read_bytes().split(b"\0")
+                       if b"=" in kv)
+        except (OSError, IndexError):
+            continue
+        if env.get(b"SLURM_JOB_ID") == job.encode():
+            return int(p.name), env.get(b"SLURMD_NODENAME", b"?").decode()
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue

@@ -125,6 +125,9 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         # [slurm] container: "" without one, so a template without a container renders as before
         "container_srun": "".join(" " + shlex.quote(o) for o in container.srun_options(cfg, run, python)),
         "container_exec": "".join(shlex.quote(w) + " " for w in container.exec_prefix(cfg, run, python)),
+        # [slurm] warm_start (options.warm_start): "# (off)" and "" without, as before it existed
+        "warm_server": "\n".join(options.warm_server_lines(cfg, shlex.quote(python), '"$DDPJOB_RUN_DIR"')) or "# (off)",
+        "warm_client": options.WARM_CLIENT + " " if options.warm_start(cfg) else "",
         "umask": "0027" if s.share_group else "0077",  # rundir.private_umask's
         "exit_ok": str(exitcodes.OK),  # ddpjob/exitcodes.py: the ranks' statuses, one definition
         "exit_requeue": str(exitcodes.REQUEUE),

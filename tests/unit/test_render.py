@@ -332,6 +332,29 @@ def test_golden_container_script(runtime: str) -> None:
         changed  # only the srun command differs
 
 
+def test_golden_warm_start_script() -> None:
+    """A job that may restart ([slurm] max_failures), on CPUs: the batch shell starts one warm-start
+    server per node (its own --overlap step, its output in RUN_DIR/logs) and the ranks' srun runs
+    them through it; nothing else changes. With GPUs, a container or warm_start = false: as before."""
+    cfg = _with_slurm(_job("smoke"), max_failures=2)
+    text = _stable(render.render_sbatch(cfg, run_dir=RUN_DIR, python=PYTHON))
+    golden = GOLDEN / "smoke-warm.sbatch"
+    if os.environ.get("DDPJOB_REGEN_GOLDEN"):
+        golden.write_text(text, encoding="utf-8")
+    assert text == golden.read_text(encoding="utf-8"), f"regenerate {golden} if intended"
+    assert subprocess.run([BASH, "-n"], input=text, text=True).returncode == 0
+    plain = _stable(render.render_sbatch(_job("smoke"), run_dir=RUN_DIR, python=PYTHON))
+    changed = [ln.strip() for ln in text.splitlines() if ln not in plain.splitlines()]
+    assert changed[0] == "export DDPJOB_WARM=1" and changed[2] == "DDPJOB_WARM_PID=$!", changed
+    assert changed[1].startswith("srun --overlap --no-kill ") and \
+        changed[1].endswith(' -u -m ddpjob.node.warm serve >>"$DDPJOB_RUN_DIR"/logs/warm-"$SLURM_JOB_ID".log 2>&1 &')
+    assert len(changed) == 4 and "-u -m ddpjob.node.warm run -m ddpjob run /scratch/runs/example &" in changed[3], changed
+    for off in (dict(gpus_per_node=1), dict(warm_start=False), CONTAINERS["apptainer"]):
+        other = _stable(render.render_sbatch(_with_slurm(_job("smoke"), max_failures=2, **off),
+                                             run_dir=RUN_DIR, python=PYTHON))
+        assert "ddpjob.node.warm" not in other and "# (off)" in other, off
+
+
 @pytest.mark.parametrize("changes, found", [
     (dict(container="img", container_runtime="docker"), "slurm.container_runtime is 'docker'"),
     (dict(container="my image.sif"), "has a space or a comma"),

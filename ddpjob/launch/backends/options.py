@@ -67,3 +67,34 @@ def task_count(cfg: JobConfig, nodes_var: str) -> str:
     """The allocation's task count from the shell variable holding its node count: what srun
     must start (SLURM_NTASKS still holds the submission's count after a shrink)."""
     return f"$(({nodes_var} * {int(cfg.slurm.tasks_per_node)}))"
+
+
+def warm_start(cfg: JobConfig) -> bool:
+    """Whether the ranks fork from a per-node process that has torch imported (node/warm.py):
+    only for jobs that may restart inside their allocation. Not with GPUs: a rank forked in the
+    server's step would have that step's devices, not the ones SLURM bound to its own task
+    (ConstrainDevices); not in a container: the server would have to run in the same one."""
+    s = cfg.slurm
+    return s.warm_start and s.max_failures > 0 and s.gpus_per_node == 0 and not s.container
+
+
+# The job step that runs one warm-start server per node of the allocation, spares included:
+# --overlap (it takes no CPU, memory or GPU from the ranks' steps), --no-kill (a lost node ends
+# only its own server), its own name in sacct. The batch shell sets DDPJOB_WARM_PID.
+WARM_SERVER = ("{srun} --overlap --no-kill --kill-on-bad-exit=0 --job-name=ddpjob-warm --input=none "
+               '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
+               "{python} -u -m ddpjob.node.warm serve >>{log} 2>&1 &")
+WARM_CLIENT = "-m ddpjob.node.warm run"  # between the ranks' `python -u` and their `-m MODULE`
+
+
+def warm_server_lines(cfg: JobConfig, python: str, run_dir: str, srun: str = "srun") -> list[str]:
+    """The batch shell's lines that start the servers, or none. `python` and `run_dir` are quoted
+    for the shell already; the servers' output and srun's own lines (its step is ended when the
+    job is, see the template) go to RUN_DIR/logs/warm-JOBID.log, not the batch log. They come
+    after the job's setup lines (the servers import torch from the job's environment). `srun`:
+    "command srun" where a shell function shadows it (submitit_slurm.restart_lines)."""
+    if not warm_start(cfg):
+        return []
+    log = f'{run_dir}/logs/warm-"$SLURM_JOB_ID".log'
+    return ["export DDPJOB_WARM=1", WARM_SERVER.format(srun=srun, python=python, log=log),
+            "DDPJOB_WARM_PID=$!"]

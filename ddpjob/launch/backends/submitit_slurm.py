@@ -59,7 +59,9 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None, *,
     # submitit writes setup lines right after the #SBATCH block, where sbatch still reads
     # directives: the guard's first line is a command, which ends that scan (and the
     # scriptsafe checks refuse setup lines starting with '#' anyway).
-    params["setup"] = [*guard_lines(cfg, folder, run_dirs), *scriptsafe.setup_lines(s.setup)]
+    params["setup"] = [*guard_lines(cfg, folder, run_dirs), *scriptsafe.setup_lines(s.setup),
+                       *(options.warm_server_lines(cfg, shlex.quote(sys.executable), _run_dir(folder, run_dirs),
+                                                   "command srun") if folder is not None else [])]
     params["additional_parameters"] = {k: v for k, v in [*own, *extra] if k not in _NAMED}
     return params
 
@@ -84,9 +86,7 @@ def guard_lines(cfg: JobConfig, folder: Path | None, run_dirs: Sequence[Path] = 
              "export SLURM_NTASKS=$DDPJOB_NTASKS SLURM_NPROCS=$DDPJOB_NTASKS"]
     if folder is None:
         return lines
-    run_dir = (f"{shlex.quote(str(folder.parent))}/\"$SLURM_ARRAY_TASK_ID\"" if len(run_dirs) > 1
-               else shlex.quote(str(run_dirs[0] if run_dirs else folder.parent)))
-    lines += restart_lines(cfg, run_dir)
+    lines += restart_lines(cfg, _run_dir(folder, run_dirs))
     lines.append(f"export PYTHONPATH={_code_path(folder, run_dirs)}${{PYTHONPATH:+:$PYTHONPATH}} PYTHONSAFEPATH=1")
     dirs = " ".join(shlex.quote(str(d)) for d in (folder.parent, folder))
     lines.append(f"for DDPJOB_D in {dirs}; do if [ -n \"$(find \"$DDPJOB_D\" -maxdepth 0 "
@@ -101,6 +101,12 @@ def guard_lines(cfg: JobConfig, folder: Path | None, run_dirs: Sequence[Path] = 
                  "then echo \"ddpjob: $DDPJOB_F is writable by others or not owned by $(id -un): refusing "
                  "to unpickle it (resubmit)\" >&2; exit 1; fi; done")
     return lines
+
+
+def _run_dir(folder: Path, run_dirs: Sequence[Path]) -> str:
+    """The run dir the script serves, quoted for the shell (a sweep's: by its array index)."""
+    return (f"{shlex.quote(str(folder.parent))}/\"$SLURM_ARRAY_TASK_ID\"" if len(run_dirs) > 1
+            else shlex.quote(str(run_dirs[0] if run_dirs else folder.parent)))
 
 
 def restart_lines(cfg: JobConfig, run_dir: str) -> list[str]:
@@ -151,9 +157,12 @@ def _code_path(folder: Path, run_dirs: Sequence[Path]) -> str:
 
 def _python(cfg: JobConfig, folder: Path) -> str:
     """The interpreter command submitit runs under srun: inside `apptainer exec ...` with
-    [slurm] container (submitit's `python` parameter exists for exactly this)."""
+    [slurm] container (submitit's `python` parameter exists for exactly this), through the
+    node's warm-start server with options.warm_start."""
     words = [*container.exec_prefix(cfg, str(folder.parent), sys.executable),
              container.interpreter(cfg, sys.executable)]
+    if options.warm_start(cfg):  # submitit appends `-u -m submitit.core._submit FOLDER`
+        words += options.WARM_CLIENT.split()
     return " ".join(shlex.quote(w) for w in words)
 
 
