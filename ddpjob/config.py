@@ -181,8 +181,10 @@ class CheckpointConfig:
     keep_last: Free[int] = 3
     async_save: Free[bool] = field(default=False, metadata={"key": "async"})
     # > 0: every this many steps each rank's state also goes to node-local memory (/dev/shm) in
-    # the background; a crash retried inside the allocation resumes from it (store/memsnap.py)
-    snapshot_every: Free[int] = 0
+    # the background; a crash retried inside the allocation resumes from it (store/memsnap.py).
+    # "auto": for a job that may restart (slurm.max_failures > 0), every as many steps as keep a
+    # snapshot within 1% of the step time, measured at each start (memsnap.AUTO); 0: never
+    snapshot_every: Free[int | str] = "auto"
     resume: Free[bool] = True
     # A fresh run (nothing to resume) starts from another run's checkpoint: "RUN_DIR" (its newest
     # valid one), "RUN_DIR/checkpoints/step-N", or a weights file ("model.pt": a state_dict).
@@ -284,8 +286,8 @@ def _user_table(where: str, raw: Any, depth: int = 0) -> dict[str, Any]:
 
 
 def _type_name(t: Any) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        t, "a list of strings")
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            int | str: "an integer or a string"}.get(t, "a list of strings")
 
 
 def _coerce(where: str, value: Any, t: Any) -> Any:
@@ -299,6 +301,8 @@ def _coerce(where: str, value: Any, t: Any) -> Any:
         value = float(value) if ok else value
     elif t is str:
         ok = isinstance(value, str)
+    elif t == int | str:  # a count or a word ("auto"): validate.py checks which
+        ok = isinstance(value, (int, str)) and not isinstance(value, bool)
     else:  # tuple[str, ...]
         if isinstance(value, str):
             value = [value]
@@ -311,7 +315,7 @@ def _coerce(where: str, value: Any, t: Any) -> Any:
 
 
 def _example(t: Any) -> str:
-    return {int: "4", float: "0.1", bool: "true", str: '"text"'}.get(t, '["a", "b"]')
+    return {int: "4", float: "0.1", bool: "true", str: '"text"', int | str: "4"}.get(t, '["a", "b"]')
 
 
 def _build_section(name: str, cls: type, raw: Mapping[str, Any], source: str) -> Any:

@@ -83,6 +83,10 @@ def _sizes(cfg: JobConfig) -> None:
     for key, hi in LIMITS.items():
         section, field = key.split(".")
         v = getattr(sections[section], field)
+        if isinstance(v, str):  # checkpoint.snapshot_every: a count or "auto"
+            _check(v == "auto", f"{key} is {v!r}, expected a number of steps (0: never) or \"auto\"",
+                   f'write {field} = "auto" or e.g. {field} = 20')
+            continue
         lo = 1 if key in _POSITIVE else 0
         low = "a positive integer (>= 1)" if lo else ">= 0"
         _check(v >= lo, f"{key} is {v}, expected {low}", f"set {key} >= {lo}")

@@ -10,7 +10,17 @@ of its own, so it has a checkpoint's manifest and digests and loads with weights
 
     /dev/shm/ddpjob-<uid>/<job id>-<run dir digest>/<host>/rank-<N>/step-<S>/
 
-KEEP of them per rank, and none is taken when the memory they would need is not free. The folder
+KEEP of them per rank, and none is taken when the memory they would need is not free.
+
+`snapshot_every = "auto"` (the default; on only for a job that may restart, slurm.max_failures >
+0) measures the interval at each start, since what a snapshot costs against a step depends on the
+model, the hardware and the load (bench P13: >= 14 steps for cnn_tiny and >= 9 for ResNet-18 on
+2 CPU cores, >= 37-70 for ResNet-18 on an H100). The probe is a real snapshot, AUTO.probe steps
+after the start; the cost is the time it held the loop plus the CPU time of its background write
+(on CPUs the write competes with the training threads; on a GPU this overstates it, which only
+lengthens the interval). AUTO.decide steps after the probe, rank 0 sets the interval to the
+fewest steps that keep cost / (interval x median step time) <= AUTO.goal and every rank takes
+it (one broadcast: they must snapshot the same steps to share a newest one). The folder
 tree is 0700 and must be ours: /dev/shm is writable by everyone, and a tree another user made is
 never read. The batch script, the local supervisor and a finished run remove the job's tree.
 A requeue onto other nodes finds none (or one of an earlier attempt that still verifies) and
@@ -20,9 +30,13 @@ resumes from the durable checkpoint.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import stat
+import statistics
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +48,50 @@ if TYPE_CHECKING:  # torch: imported by a rank only (the crash decision reads th
 
 SHM = Path("/dev/shm")
 KEEP = 2  # the newest is being written while the one before stays whole
+
+
+@dataclass(frozen=True)
+class AutoRule:
+    probe: int = 20  # steps after the start: past the first steps' compiles and cold caches
+    decide: int = 10  # steps after the probe: its background write is done by then, usually
+    goal: float = 0.01  # one snapshot's cost as a fraction of the steps between two
+    most: int = 100_000
+
+
+AUTO = AutoRule()
+
+
+@dataclass
+class Auto:
+    """snapshot_every = "auto" on one rank: the start, the step times and the probe's cost."""
+
+    rule: AutoRule = AUTO
+    start: int | None = None  # the step the loop began at (first snapshot_due call - 1)
+    probe_at: int | None = None  # the step of the probe: the first asked about from start + probe on
+    step_s: list[float] = field(default_factory=list)
+    block_s: float | None = None  # the probe's hold on the loop (the copy)
+    write_cpu_s: float | None = None  # its background write's CPU time
+
+    def probe_now(self, step: int) -> bool:
+        """The probe is the first snapshot asked about at or past start + probe (not at a step
+        a checkpoint was written at: Snapshots.due)."""
+        if self.probe_at is None and self.start is not None and step >= self.start + self.rule.probe:
+            self.probe_at = step
+        return step == self.probe_at
+
+    def decide_step(self) -> int | None:
+        return None if self.probe_at is None else self.probe_at + self.rule.decide
+
+    def interval(self) -> tuple[int, str]:
+        """(steps between snapshots, 0: none; the line that says why)."""
+        if self.block_s is None or not self.step_s:
+            return 0, "in-memory snapshots off: the probe snapshot could not be taken"
+        step = statistics.median(self.step_s)
+        cost = self.block_s + (self.write_cpu_s or 0.0)
+        n = min(self.rule.most, max(1, math.ceil(cost / (self.rule.goal * max(step, 1e-6)))))
+        return n, (f"in-memory snapshots every {n} steps (snapshot_every = \"auto\"): one costs "
+                   f"{cost * 1e3:.1f} ms ({self.block_s * 1e3:.1f} ms holding the loop), a step "
+                   f"{step * 1e3:.1f} ms, so <= {self.rule.goal:.0%} of the time between two")
 
 
 def job_root(run_dir: Path, job_id: str | None, base: Path = SHM) -> Path:
@@ -111,13 +169,23 @@ def remove_job(run_dir: Path, job_id: str | None, base: Path = SHM) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def interval(cfg: Any) -> int | None:
+    """The snapshot interval `cfg` (a JobConfig) asks for: 0 none, None measured ("auto" for a
+    job that may restart inside its allocation; one that may not has no use for them)."""
+    every = cfg.checkpoint.snapshot_every
+    if every == "auto":
+        return None if cfg.slurm.max_failures > 0 else 0
+    return max(0, int(every))
+
+
 def for_rank(cfg: Any, env: Any, run_dir: Path) -> Snapshots | None:
-    """This rank's snapshots as `cfg` (a JobConfig) asks: None with snapshot_every = 0; a tree
-    that may not be used gets one warning and no snapshots."""
-    if cfg.checkpoint.snapshot_every <= 0:
+    """This rank's snapshots as `cfg` (a JobConfig) asks: None without any; a tree that may not
+    be used gets one warning and no snapshots."""
+    every = interval(cfg)
+    if every == 0:
         return None
     root = rank_root(run_dir, env.job_id, env.hostname, env.rank)
-    snaps = Snapshots(root, every=cfg.checkpoint.snapshot_every, config_hash=cfg.hash())
+    snaps = Snapshots(root, every=every, config_hash=cfg.hash())
     if snaps.why_not is not None:
         console.print0(f"ddpjob: warning: no in-memory snapshots: {snaps.why_not}")
     return snaps
@@ -126,12 +194,14 @@ def for_rank(cfg: Any, env: Any, run_dir: Path) -> Snapshots | None:
 class Snapshots:
     """One rank's snapshots: take() every `every` steps, newest()/load() at a restart."""
 
-    def __init__(self, root: Path, *, every: int, config_hash: str, base: Path = SHM) -> None:
+    def __init__(self, root: Path, *, every: int | None, config_hash: str, base: Path = SHM,
+                 rule: AutoRule = AUTO) -> None:
         from ddpjob.store.commit import CheckpointStore
         from ddpjob.store.snapshot import AsyncWrite
 
         self._base, self._async = base, AsyncWrite
-        self.every = every
+        self.every = every  # None: "auto", until decided (Auto; StateStore.snapshot_due)
+        self.auto = Auto(rule) if every is None else None
         # One process writes a rank's folder at a time, so a staging folder this process did not
         # open is a killed writer's (kill -9 mid-snapshot): the next prune drops it at once
         # instead of after the durable store's 5 minutes, and /dev/shm holds KEEP + 1 at most.
@@ -140,13 +210,51 @@ class Snapshots:
         self.taken = self.skipped = 0
         self.why_not: str | None = refuse(root, base)
 
-    def due(self, step: int) -> bool:
-        return self.every > 0 and self.why_not is None and step > 0 and step % self.every == 0
+    def due(self, step: int, saved: bool = False) -> bool:
+        """Whether a snapshot is due at `step`; `saved`: a checkpoint was just written at it
+        (the same on every rank), which is then no snapshot's step, nor the probe's."""
+        if saved:
+            return False
+        if self.every is None:  # measuring: only the probe (decided alike on every rank)
+            probe = self.auto is not None and self.auto.probe_now(step)
+            return probe and self.why_not is None
+        if self.why_not is not None or step <= 0:
+            return False
+        return self.every > 0 and step % self.every == 0
+
+    def observe(self, step: int, step_s: float | None) -> None:
+        """Every rank, at each step the loop asks about snapshots while "auto" is measuring: the
+        loop's start (the same step on every rank) and the step's duration."""
+        auto = self.auto
+        if auto is None or self.every is not None:
+            return
+        if auto.start is None:
+            auto.start = step - 1
+        elif step_s is not None and step > auto.start + 2:  # not the first steps: compiles, caches
+            auto.step_s.append(step_s)
+
+    def decide_now(self, step: int) -> bool:
+        """Whether the interval is decided at this step (a collective: the same on every rank,
+        whatever each rank's snapshots did)."""
+        auto = self.auto
+        return auto is not None and self.every is None and auto.decide_step() is not None \
+            and step >= int(auto.decide_step() or 0)
+
+    def proposal(self) -> tuple[int, str]:
+        """Rank 0: the interval its probe's cost asks for (waiting for the probe's write once)."""
+        assert self.auto is not None
+        if self._pending is not None:
+            try:
+                self._pending.wait()
+            except Exception:  # noqa: BLE001 - take() reports it at the next snapshot
+                pass
+        return self.auto.interval()
 
     def take(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> bool:
         """Copy `files` (the step waits for that only) and write them in a thread. Skipped when
         the previous one is still being written (training never waits for a snapshot) or the
         memory is not free: False then."""
+        started = time.perf_counter()
         if self._pending is not None and not self._pending.done():
             self.skipped += 1
             return False
@@ -167,11 +275,18 @@ class Snapshots:
             self.skipped += 1
             self.why_not = f"{need >> 20} MiB needed for {KEEP + 1} snapshots, {free >> 20} MiB free in {self.store.root}"
             return False
+        auto = self.auto if self.every is None else None
+
         def write() -> None:
+            cpu = time.thread_time()
             self.store.save(step, snap, meta)
+            if auto is not None:
+                auto.write_cpu_s = time.thread_time() - cpu
 
         self._pending = self._async(write, self.store.root)
         self.taken += 1
+        if auto is not None:
+            auto.block_s = time.perf_counter() - started
         return True
 
     def newest(self, names: list[str]) -> list[int]:

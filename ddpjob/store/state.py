@@ -179,8 +179,19 @@ class StateStore:
             return None
         return self.snapshots.info(best)
 
-    def snapshot_due(self, step: int) -> bool:
-        return self.snapshots is not None and self.snapshots.due(step) and self.saved_step != step
+    def snapshot_due(self, step: int, step_s: float | None = None) -> bool:
+        """Whether this step's in-memory snapshot is due. Every rank calls it at the same steps
+        (those the loop neither saves nor stops at); with snapshot_every = "auto" it measures
+        (`step_s`: the step's duration) and, once, takes rank 0's interval (a broadcast)."""
+        snaps = self.snapshots
+        if snaps is None:
+            return False
+        snaps.observe(step, step_s)
+        if snaps.decide_now(step):
+            every, line = snaps.proposal() if self.rank == 0 else (0, "")
+            snaps.every = int(dist.broadcast_object(every, what="the in-memory snapshot interval"))
+            print0(line)
+        return snaps.due(step, saved=self.saved_step == step)
 
     def snapshot(self, step: int, state: State) -> None:
         """This rank's whole state into node-local memory, written in the background: its own

@@ -49,7 +49,10 @@ TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation
              max_steps=200, lr=0.05, warmup_steps=5, log_every=1, eval_every=50, amp="off",
              channels_last=False, threads=1, seed=11, log_sample_ids=True)
 DATA = dict(dataset="synthetic", synthetic_train=2560, synthetic_test=256, augment=True)
-CHECKPOINT = dict(every_steps=10, keep_last=3)
+# snapshot_every = 0: these tests (and those importing CHECKPOINT) assert resumes from the durable
+# checkpoint; with "auto", a job with max_failures would also snapshot at steps it measures. The
+# snapshots' own tests set an interval (test_requeue_slurm.py, test_node_loss_slurm.py).
+CHECKPOINT = dict(every_steps=10, keep_last=3, snapshot_every=0)
 SLURM = dict(nodes=2, tasks_per_node=2, time="00:10:00", signal_lead_s=60, max_requeues=6)
 STEPS, STEPS_PER_EPOCH, EVERY = 200, 20, 10
 

@@ -216,3 +216,33 @@ def test_a_killed_rank_resumes_from_the_in_memory_snapshot(tmp_path: Path, refer
     assert_same_as_reference(run_dir, reference)
     job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
     assert not list(Path("/dev/shm").glob(f"ddpjob-{os.getuid()}/{job_id}-*")), "snapshots left behind"
+
+
+@pytest.mark.slow
+def test_by_default_a_job_that_may_restart_snapshots_at_a_measured_interval(tmp_path: Path, reference: Path) -> None:
+    """checkpoint.snapshot_every left at "auto" with max_failures = 1: the probe snapshot is taken
+    at step 21 (20 steps after the start; step 20 writes a checkpoint), rank 1 is SIGKILLed in step
+    24 (its 47th forward call) once it is committed, and the restart resumes from it, not from the
+    checkpoint of step 20. The restarted ranks measure again: their probe, then one line with the
+    interval that keeps a snapshot within 1% of the steps between two. Bit-equal at the end."""
+    import re
+    import subprocess
+
+    job = write_job(tmp_path / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5, max_failures=1),
+                    train=TRAIN, data=DATA, checkpoint=dict(every_steps=EVERY, keep_last=3))
+    run_dir = tmp_path / "run"
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
+    full.update(job_env(DDPJOB_TEST_SIGNAL="1:47:0:kill", DDPJOB_TEST_SNAP_WAIT="21"))
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job), "--backend", "local",
+                          "--run-dir", str(run_dir), "--wait"], capture_output=True, text=True, cwd=tmp_path,
+                         env=full, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    crash, finished = stops(run_dir)
+    assert (crash["reason"], crash["step"], crash["steps_lost"]) == ("crash", 21, 2), crash
+    assert [s["resumed_step"] for s in events(run_dir, "start")] == [None, 21]
+    assert finished["reason"] == "finished"
+    assert_same_as_reference(run_dir, reference)
+    log = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("rank-0*")))
+    lines = re.findall(r"in-memory snapshots every (\d+) steps .*", log)
+    assert len(lines) == 1, log[-3000:]  # the restart's (it measures its own); the first died at 24 < 31
+    assert int(lines[0]) >= 1, lines

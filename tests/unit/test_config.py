@@ -120,6 +120,10 @@ BAD = [
     (dict(data__synthetic_train=0), "data.synthetic_train is 0, expected a positive integer"),
     (dict(checkpoint__keep_last=0), "checkpoint.keep_last is 0, expected a positive integer"),
     (dict(checkpoint__every_minutes=-1.0), "expected >= 0"),
+    (dict(checkpoint__snapshot_every="often"),
+     "checkpoint.snapshot_every is 'often', expected a number of steps (0: never) or \"auto\""),
+    (dict(checkpoint__snapshot_every=-2), "checkpoint.snapshot_every is -2, expected >= 0"),
+    (dict(checkpoint__snapshot_every=True), "checkpoint.snapshot_every is True (bool), expected an integer or a string"),
 ]
 
 

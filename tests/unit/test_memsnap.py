@@ -82,3 +82,55 @@ def test_the_decision_sees_the_newest_step_every_rank_holds_and_the_job_end_remo
     memsnap.remove_job(tmp_path / "run", "77", tmp_path)
     assert not memsnap.job_root(tmp_path / "run", "77", tmp_path).exists()
     assert memsnap.top(tmp_path).is_dir()  # other jobs' trees live beside it
+
+
+def test_auto_interval_keeps_a_snapshot_within_one_percent_of_the_steps_between_two() -> None:
+    rule = memsnap.AutoRule()
+    auto = memsnap.Auto(rule, start=0, step_s=[0.050, 0.048, 0.052], block_s=0.002, write_cpu_s=0.008)
+    n, line = auto.interval()
+    # 10 ms per snapshot against 50 ms steps: 20 steps hold it to 1%, 19 would not
+    assert n == 20 and "every 20 steps" in line and "10.0 ms" in line and "50.0 ms" in line, line
+    assert 0.010 / (n * 0.050) <= rule.goal < 0.010 / ((n - 1) * 0.050)
+    cheap = memsnap.Auto(rule, start=0, step_s=[1.0], block_s=0.001, write_cpu_s=0.0)
+    assert cheap.interval()[0] == 1  # never less than every step
+    assert memsnap.Auto(rule, start=0, step_s=[1.0]).interval() == (
+        0, "in-memory snapshots off: the probe snapshot could not be taken")
+
+
+def test_auto_probes_once_then_snapshots_at_the_interval_rank_0_measured(tmp_path: Path) -> None:
+    """snapshot_every = "auto": nothing but the probe until the decision, which waits for the
+    probe's write and proposes an interval from its real cost; the probe is the first step asked
+    about from start + probe on (the loop does not ask at a checkpoint's step)."""
+    root = memsnap.rank_root(tmp_path / "run", "77", "n1", 0, tmp_path)
+    s = memsnap.Snapshots(root, every=None, config_hash="abc", base=tmp_path)
+    assert s.auto is not None
+    asked = list(range(101, 160))  # resumed at 100; a checkpoint at 120
+    probes, decided_at = [], None
+    for st in asked:
+        s.observe(st, 0.05)
+        if s.decide_now(st) and decided_at is None:
+            decided_at = st
+            s.every, line = s.proposal()
+            assert line.startswith(f"in-memory snapshots every {s.every} steps"), line
+        if s.due(st, saved=st == 120):
+            if s.every is None:
+                probes.append(st)
+            assert s.take(st, files(st), {"step": st})
+            s.close()  # this test's steps are instants: let each write end before the next
+    assert probes == [121] and decided_at == 131, (probes, decided_at)
+    assert s.auto.block_s is not None and s.auto.block_s > 0 and s.auto.write_cpu_s is not None
+    assert len(s.auto.step_s) == 131 - 102  # every step asked about but the first two
+    taken = [i.step for i in s.store.list()]
+    later = [st for st in asked if st >= 131 and st % s.every == 0 and st != 120]
+    assert taken == sorted([121, *later], reverse=True)[:memsnap.KEEP], (taken, s.every)
+
+
+def test_snapshot_every_auto_is_on_only_for_a_job_that_may_restart() -> None:
+    from ddpjob import config
+
+    base = config.JobConfig()
+    assert base.checkpoint.snapshot_every == "auto"
+    with_restarts = config.JobConfig(slurm=config.SlurmConfig(max_failures=1))
+    assert memsnap.interval(base) == 0 and memsnap.interval(with_restarts) is None
+    fixed = config.JobConfig(checkpoint=config.CheckpointConfig(snapshot_every=5))
+    assert memsnap.interval(fixed) == 5
