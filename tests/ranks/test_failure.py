@@ -189,6 +189,23 @@ def test_killed_rank_fails_the_run_fast_and_a_damaged_newest_checkpoint_is_skipp
           f"resumed from {previous}, {replayed} steps trained twice with identical losses")
 
 
+def restarted_run(tmp_path: Path, checkpoint: dict[str, Any], **env: str) -> Path:
+    """`ddpjob submit --backend local --wait` of the job with max_failures = 1 and `checkpoint`,
+    the test plugins' `env` set (a kill at a chosen step); returns the run dir of the finished run."""
+    import subprocess
+
+    job = write_job(tmp_path / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5, max_failures=1),
+                    train=TRAIN, data=DATA, checkpoint=checkpoint)
+    run_dir = tmp_path / "run"
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
+    full.update(job_env(**env))
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job), "--backend", "local",
+                          "--run-dir", str(run_dir), "--wait"], capture_output=True, text=True, cwd=tmp_path,
+                         env=full, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return run_dir
+
+
 @pytest.mark.slow
 def test_a_killed_rank_resumes_from_the_in_memory_snapshot(tmp_path: Path, reference: Path) -> None:
     """checkpoint.snapshot_every = 2 next to the durable checkpoint every 10 steps; rank 1 is
@@ -196,17 +213,8 @@ def test_a_killed_rank_resumes_from_the_in_memory_snapshot(tmp_path: Path, refer
     /dev/shm. The supervisor restarts the ranks (max_failures = 1); they agree on the snapshot of
     step 32, not the checkpoint of step 30: 1 step lost instead of 3, and the run ends bit-equal
     to the uninterrupted one. Nothing of the job is left in /dev/shm."""
-    import subprocess
-
-    job = write_job(tmp_path / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5, max_failures=1),
-                    train=TRAIN, data=DATA, checkpoint=dict(every_steps=EVERY, keep_last=3, snapshot_every=2))
-    run_dir = tmp_path / "run"
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
-    full.update(job_env(DDPJOB_TEST_SIGNAL="1:67:0:kill", DDPJOB_TEST_SNAP_WAIT="32"))
-    out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job), "--backend", "local",
-                          "--run-dir", str(run_dir), "--wait"], capture_output=True, text=True, cwd=tmp_path,
-                         env=full, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_dir = restarted_run(tmp_path, dict(every_steps=EVERY, keep_last=3, snapshot_every=2),
+                            DDPJOB_TEST_SIGNAL="1:67:0:kill", DDPJOB_TEST_SNAP_WAIT="32")
     crash, finished = stops(run_dir)
     assert (crash["reason"], crash["step"], crash["steps_lost"]) == ("crash", 32, 1), crash
     assert crash["failed_rank"] == 1 and crash["failed_how"] == "killed by SIGKILL", crash
@@ -226,17 +234,9 @@ def test_by_default_a_job_that_may_restart_snapshots_at_a_measured_interval(tmp_
     checkpoint of step 20. The restarted ranks measure again: their probe, then one line with the
     interval that keeps a snapshot within 1% of the steps between two. Bit-equal at the end."""
     import re
-    import subprocess
 
-    job = write_job(tmp_path / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5, max_failures=1),
-                    train=TRAIN, data=DATA, checkpoint=dict(every_steps=EVERY, keep_last=3))
-    run_dir = tmp_path / "run"
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
-    full.update(job_env(DDPJOB_TEST_SIGNAL="1:47:0:kill", DDPJOB_TEST_SNAP_WAIT="21"))
-    out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job), "--backend", "local",
-                          "--run-dir", str(run_dir), "--wait"], capture_output=True, text=True, cwd=tmp_path,
-                         env=full, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
+    run_dir = restarted_run(tmp_path, dict(every_steps=EVERY, keep_last=3),
+                            DDPJOB_TEST_SIGNAL="1:47:0:kill", DDPJOB_TEST_SNAP_WAIT="21")
     crash, finished = stops(run_dir)
     assert (crash["reason"], crash["step"], crash["steps_lost"]) == ("crash", 21, 2), crash
     assert [s["resumed_step"] for s in events(run_dir, "start")] == [None, 21]
