@@ -83,8 +83,7 @@ def rank_process(job: str, rank: int) -> tuple[int, str] | None:
             if not p.name.isdigit() or (p / "comm").read_text().strip() != f"ddpjob-r{rank}":
                 continue
             parent = (p / "stat").read_text().rsplit(")", 1)[1].split()[1]
-            env = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{parent}/environ").read_bytes().split(b"\0")
-                       if b"=" in kv)
+            env = _environ(Path("/proc", parent))
         except (OSError, IndexError):
             continue
         if env.get(b"SLURM_JOB_ID") == job.encode():
@@ -96,12 +95,17 @@ def rank_process(job: str, rank: int) -> tuple[int, str] | None:
             cmd = (p / "cmdline").read_bytes().split(b"\0")
             if not (cmd and b"python" in os.path.basename(cmd[0]) and b"ddpjob" in cmd and b"run" in cmd):
                 continue
-            env = dict(kv.split(b"=", 1) for kv in (p / "environ").read_bytes().split(b"\0") if b"=" in kv)
+            env = _environ(p)
         except OSError:
             continue
         if env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"SLURM_PROCID") == str(rank).encode():
             return int(p.name), env.get(b"SLURMD_NODENAME", b"?").decode()
     return None
+
+
+def _environ(proc: Path) -> dict[bytes, bytes]:
+    """The environment a process started with (/proc/PID/environ)."""
+    return dict(kv.split(b"=", 1) for kv in (proc / "environ").read_bytes().split(b"\0") if b"=" in kv)
 
 
 def lose_node(job: str, node: str) -> None:

@@ -65,6 +65,11 @@ def address(env: dict[str, str] | os._Environ[str] = os.environ) -> bytes | None
     return f"\0ddpjob-warm-{os.getuid()}-{job}-{node}".encode()
 
 
+def _handle_relayed(handler: Any) -> None:
+    for signum in RELAYED:
+        signal.signal(signum, handler)
+
+
 def _peer_uid(sock: socket.socket) -> int:
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                         struct.calcsize("3i")))
@@ -128,8 +133,7 @@ def serve(addr: bytes) -> Request | None:
         return None
     listener.listen(64)  # clients that come during the imports wait in the backlog
     stopping = []
-    for signum in RELAYED:
-        signal.signal(signum, signal.SIG_IGN)
+    _handle_relayed(signal.SIG_IGN)
     # SLURM ends the job's steps with SIGTERM: end once no child is left (a child may be
     # writing its checkpoint; it is in this step, so SLURM signals it itself)
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -301,8 +305,7 @@ def _become(request: Request) -> None:
         os.sched_setaffinity(0, request.cpus)
     except (OSError, ValueError):
         pass
-    for signum in RELAYED:
-        signal.signal(signum, signal.SIG_DFL)
+    _handle_relayed(signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _name(f"ddpjob-r{request.env.get('SLURM_PROCID', '')}")
 
@@ -360,8 +363,7 @@ def client(module_argv: list[str]) -> int:
         else:
             pending.append(signum)
 
-    for signum in RELAYED:
-        signal.signal(signum, relay)
+    _handle_relayed(relay)
     umask = os.umask(0o077)
     os.umask(umask)
     request = {"argv": module_argv, "python": sys.executable, "env": dict(os.environ), "cwd": os.getcwd(), "umask": umask,
@@ -379,9 +381,7 @@ def client(module_argv: list[str]) -> int:
         if reply and isinstance(reply.get("error"), str):
             print(f"ddpjob: warm start: rank {os.environ.get('SLURM_PROCID', '?')} starts cold: "
                   f"{reply['error']}", file=sys.stderr, flush=True)
-        for signum in RELAYED:
-            signal.signal(signum, signal.SIG_DFL)
-        os.execv(sys.executable, cold)
+        os.execv(sys.executable, cold)  # exec puts the relaying handlers back to the default
     pid.append(reply["pid"])
     for waiting in pending:
         relay(waiting, None)
@@ -399,8 +399,7 @@ def client(module_argv: list[str]) -> int:
         return 1
     if "signal" in end:
         died_of = int(end["signal"])
-        for s in RELAYED:
-            signal.signal(s, signal.SIG_DFL)
+        _handle_relayed(signal.SIG_DFL)
         os.kill(os.getpid(), died_of)  # end as the rank ended: srun reports the same signal
         return 128 + died_of
     return int(end.get("exit", 1))

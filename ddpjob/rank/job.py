@@ -238,9 +238,7 @@ class Job:
         try:
             while step < total:
                 self._timer.step_started()
-                began = time.monotonic()
                 yield step
-                step_s = time.monotonic() - began
                 self._timer.step_done()
                 step += 1
                 self._step = step
@@ -268,7 +266,7 @@ class Job:
                 if now.stop:
                     self._stop_for_requeue(step, now.stop, lag=decider.lag, decided_time=decided,
                                            saved_time=time.time())
-                elif self._store.snapshot_due(step, step_s):  # node-local memory (a collective once, for "auto")
+                elif self._store.snapshot_due(step):  # node-local memory (a collective once, for "auto")
                     for s in samplers:
                         s.set_step(step)
                     t0 = time.monotonic()

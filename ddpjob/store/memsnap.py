@@ -69,6 +69,7 @@ class Auto:
     start: int | None = None  # the step the loop began at (first snapshot_due call - 1)
     probe_at: int | None = None  # the step of the probe: the first asked about from start + probe on
     step_s: list[float] = field(default_factory=list)
+    last: tuple[int, float] | None = None  # (step, time) of the previous observe()
     block_s: float | None = None  # the probe's hold on the loop (the copy)
     write_cpu_s: float | None = None  # its background write's CPU time
 
@@ -222,23 +223,25 @@ class Snapshots:
             return False
         return self.every > 0 and step % self.every == 0
 
-    def observe(self, step: int, step_s: float | None) -> None:
+    def observe(self, step: int, now: float | None = None) -> None:
         """Every rank, at each step the loop asks about snapshots while "auto" is measuring: the
-        loop's start (the same step on every rank) and the step's duration."""
+        loop's start (the same step on every rank) and, from the time between two consecutive
+        asks (`now`: time.monotonic()), the step's duration. Nothing once the interval is set."""
         auto = self.auto
         if auto is None or self.every is not None:
             return
+        now = time.monotonic() if now is None else now
         if auto.start is None:
             auto.start = step - 1
-        elif step_s is not None and step > auto.start + 2:  # not the first steps: compiles, caches
-            auto.step_s.append(step_s)
+        elif auto.last is not None and auto.last[0] == step - 1 and step > auto.start + 2:
+            auto.step_s.append(now - auto.last[1])  # not the first steps: compiles, caches
+        auto.last = (step, now)
 
     def decide_now(self, step: int) -> bool:
         """Whether the interval is decided at this step (a collective: the same on every rank,
         whatever each rank's snapshots did)."""
-        auto = self.auto
-        return auto is not None and self.every is None and auto.decide_step() is not None \
-            and step >= int(auto.decide_step() or 0)
+        decide = self.auto.decide_step() if self.auto is not None and self.every is None else None
+        return decide is not None and step >= decide
 
     def proposal(self) -> tuple[int, str]:
         """Rank 0: the interval its probe's cost asks for (waiting for the probe's write once)."""

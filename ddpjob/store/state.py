@@ -179,14 +179,14 @@ class StateStore:
             return None
         return self.snapshots.info(best)
 
-    def snapshot_due(self, step: int, step_s: float | None = None) -> bool:
+    def snapshot_due(self, step: int) -> bool:
         """Whether this step's in-memory snapshot is due. Every rank calls it at the same steps
-        (those the loop neither saves nor stops at); with snapshot_every = "auto" it measures
-        (`step_s`: the step's duration) and, once, takes rank 0's interval (a broadcast)."""
+        (every step the loop does not stop at); with snapshot_every = "auto" it measures the
+        steps and, once, takes rank 0's interval (a broadcast)."""
         snaps = self.snapshots
         if snaps is None:
             return False
-        snaps.observe(step, step_s)
+        snaps.observe(step)
         if snaps.decide_now(step):
             every, line = snaps.proposal() if self.rank == 0 else (0, "")
             snaps.every = int(dist.broadcast_object(every, what="the in-memory snapshot interval"))

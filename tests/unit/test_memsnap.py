@@ -107,7 +107,7 @@ def test_auto_probes_once_then_snapshots_at_the_interval_rank_0_measured(tmp_pat
     asked = list(range(101, 160))  # resumed at 100; a checkpoint at 120
     probes, decided_at = [], None
     for st in asked:
-        s.observe(st, 0.05)
+        s.observe(st, now=st * 0.05)  # 50 ms steps
         if s.decide_now(st) and decided_at is None:
             decided_at = st
             s.every, line = s.proposal()
