@@ -4,8 +4,9 @@ snapshots every few steps) loses a rank to `kill -9` `kills` times, each at a st
 seeded generator, and then one node (set DOWN, its processes killed, its /dev/shm snapshots
 removed: the test nodes share one machine's memory). Nothing announces these failures: srun ends
 the other ranks, the batch script's one decision restarts them inside the allocation, and they
-resume from the newest snapshot every rank holds (the spare, which holds none, from the durable
-checkpoint). Compared with the same job uninterrupted (2 local ranks, bench/storm.py).
+resume from the newest snapshot (the spare, which holds none, gets the replica and its rank's RNG
+file from the survivor's snapshot: store/peers.py). Compared with the same job uninterrupted (2
+local ranks, bench/storm.py).
 
 A failure is caused at its step, not by a timer: the driver reads rank 0's per-step metrics line
 and kills the chosen rank once the step is reached; the figures are read afterwards from what the

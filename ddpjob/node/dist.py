@@ -29,6 +29,10 @@ from ddpjob.errors import DDPJobError
 from ddpjob.node import hang
 from ddpjob.node.cluster import ClusterEnv
 
+# DCP warns at every save and load of a single process that it assumes one process: ddpjob asks
+# for exactly that (no_dist with one rank). Process-wide: catch_warnings is not thread-safe.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+
 # This process's hang watch (node/hang.py), while it is one rank of a group of several.
 _watch: hang.Watch | None = None
 # True once a failed rank left its process group standing (DistContext.destroy(None)): the
@@ -221,6 +225,25 @@ def all_gather_object(obj: Any, what: str = "an all-gather", group: Any = None,
     return out
 
 
+def send_bytes(data: bytes, dst: int, group: Any, what: str) -> None:
+    """`data` to rank `dst` over a CPU group: its length, then (if any) the bytes."""
+    with guard(what):
+        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
+        if data:
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
+
+
+def recv_bytes(src: int, group: Any, what: str) -> bytes:
+    """What send_bytes() on rank `src` sent to this rank."""
+    size, buf = torch.zeros(1, dtype=torch.int64), torch.empty(0, dtype=torch.uint8)
+    with guard(what):
+        dist.recv(size, src, group=group)
+        if int(size):
+            buf = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(buf, src, group=group)
+    return buf.numpy().tobytes()
+
+
 class Vote:
     """An agree() in flight: started after one step, read after the next (result())."""
 
@@ -327,7 +350,7 @@ def dcp_save(state: dict[str, Any], writer: Any, planner: Any, group: Any, *, wh
     hang watch (which follows the main thread); the group's own timeout bounds it."""
     import torch.distributed.checkpoint as dcp
 
-    with _alone_is_fine(), (contextlib.nullcontext() if background else guard(what)):
+    with contextlib.nullcontext() if background else guard(what):
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
                  no_dist=group is None)
 
@@ -336,23 +359,9 @@ def dcp_load(state: dict[str, Any], reader: Any, planner: Any, group: Any, *, wh
     """torch.distributed.checkpoint.load into `state` in place, resharded to this world size."""
     import torch.distributed.checkpoint as dcp
 
-    with _alone_is_fine(), guard(what):
+    with guard(what):
         dcp.load(state, storage_reader=reader, planner=planner, process_group=group,
                  no_dist=group is None)
-
-
-def _alone_is_fine() -> contextlib.nullcontext[None]:
-    """DCP warns at every save and load of a single process that it assumes one process: ddpjob
-    asked for exactly that (no_dist with one rank), the line would only fill the logs. A
-    process-wide filter, set once: catch_warnings is not thread-safe (background saves)."""
-    global _quiet
-    if not _quiet:
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-        _quiet = True
-    return contextlib.nullcontext()
-
-
-_quiet = False
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:

@@ -44,6 +44,19 @@ class CheckpointInfo:
     manifest: dict[str, Any]  # parsed manifest.json; {} when missing or unparsable (see verify)
 
 
+def load_file(src: Any, map_location: Any, what: str) -> Any:
+    """torch.load with weights_only=True: a file that would import anything beyond tensors and
+    plain values is refused in one line, never unpickled."""
+    try:
+        return torch.load(src, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        why = f"it would import {found.group(1)}" if found else str(err).splitlines()[0]
+        raise DDPJobError(f"refusing to load {what}: it holds more than tensors and plain values ({why})",
+                          "load only checkpoints you trust; ddpjob loads with weights_only=True and "
+                          "never runs code from a file") from None
+
+
 class CheckpointStore:
     """Committed checkpoints are `root/step-<N>/`; anything starting with a dot is in flight or
     being deleted and is never listed. Rank 0 calls commit()/prune(); every rank calls write()."""
@@ -243,13 +256,7 @@ class CheckpointStore:
             raise DDPJobError(f"checkpoint {info.path} has no {name} (it holds {', '.join(sorted(listed))})",
                               "resume with the same number of ranks and model setup that wrote it")
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as err:
-            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-            what = f"it would import {found.group(1)}" if found else str(err).splitlines()[0]
-            raise DDPJobError(f"refusing to load {path}: it holds more than tensors and plain values ({what})",
-                              "load only checkpoints you trust; ddpjob loads with weights_only=True and "
-                              "never runs code from a file") from None
+            return load_file(path, map_location, str(path))
         except FileNotFoundError:
             raise DDPJobError(f"checkpoint file {path} does not exist",
                               "pick a checkpoint with latest(), which verifies every file") from None

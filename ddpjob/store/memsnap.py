@@ -12,6 +12,14 @@ of its own, so it has a checkpoint's manifest and digests and loads with weights
 
 KEEP of them per rank, and none is taken when the memory they would need is not free.
 
+A lost node takes its ranks' folders with it. What only those ranks held is their RNG streams
+(the replicas and the samplers' global position are on every node), so each snapshot also holds
+a copy of the RNG file of one rank on another node (keepers(): the rank with the same index on
+the next node). A restart then plans (plan_restore()) the newest step every new rank can get
+whole: its own folder's files, else a peer's, sent over the process group and checked against
+the holder's manifest digests. A spare node's ranks thus resume from the snapshot, bit-equal,
+instead of falling back to the durable checkpoint.
+
 `snapshot_every = "auto"` (the default; on only for a job that may restart, slurm.max_failures >
 0) measures the interval at each start, since what a snapshot costs against a step depends on the
 model, the hardware and the load (bench P13: >= 14 steps for cnn_tiny and >= 9 for ResNet-18 on
@@ -186,7 +194,7 @@ def for_rank(cfg: Any, env: Any, run_dir: Path) -> Snapshots | None:
     if every == 0:
         return None
     root = rank_root(run_dir, env.job_id, env.hostname, env.rank)
-    snaps = Snapshots(root, every=every, config_hash=cfg.hash())
+    snaps = Snapshots(root, every=every, config_hash=cfg.hash(), host=env.hostname)
     if snaps.why_not is not None:
         console.print0(f"ddpjob: warning: no in-memory snapshots: {snaps.why_not}")
     return snaps
@@ -196,11 +204,12 @@ class Snapshots:
     """One rank's snapshots: take() every `every` steps, newest()/load() at a restart."""
 
     def __init__(self, root: Path, *, every: int | None, config_hash: str, base: Path = SHM,
-                 rule: AutoRule = AUTO) -> None:
+                 rule: AutoRule = AUTO, host: str = "") -> None:
         from ddpjob.store.commit import CheckpointStore
         from ddpjob.store.snapshot import AsyncWrite
 
         self._base, self._async = base, AsyncWrite
+        self.host = host  # keepers(): which rank on another node keeps a copy of the RNG file
         self.every = every  # None: "auto", until decided (Auto; StateStore.snapshot_due)
         self.auto = Auto(rule) if every is None else None
         # One process writes a rank's folder at a time, so a staging folder this process did not
@@ -213,15 +222,14 @@ class Snapshots:
 
     def due(self, step: int, saved: bool = False) -> bool:
         """Whether a snapshot is due at `step`; `saved`: a checkpoint was just written at it
-        (the same on every rank), which is then no snapshot's step, nor the probe's."""
+        (the same on every rank), which is then no snapshot's step, nor the probe's. The same
+        answer on every rank (the schedule only: the snapshot gathers the RNG files for the
+        peer copies); take() skips what this rank cannot write."""
         if saved:
             return False
         if self.every is None:  # measuring: only the probe (decided alike on every rank)
-            probe = self.auto is not None and self.auto.probe_now(step)
-            return probe and self.why_not is None
-        if self.why_not is not None or step <= 0:
-            return False
-        return self.every > 0 and step % self.every == 0
+            return self.auto is not None and self.auto.probe_now(step)
+        return step > 0 and self.every > 0 and step % self.every == 0
 
     def observe(self, step: int, now: float | None = None) -> None:
         """Every rank, at each step the loop asks about snapshots while "auto" is measuring: the
@@ -253,11 +261,14 @@ class Snapshots:
                 pass
         return self.auto.interval()
 
-    def take(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> bool:
+    def take(self, step: int, files: dict[str, Any], meta: dict[str, Any], held_s: float = 0.0) -> bool:
         """Copy `files` (the step waits for that only) and write them in a thread. Skipped when
-        the previous one is still being written (training never waits for a snapshot) or the
-        memory is not free: False then."""
-        started = time.perf_counter()
+        the previous one is still being written (training never waits for a snapshot), the
+        memory is not free or the tree may not be used: False then. `held_s`: how long the
+        caller already held the loop for it (the peer copies' gather), for "auto"."""
+        started = time.perf_counter() - held_s
+        if self.why_not is not None:
+            return False
         if self._pending is not None and not self._pending.done():
             self.skipped += 1
             return False
@@ -292,20 +303,28 @@ class Snapshots:
             auto.block_s = time.perf_counter() - started
         return True
 
-    def newest(self, names: list[str]) -> list[int]:
-        """The steps of this rank's snapshots that verify and hold every file in `names`,
-        newest first."""
+    def held(self) -> dict[int, dict[str, Any]]:
+        """Step -> manifest of each of this rank's snapshots that verifies (every file's
+        sha256): what a restart may take from this rank's folder."""
         if self.why_not is not None or not self.store.root.is_dir():
-            return []
-        out = []
-        for info in self.store.list():
-            files = info.manifest.get("files", {})
-            if all(n in files for n in names) and self.store.verify(info) is None:
-                out.append(info.step)
-        return out
+            return {}
+        return {info.step: info.manifest for info in self.store.list() if self.store.verify(info) is None}
 
     def info(self, step: int) -> CheckpointInfo:
         return next(i for i in self.store.list() if i.step == step)
+
+    def read_bytes(self, step: int, name: str, size: int) -> bytes:
+        """A file of this rank's snapshot of `step` as stored, for a peer that has no copy; b""
+        when it is gone or no longer `size` bytes (the peer then takes the durable checkpoint)."""
+        from ddpjob.store.manifest import FILE_NAME
+
+        if not FILE_NAME.fullmatch(name):
+            return b""
+        try:
+            data = (self.info(step).path / name).read_bytes()
+        except (OSError, StopIteration):
+            return b""
+        return data if len(data) == size else b""
 
     def close(self) -> None:
         if self._pending is not None:

@@ -16,6 +16,7 @@ import hashlib
 import random
 import re
 import secrets
+import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from ddpjob.errors import DDPJobError
 from ddpjob.node import dist
 from ddpjob.store import memsnap, rng, sharded
 from ddpjob.store.commit import CheckpointInfo, CheckpointStore
+from ddpjob.store.source import Source
 from ddpjob.store.snapshot import AsyncWrite
 
 State = MutableMapping[str, Any]
@@ -141,43 +143,39 @@ class StateStore:
             # checkpoint that verifies but does not load is skipped like a damaged one.
             info = dist.rank0_decides(self.rank == 0, lambda: self._pick(state, sharded.keys(units)),
                                       what="the choice of the checkpoint to resume from")
-        store = self.store
+        source = None if info is None else Source.of(self.store, info)
         if self.snapshots is not None and enabled:
-            snap = self._newest_snapshot(state, None if info is None else info.step)
-            if snap is not None:
-                store, info = self.snapshots.store, snap
-                print0(f"resuming from the in-memory snapshot of step {info.step}, newer than any checkpoint")
-        self._rng_seed = (seed, 0 if info is None else info.step)
-        if info is None:
+            source = self._newest_snapshot(state, None if info is None else info.step) or source
+        self._rng_seed = (seed, 0 if source is None else source.step)
+        if source is None:
             if self.init_from:
                 from ddpjob.store import initfrom
 
                 initfrom.load(state, self.init_from, self.init_keys, self.rank, _target)
             return 0
         if units:
+            assert info is not None  # fsdp: never from a snapshot
             sharded.load(info.path, units, self.control)
-        self._load_into(state, info, skip=set(sharded.keys(units)), store=store)
+        self._load_into(state, source, skip=set(sharded.keys(units)))
         rng_file = f"rank-{self.rank}.pt"
-        if rng_file in info.manifest.get("files", {}):
-            self._rng = store.load(info, rng_file)
-        self.saved_step = info.step
-        self.resumed_meta = dict(info.manifest)
-        print0(f"resumed from {info.path.name} (step {info.step}, restart {self.restart})")
-        return info.step
+        if rng_file in source.files:
+            self._rng = source.read(rng_file)
+        self.saved_step = source.step
+        self.resumed_meta = dict(source.manifest)
+        print0(f"resumed from {source.name} (step {source.step}, restart {self.restart})")
+        return source.step
 
-    def _newest_snapshot(self, state: State, durable: int | None) -> CheckpointInfo | None:
-        """Collective: the newest snapshot step that every rank holds, verified, with all of
-        its state, if it is newer than the durable checkpoint `durable`; None otherwise (a
-        requeue onto other nodes finds none, a rank that lost its node has none)."""
+    def _newest_snapshot(self, state: State, durable: int | None) -> Source | None:
+        """Collective: the newest in-memory snapshot, newer than the durable checkpoint
+        `durable`, from which every rank can have all of its state, from its own folder or a
+        peer's (peers.py: a rank on a spare node holds none); None otherwise (a requeue onto
+        other nodes finds none)."""
+        from ddpjob.store import peers
+
         assert self.snapshots is not None
-        names = [f"{k}.pt" for k, v in state.items() if _stateful(v)] + [f"rank-{self.rank}.pt"]
-        mine = self.snapshots.newest(names)
-        every = dist.all_gather_object(mine, what="the choice of an in-memory snapshot")
-        common = set(every[0]).intersection(*every[1:]) if every else set()
-        best = max(common, default=None)
-        if best is None or (durable is not None and best <= durable):
-            return None
-        return self.snapshots.info(best)
+        needs = [f"{k}.pt" for k, v in state.items() if _stateful(v)] + [f"rank-{self.rank}.pt"]
+        needs += ["values.pt"] if any(not _stateful(v) for v in state.values()) else []
+        return peers.newest(self.snapshots, needs, durable, self.rank, self.control)
 
     def snapshot_due(self, step: int) -> bool:
         """Whether this step's in-memory snapshot is due. Every rank calls it at the same steps
@@ -195,9 +193,17 @@ class StateStore:
 
     def snapshot(self, step: int, state: State) -> None:
         """This rank's whole state into node-local memory, written in the background: its own
-        replica of every stateful key, its RNG streams and the plain values. No collective."""
+        replica of every stateful key, its RNG streams, the plain values, and the RNG streams
+        of the ranks on another node it keeps copies for (a collective: peers.copies)."""
+        from ddpjob.store import peers
+
         assert self.snapshots is not None
-        self.snapshots.take(step, self._files(state, [], whole=True), self._meta(step, {"snapshot": True}))
+        files = self._files(state, [], whole=True)
+        started = time.perf_counter()
+        if self.world_size > 1:
+            files.update(peers.copies(self.snapshots, self.rank, files[f"rank-{self.rank}.pt"], self.control.group))
+        self.snapshots.take(step, files, self._meta(step, {"snapshot": True}),
+                            held_s=time.perf_counter() - started)
 
     def _units(self, state: State) -> list[sharded.Unit]:
         """With fsdp: the state's models and their optimizers, which go through DCP."""
@@ -244,23 +250,20 @@ class StateStore:
             print0(f"--from-scratch: {info.path.name} moved to {aside}")
         return None
 
-    def _load_into(self, state: State, info: CheckpointInfo, skip: set[str],
-                   store: CheckpointStore | None = None) -> None:
-        store = self.store if store is None else store
-        files = info.manifest.get("files", {})
-        values = store.load(info, "values.pt") if "values.pt" in files else {}
+    def _load_into(self, state: State, source: Source, skip: set[str]) -> None:
+        values = source.read("values.pt") if "values.pt" in source.files else {}
         for key, obj in list(state.items()):
             if key in skip:
                 continue  # loaded through DCP
             if _stateful(obj):
-                loaded = store.load(info, f"{key}.pt")
+                loaded = source.read(f"{key}.pt")
                 try:
                     _target(obj).load_state_dict(loaded)
                 except DDPJobError:
                     raise
                 except (RuntimeError, KeyError, ValueError, TypeError) as err:
                     raise DDPJobError(
-                        f"state '{key}' in {info.path} does not fit this run's {type(obj).__name__} "
+                        f"state '{key}' in {source.where} does not fit this run's {type(obj).__name__} "
                         f"({' '.join(str(err).split())[:200]})",
                         "resume with the same model and optimizer setup, or use a new run dir") from None
             elif key in values:

@@ -1,7 +1,9 @@
 """A node lost from the allocation with `[slurm] on_node_loss = "continue"` (sbatch --no-kill):
 the job keeps its allocation and its job id, and the ranks run again inside it on the nodes
 left. With a spare node (`spare_nodes = 1`, 3 nodes for a 2-node job) the spare takes the lost
-node's place and the run ends bit-equal to the uninterrupted one; without one the survivor goes
+node's place, its ranks resume from the survivors' in-memory snapshot (the replicas and the copies
+of their RNG files that n1's snapshots keep: store/peers.py), and the run ends bit-equal to the
+uninterrupted one; without one the survivor goes
 on alone at the smaller world size, every sample once per epoch. Neither requeues. The node is
 lost at a chosen step: rank 2 (on n2) waits in its 55th training forward call (step 28; a
 checkpoint at step 20, snapshots every 2 steps) until n2 is set DOWN, its processes killed and its
@@ -84,9 +86,13 @@ def test_a_lost_node_is_left_behind_inside_the_allocation(three_nodes: Any, tmp_
     starts = events(run, "start")
     assert [s["job_id"] for s in starts] == [jid, jid], starts  # the same job: never requeued
     assert [s["world_size"] for s in starts] == [4, 4 if spare else 2], starts
-    # the spare holds no snapshot: the checkpoint of step 20; alone, n1's newest snapshot
-    assert starts[1]["resumed_step"] == lost["step"] and (lost["step"] == 20 if spare else 20 < lost["step"] <= 28), \
-        (starts, lost)
+    # both from n1's newest snapshot, not the checkpoint of step 20: the spare's ranks hold none,
+    # and get the replicas and their RNG files (kept in n1's snapshots) from ranks 0 and 1
+    assert starts[1]["resumed_step"] == lost["step"] and 20 < lost["step"] <= 28, (starts, lost)
+    if spare:
+        rank0 = (run / "logs" / "rank-0.log").read_text()
+        assert (f"resuming from the in-memory snapshot of step {lost['step']}, newer than any checkpoint"
+                in rank0 and "copied from peers to rank(s) 2, 3, whose node lost its own" in rank0), rank0[-3000:]
     assert (lost["failed_host"], lost["failed_how"]) == ("n2", "node failure"), lost
     rows = slurmtools.sacct_rows(jid, "State,NodeList")
     assert [r["State"] for r in rows if r["State"] != "RESIZING"] == ["COMPLETED"], rows  # no REQUEUED start

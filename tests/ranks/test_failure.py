@@ -246,3 +246,40 @@ def test_by_default_a_job_that_may_restart_snapshots_at_a_measured_interval(tmp_
     lines = re.findall(r"in-memory snapshots every (\d+) steps .*", log)
     assert len(lines) == 1, log[-3000:]  # the restart's (it measures its own); the first died at 24 < 31
     assert int(lines[0]) >= 1, lines
+
+
+@pytest.mark.slow
+def test_a_rank_whose_node_lost_its_snapshots_gets_them_from_its_peer(tmp_path: Path, reference: Path) -> None:
+    """Two ranks on two "nodes" (SLURMD_NODENAME ha and hb), snapshots every 2 steps: each
+    snapshot of rank 0 also keeps rank 1's RNG file. Rank 1 is SIGKILLed in step 34 (its 67th
+    forward call) once both snapshots of step 32 are in /dev/shm, and hb's snapshots are then
+    removed, as a lost node's memory is. The restart (the same ranks, as a spare node's would
+    be) resumes from step 32, not from the checkpoint of step 30: rank 1 receives the model and
+    the optimizer from rank 0 and its RNG file from rank 0's copy, and the run ends bit-equal."""
+    import shutil
+
+    hosts = {0: {"SLURMD_NODENAME": "ha"}, 1: {"SLURMD_NODENAME": "hb"}}
+    job = job_file(tmp_path)
+    text = job.read_text().replace("keep_last = 3", "keep_last = 3\nsnapshot_every = 2")
+    job.write_text(text)
+    args = [str(job), "--run-dir", str(tmp_path / "run")]
+    codes, ranks = run(args, 2, tmp_path / "logs", job_id="peer", per_rank_env=hosts, timeout=300,
+                       extra_env={"DDPJOB_TEST_SIGNAL": "1:67:0:kill", "DDPJOB_TEST_SNAP_WAIT": "32"})
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0, ranks.output()
+    shm = Path("/dev/shm") / f"ddpjob-{os.getuid()}"
+    lost = list(shm.glob("peer-*/hb"))
+    assert len(lost) == 1 and list(lost[0].glob("rank-1/step-*32")), lost
+    shutil.rmtree(lost[0])
+    codes, ranks = run([str(tmp_path / "run")], 2, tmp_path / "logs", job_id="peer", restart=1,
+                       per_rank_env=hosts, timeout=300)
+    assert codes == [0, 0], ranks.output()
+    out = ranks.logs[0].read_text()
+    import re
+
+    # rank 1 gets every state file (model, optimizer, scheduler, ...) and its RNG file
+    copied = re.search(r"resuming from the in-memory snapshot of step 32, newer than any checkpoint "
+                       r"\((\d+) file\(s\) copied from peers to rank\(s\) 1, whose node lost its own\)", out)
+    assert copied and int(copied.group(1)) >= 3, out[-3000:]
+    assert [s["resumed_step"] for s in events(tmp_path / "run", "start")] == [None, 32]
+    assert_same_as_reference(tmp_path / "run", reference)
+    assert not list(shm.glob("peer-*")), "snapshots left behind"

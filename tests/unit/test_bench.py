@@ -166,7 +166,7 @@ def test_kill_storm_rows_fail_on_a_lost_interval_a_slow_recovery_or_memory_left(
                             {"requeued": 0})
     assert [r.id for r in rows] == ["P12"] * 6
     assert [r.passed for r in rows] == [True, True, True, False, None, True]  # 8.1 s > 5 s
-    assert "lost: 3" in rows[1].measured and "total 8.10 (median)" in rows[3].measured
+    assert "in 1 of 1 failures (the kills: 3)" in rows[1].measured and "total 8.10 (median)" in rows[3].measured
     measured[0]["steps_lost"] = killstorm.TINY.snapshot_every + 1
     again = p12_rows.rows_of(measured, killstorm.TINY, True, "", (10.0, 30.0, 1 / 3),
                              {**shm, "left": ["/dev/shm/ddpjob-0/9-abc"]}, {"requeued": 1})

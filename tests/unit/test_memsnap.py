@@ -28,15 +28,21 @@ def test_snapshots_are_taken_when_due_kept_two_deep_and_verified(tmp_path: Path)
     for step in (2, 4, 6):
         assert s.take(step, files(step), {"step": step})
         s.close()  # the background write is done
-    assert s.newest(["model.pt", "rank-0.pt"]) == [6, 4]  # KEEP = 2
-    assert s.newest(["model.pt", "optimizer.pt"]) == []  # not the state this run holds
+    held = s.held()
+    assert sorted(held) == [4, 6]  # KEEP = 2
+    assert sorted(held[6]["files"]) == ["model.pt", "rank-0.pt"] and held[6]["step"] == 6
     info = s.info(6)
     assert torch.equal(s.store.load(info, "model.pt")["w"], torch.full((4,), 6.0))
     root = s.store.root
     assert all(p.stat().st_mode & 0o077 == 0 for p in [root, *root.parents] if tmp_path in p.parents)
     # a damaged file: that snapshot no longer counts
     (info.path / "model.pt").write_bytes(b"garbage")
-    assert s.newest(["model.pt"]) == [4]
+    assert sorted(s.held()) == [4]
+    # what a peer whose node lost its copy receives: the file as stored, if still whole
+    entry = s.held()[4]["files"]["model.pt"]
+    data = s.read_bytes(4, "model.pt", entry["size"])
+    assert len(data) == entry["size"] and s.read_bytes(4, "model.pt", entry["size"] + 1) == b""
+    assert s.read_bytes(4, "../model.pt", entry["size"]) == b"" and s.read_bytes(8, "model.pt", 1) == b""
 
 
 def test_a_snapshot_a_killed_writer_left_half_done_goes_at_the_next_one(tmp_path: Path) -> None:
@@ -62,7 +68,8 @@ def test_a_tree_someone_else_can_change_is_never_used(tmp_path: Path) -> None:
     os.chmod(top, 0o777)
     s = snaps(tmp_path)
     assert s.why_not is not None and "others may change it" in s.why_not
-    assert not s.due(2) and s.newest(["model.pt"]) == []
+    assert s.due(2)  # the schedule is every rank's (the peer copies' gather), the write is not
+    assert not s.take(2, files(2), {"step": 2}) and s.held() == {}
     os.chmod(top, 0o700)
     link = memsnap.job_root(tmp_path / "run", "77", tmp_path)
     link.symlink_to(tmp_path)  # a link planted where the job's tree goes
@@ -134,3 +141,31 @@ def test_snapshot_every_auto_is_on_only_for_a_job_that_may_restart() -> None:
     assert memsnap.interval(base) == 0 and memsnap.interval(with_restarts) is None
     fixed = config.JobConfig(checkpoint=config.CheckpointConfig(snapshot_every=5))
     assert memsnap.interval(fixed) == 5
+
+
+def test_each_ranks_rng_file_is_kept_by_a_rank_on_the_next_node() -> None:
+    from ddpjob.store.peers import keepers
+
+    assert keepers(["n1", "n1", "n2", "n2"]) == [2, 3, 0, 1]
+    assert keepers(["n1", "n2", "n3"]) == [1, 2, 0]
+    assert keepers(["n1", "n1", "n1", "n2"]) == [3, 3, 3, 0]  # uneven: the next node's ranks in turn
+    assert keepers(["n1", "n1"]) == [None, None]  # one node: nothing survives its loss anyway
+
+
+def test_a_restart_plans_the_newest_snapshot_every_rank_can_have_whole() -> None:
+    """plan_restore over what each new rank's folder holds (step -> files): a rank without its
+    own copy gets the replicas from the lowest rank holding them and its RNG file from the rank
+    that kept it; a step at which some rank's RNG file is nowhere is passed over."""
+    from ddpjob.store.peers import Restore, plan_restore
+
+    state = ["model.pt", "optimizer.pt"]
+    n1 = {6: [*state, "rank-0.pt", "rank-2.pt"], 8: [*state, "rank-0.pt"]}  # step 8: no peer copy yet
+    n1b = {6: [*state, "rank-1.pt", "rank-3.pt"], 8: [*state, "rank-1.pt", "rank-3.pt"]}
+    spare: dict[int, list[str]] = {}  # ranks 2 and 3 now run on a spare node: no folder
+    needs = [[*state, f"rank-{r}.pt"] for r in range(4)]
+    plan = plan_restore([n1, n1b, spare, spare], needs, durable=4)
+    assert plan == Restore(6, [(2, "model.pt", 0), (2, "optimizer.pt", 0), (2, "rank-2.pt", 0),
+                               (3, "model.pt", 0), (3, "optimizer.pt", 0), (3, "rank-3.pt", 1)])
+    assert plan_restore([n1, n1b, spare, spare], needs, durable=6) is None  # the checkpoint is as new
+    assert plan_restore([n1, n1b], needs[:2], durable=None) == Restore(8, [])  # the survivors alone
+    assert plan_restore([{}, {}], needs[:2], durable=None) is None
