@@ -209,7 +209,8 @@ class Snapshots:
         from ddpjob.store.snapshot import AsyncWrite
 
         self._base, self._async = base, AsyncWrite
-        self.host = host  # keepers(): which rank on another node keeps a copy of the RNG file
+        self.host = host  # peers.keepers(): which rank on another node keeps a copy of the RNG file
+        self.keepers: list[int | None] | None = None  # for each rank; known from the first snapshot
         self.every = every  # None: "auto", until decided (Auto; StateStore.snapshot_due)
         self.auto = Auto(rule) if every is None else None
         # One process writes a rank's folder at a time, so a staging folder this process did not

@@ -81,8 +81,10 @@ def plan_restore(held: list[dict[int, list[str]]], needs: list[list[str]], durab
 def copies(snaps: Snapshots, rank: int, mine: Any, group: Any) -> dict[str, Any]:
     """Collective, at every snapshot step on every rank: `mine` (this rank's RNG file) to its
     keeper; returns the RNG files this rank keeps for others, as `rank-<Q>.pt`."""
+    if snaps.keepers is not None and not any(k is not None for k in snaps.keepers):
+        return {}  # every rank on one node (known since the first snapshot, alike on every rank)
     every = dist.all_gather_object((snaps.host, mine), what="the in-memory snapshot's peer copies", group=group)
-    keep = keepers([host for host, _ in every])
+    keep = snaps.keepers = keepers([host for host, _ in every])
     return {f"rank-{q}.pt": state for q, (_, state) in enumerate(every) if keep[q] == rank and q != rank}
 
 
