@@ -206,11 +206,10 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
             and isinstance(e.get("lost_hosts"), list) for h in e["lost_hosts"]}
     lost = [h for h in env.hosts if h not in allocation_now(cfg, env) and h not in gone] if in_place else []
     with _term_held():
-        # in place the job's snapshots count too (the restart resumes from them), unless a spare
-        # replaces a lost node: its new ranks hold none, so every rank takes the checkpoint
-        snaps = in_place and not (lost and cfg.slurm.spare_nodes > 0)
+        # in place the job's snapshots count too (the restart resumes from them; a spare's new
+        # ranks get theirs from the survivors, store/peers.py): the newest all folders left hold
         resume_at, steps_lost = crashes.resume_point(
-            run_dir, memsnap.newest_saved(run_dir, str(env.job_id) if snaps else None))
+            run_dir, memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None))
         streak, _ = crashes.no_progress(evs, chain, (env.job_id, restart, resume_at))
         loop = crashes.crash_loop(cfg.slurm.max_no_progress, streak, resume_at, steps_lost, culprit)
         reason = "node_failure" if lost else "crash"
