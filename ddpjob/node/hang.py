@@ -177,12 +177,14 @@ class Watch:
 
     def _gather(self) -> dict[int, Report]:
         deadline = time.monotonic() + REPORT_S
-        # A signal that comes now ends the wait: srun ends the step (SIGTERM, then SIGKILL after
-        # KillWait, 30 s by default) once a rank died, and a dead rank never reports. Waiting on
-        # would cost the restart inside the allocation that much, for reports that cannot come.
-        signalled = getattr(self.steps, "time", None)
+        # A stop signal ends the wait, or spares it when it came first: srun ends the step
+        # (SIGTERM, then SIGKILL after KillWait, 30 s by default) once a rank died, and a dead
+        # rank never reports. Waiting on would cost the restart inside the allocation that much,
+        # for reports that cannot come. The SIGTERM often comes before this rank's collective
+        # fails (it was still computing when its peer was killed): bench P12 saw 2 of 10
+        # recoveries wait out KillWait (5 s there) when only a signal during the wait counted.
         def ending() -> bool:
-            return getattr(self.steps, "time", None) != signalled
+            return getattr(self.steps, "time", None) is not None
         while (self._store.add(self._reported_key, 0) < self.world_size and time.monotonic() < deadline
                and not ending()):
             time.sleep(0.25)

@@ -74,3 +74,7 @@ def test_a_signal_ends_the_wait_for_reports_that_cannot_come(monkeypatch) -> Non
     monkeypatch.setattr(hang.time, "sleep", lambda s: None)
     assert watch._gather() == {}
     assert Store.polls == 2, Store.polls  # without the signal: every 0.25 s until REPORT_S
+    # srun's SIGTERM came first, while this rank still computed its step, and its collective
+    # failed after: no wait at all (it would last until SIGKILL)
+    Store.polls = 10
+    assert watch._gather() == {} and Store.polls == 11, Store.polls
