@@ -317,9 +317,7 @@ class Snapshots:
     def read_bytes(self, step: int, name: str, size: int) -> bytes:
         """A file of this rank's snapshot of `step` as stored, for a peer that has no copy; b""
         when it is gone or no longer `size` bytes (the peer then takes the durable checkpoint)."""
-        from ddpjob.store.manifest import FILE_NAME
-
-        if not FILE_NAME.fullmatch(name):
+        if not manifest.FILE_NAME.fullmatch(name):
             return b""
         try:
             data = (self.info(step).path / name).read_bytes()

@@ -16,13 +16,14 @@ snapshot (one RNG file is about 15 kB), and "auto" counts it in the snapshot's c
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import dataclass
 from typing import Any
 
 from ddpjob.node import dist
 from ddpjob.store.commit import load_file
-from ddpjob.store.source import Source
 from ddpjob.store.memsnap import Snapshots
+from ddpjob.store.source import Source
 
 
 def keepers(hosts: list[str]) -> list[int | None]:
@@ -59,23 +60,24 @@ def plan_restore(held: list[dict[int, list[str]]], needs: list[list[str]], durab
     for step in sorted({s for h in held for s in h}, reverse=True):
         if durable is not None and step <= durable:
             return None
-        fetch: list[tuple[int, str, int]] = []
-        for rank, names in enumerate(needs):
-            own = held[rank].get(step, []) if rank < len(held) else []
-            for name in names:
-                if name in own:
-                    continue
-                holder = next((h for h, hs in enumerate(held) if name in hs.get(step, [])), None)
-                if holder is None:
-                    break
-                fetch.append((rank, name, holder))
-            else:
-                continue
-            break
-        else:
+        fetch = _fetches(step, held, needs)
+        if fetch is not None:
             return Restore(step, fetch)
     return None
 
+
+def _fetches(step: int, held: list[dict[int, list[str]]], needs: list[list[str]]) -> list[tuple[int, str, int]] | None:
+    """(to, name, from) for every file a rank lacks at `step`; None when one is nowhere."""
+    out = []
+    for rank, names in enumerate(needs):
+        for name in names:
+            if name in held[rank].get(step, []):
+                continue
+            holder = next((h for h, hs in enumerate(held) if name in hs.get(step, [])), None)
+            if holder is None:
+                return None
+            out.append((rank, name, holder))
+    return out
 
 
 def copies(snaps: Snapshots, rank: int, mine: Any, group: Any) -> dict[str, Any]:
@@ -113,8 +115,6 @@ def fetch(plan: Restore, held: list[dict[int, dict[str, Any]]], rank: int, snaps
 
 def load_bytes(data: bytes, what: str) -> Any:
     """A file received by fetch(), loaded as a file is: weights_only=True."""
-    import io
-
     return load_file(io.BytesIO(data), "cpu", what)
 
 
