@@ -21,7 +21,7 @@ on the ranks' PYTHONPATH.
   rank RANK is slow by SECONDS per call. HOW = "compute": a busy-wait in the backward pass (a
   hook on the output's gradient); "data": a sleep in data loading (with the dataset plugin
   `trainer_plugins:slow_synthetic`, which waits before handing out a batch's first sample);
-  "hog": a process spinning on the CPU this rank is pinned to, from that call on (the rank pins
+  "hog": three processes spinning on the CPU this rank is pinned to, from that call on (the rank pins
   itself to its node's last core and every other rank to the first).
 """
 
@@ -165,10 +165,15 @@ class StragglingCNN(SignallingCNN):
                     import sys
 
                     core = str(sorted(os.sched_getaffinity(0))[-1])
-                    self._hog = subprocess.Popen(["taskset", "-c", core, sys.executable, "-c", "while True: pass"])
+                    # three spinners: against one, the scheduler's credit for the time the rank
+                    # sleeps in its collectives leaves it ~1.5 times slower, the flagging
+                    # threshold itself (a CI run missed it); against three, 2.5 times or more
+                    self._hog = [subprocess.Popen(["taskset", "-c", core, sys.executable, "-c", "while True: pass"])
+                                 for _ in range(3)]
                     import atexit
 
-                    atexit.register(self._hog.kill)
+                    for hog in self._hog:
+                        atexit.register(hog.kill)
         return out
 
 
