@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from clirun import wait_for
 from ranks import LAG, write_job
 from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob,
                                    events, job_env, job_file, preempt, preempt_and_finish, release, wait_step,
@@ -273,13 +274,15 @@ def test_a_failed_node_is_a_node_failure_that_spends_max_failures(
     try:
         slurmtools.wait_state(jid, {"PENDING"}, timeout=120)
         assert slurmtools.job_info(jid).get("Restarts") == "1"
+        if not freeze:
+            # n2 answered throughout, and its slurmd may still be ending the killed attempt (it
+            # kills every step of the job id until none is left, a new attempt's too): n2 stays
+            # DOWN, so the job cannot start there, until none of the job's processes is left
+            wait_for(lambda: not node_pids(jid, "n2"), timeout=120, poll=0.5, what=f"job {jid}'s processes on n2 to end")
     finally:
         node_up(pids)
     if freeze:
         release(jid)
-    # else: n2 answered throughout, and its slurmd may still be ending the killed attempt (it
-    # kills every step of the job id until none is left, a new attempt's too): SLURM's own
-    # BeginTime hold after a requeue (~11 s) is what gives it that time, so it is kept
     assert slurmtools.wait_done(jid, 900) == final
     stops = [e for e in events(run, "stop") if "rank" not in e]
     failure = stops[0]
