@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zygote
 from clirun import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,10 +64,13 @@ class Ranks:
             if job_id is not None:  # like ddpjob's local backend
                 env.update({"DDPJOB_JOB_ID": job_id, "DDPJOB_RESTART_COUNT": str(restart)})
             env.update((per_rank_env or {}).get(rank, {}))
+            where = cwd or REPO
+            # forked from the session's warm server where it imported what this rank would
+            command = (zygote.command(["ddpjob", "run", *args], log_dir) if zygote.eligible(env, where)
+                       else [PYTHON, "-m", "ddpjob", "run", *args])
             with open(self.logs[rank], "wb") as out:
-                self.procs.append(subprocess.Popen([PYTHON, "-m", "ddpjob", "run", *args], env=env,
-                                                   stdout=out, stderr=subprocess.STDOUT,
-                                                   cwd=cwd or REPO))
+                self.procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                   cwd=where))
 
     def signal(self, signum: int, ranks: list[int] | None = None) -> None:
         for r in ranks if ranks is not None else range(len(self.procs)):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import config, crashes, exitcodes, requests, rundir, runlock
+from ddpjob.node import warm
 from ddpjob.store import memsnap
 
 LOCAL = "local.json"
@@ -30,8 +31,19 @@ POLL_S = 0.1
 CANCEL_GRACE_S = 60.0  # after a cancel, ranks may checkpoint this long before SIGKILL
 
 
-def rank_command(run_dir: Path) -> list[str]:
-    return [sys.executable, "-u", "-m", "ddpjob", "run", str(run_dir)]
+def rank_command(run_dir: Path, warm_name: str | None = None) -> list[str]:
+    """A rank's command: `ddpjob run RUN_DIR`, as a client of the run's warm-start server if
+    it has one (node/warm.py: the rank is forked from a process that imported torch once)."""
+    client = ["-m", warm.__name__, "run", "--name", warm_name] if warm_name else []
+    return [sys.executable, "-u", *client, "-m", "ddpjob", "run", str(run_dir)]
+
+
+def warm_start(cfg: config.JobConfig) -> bool:
+    """The local backend forks its ranks from one server per run whenever [slurm] warm_start
+    allows (on SLURM only jobs that may restart get one: there it is a job step of its own per
+    node; here it saves every rank but one its `import torch`, and a restart all of them). Not
+    with GPUs, where forked ranks are not what CI tests."""
+    return cfg.slurm.warm_start and cfg.slurm.gpus_per_node == 0
 
 
 def free_port() -> int:
@@ -69,7 +81,10 @@ class Supervisor:
         self.job_id = job_id
         self.cfg = config.read_run_config(run_dir)
         rundir.private_umask(self.cfg.slurm.share_group)  # the rank logs it opens; the ranks inherit it
-        self.command = command or rank_command(run_dir)
+        # the run's warm-start server (started with the first ranks), unless a command is given
+        self.warm_name = f"{job_id}" if command is None and warm_start(self.cfg) else None
+        self.warm: subprocess.Popen[bytes] | None = None
+        self.command = command or rank_command(run_dir, self.warm_name)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.restarts = 0
         self.cancelled = False
@@ -118,19 +133,47 @@ class Supervisor:
                                 job_id=self.job_id, restart=self.restarts)
             self.signal_ranks(signum)
 
+    def code_env(self, env: dict[str, str]) -> dict[str, str]:
+        """The ranks' (and their warm server's) view of the code: the copy frozen at submission
+        first (launch/freeze.py), and `python -m` must not put the (live) working dir first."""
+        frozen = str((self.run_dir / "code" / "python").resolve())
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (frozen, env.get("PYTHONPATH")) if x)
+        env["PYTHONSAFEPATH"] = "1"
+        return env
+
+    def start_warm(self, logs: Path) -> None:
+        """The run's warm-start server, once: it ends with the run (stop_warm) or, should this
+        supervisor be killed, once it sees its parent gone and its last rank has ended."""
+        if self.warm_name is None or (self.warm is not None and self.warm.poll() is None):
+            return
+        env = self.code_env({**os.environ, "OMP_NUM_THREADS": "1"})
+        with open(logs / "warm-local.log", "ab") as out:
+            self.warm = subprocess.Popen([sys.executable, "-u", "-m", warm.__name__, "serve", "--name",
+                                          self.warm_name, "--parent", str(os.getpid())], env=env,
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def stop_warm(self) -> None:
+        if self.warm is not None and self.warm.poll() is None:
+            self.warm.terminate()  # it ends once no rank is left (every one has, here)
+            try:
+                self.warm.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.warm.kill()
+                self.warm.wait()
+
     def start(self) -> None:
         s = self.cfg.slurm
         port = free_port()
         logs = self.run_dir / rundir.LOGS
         logs.mkdir(parents=True, exist_ok=True)
+        self.start_warm(logs)
         self.procs = []
         for rank in range(s.world_size):
-            env = rank_env(dict(os.environ), rank, s.nodes, s.tasks_per_node, port, self.job_id,
-                           self.restarts)
-            # the code frozen at submission comes first (launch/freeze.py)
-            frozen = str((self.run_dir / "code" / "python").resolve())
-            env["PYTHONPATH"] = os.pathsep.join(x for x in (frozen, env.get("PYTHONPATH")) if x)
-            env["PYTHONSAFEPATH"] = "1"  # `python -m` must not put the (live) working dir first
+            env = self.code_env(rank_env(dict(os.environ), rank, s.nodes, s.tasks_per_node, port, self.job_id,
+                                         self.restarts))
+            if self.warm_name is not None:
+                env[warm.ENV] = "1"  # the server was started: wait for it to listen, as on SLURM
             fds: tuple[int, ...] = ()
             if self.lock is not None and self.lock.fd is not None:  # rank 0 trains under our lock
                 env.update(self.lock.inherit_env())
@@ -201,6 +244,7 @@ class Supervisor:
                 continue
             else:
                 state, reason = "FAILED", self.gave_up or f"exit codes {codes}"
+            self.stop_warm()
             self.write(state, reason=reason, exit_codes=codes)
             memsnap.remove_job(self.run_dir, self.job_id)  # the ranks' in-memory snapshots
             rundir.record_event(self.run_dir, "local_end", source="local-supervisor", job_id=self.job_id,

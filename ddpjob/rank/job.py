@@ -219,10 +219,10 @@ class Job:
             self.resume(state)
         step = int(self._step or 0)
         if self.is_rank0:
-            from ddpjob.node import warm
+            from ddpjob.node import warmserver
             from ddpjob.node.cluster import process_started
 
-            if warm.FORKED in self.env.ddpjob_vars:  # forked by the node's warm-start server
+            if warmserver.FORKED in self.env.ddpjob_vars:  # forked by the node's warm-start server
                 info = {"warm": True, **info}
             rundir.record_event(self.run_dir, "start", restart=self.restart, job_id=self.job_id,
                                 world_size=self.world_size, source=self.env.source,

@@ -22,7 +22,12 @@ RANK = r'''
 import json, os, signal, sys, time
 out = {"foo": os.environ.get("FOO"), "argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(),
        "ppid": os.getppid(), "torch_before": "torch" in sys.modules,
-       "forked": os.environ.get("DDPJOB_WARM_FORKED"), "umask": oct(os.umask(0o22))}
+       "forked": os.environ.get("DDPJOB_WARM_FORKED"), "umask": oct(os.umask(0o22)),
+       "session_leader": os.getsid(0) == os.getpid()}
+try:  # a descriptor the task inherited (the local backend's run lock): the same number here
+    out["fd9"] = os.read(9, 100).decode()
+except OSError:
+    out["fd9"] = None
 print(json.dumps(out), flush=True)
 what, here = sys.argv[1], os.environ.get("T", ".")
 if what == "exit":
@@ -66,11 +71,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str
 
 
 def _client(server: tuple[Path, str, subprocess.Popen], *args: str, job: str | None = None,
-            umask: int = -1, **env: str) -> subprocess.Popen:
+            umask: int = -1, name: list[str] = [], **env: str) -> subprocess.Popen:
     tmp, own, _ = server
-    for name in ("ready", "pid"):
-        (tmp / name).unlink(missing_ok=True)
-    return subprocess.Popen([sys.executable, "-u", "-m", "ddpjob.node.warm", "run", "-m", "rankmod", *args],
+    for file in ("ready", "pid"):
+        (tmp / file).unlink(missing_ok=True)
+    return subprocess.Popen([sys.executable, "-u", "-m", "ddpjob.node.warm", "run", *name, "-m", "rankmod", *args],
                             cwd=tmp, env=_env(tmp, job or own, **env), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, umask=umask)
 
@@ -155,7 +160,7 @@ def test_a_server_owned_by_someone_else_is_never_used(server, monkeypatch: pytes
     mine = warm._connect(addr, wait=True)
     assert mine is not None
     mine.close()
-    monkeypatch.setattr(warm, "_peer_uid", lambda sock: os.getuid() + 1)
+    monkeypatch.setattr(warm, "peer_uid", lambda sock: os.getuid() + 1)
     assert warm._connect(addr, wait=False) is None
 
 
@@ -164,6 +169,53 @@ def test_addresses_take_only_what_slurm_sets() -> None:
     for bad in ({}, {"SLURM_JOB_ID": "12"}, {"SLURM_JOB_ID": "1 2", "SLURMD_NODENAME": "n1"},
                 {"SLURM_JOB_ID": "12", "SLURMD_NODENAME": "n1/../x"}):
         assert warm.address(bad) is None, bad
+
+
+def test_a_rank_gets_the_tasks_inherited_descriptors_and_its_own_session(server) -> None:
+    """The local backend's ranks lead their own sessions (a kill reaches their children) and
+    rank 0 inherits the run lock's descriptor: forked, they get both as they would cold."""
+    read, write = os.pipe()
+    os.write(write, b"lock")
+    os.close(write)
+    try:
+        tmp, job, srv = server
+        proc = subprocess.Popen(
+            ["bash", "-c", f'exec 9<&{read}; exec "$@"', "bash", sys.executable, "-u", "-m", "ddpjob.node.warm",
+             "run", "-m", "rankmod", "exit", "0"], cwd=tmp, env=_env(tmp, job), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, pass_fds=(read,), start_new_session=True)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        os.close(read)
+    seen = json.loads(out.splitlines()[0])
+    assert proc.returncode == 0 and seen["ppid"] == srv.pid, (seen, err)
+    assert seen["fd9"] == "lock" and seen["session_leader"] is True, seen
+    plain = _client(server, "exit", "0")
+    seen = json.loads(plain.communicate(timeout=300)[0].splitlines()[0])
+    assert seen["fd9"] is None and seen["session_leader"] is False and seen["ppid"] == srv.pid, seen
+
+
+def test_a_named_server_forks_its_clients_and_ends_when_its_starter_is_gone(server) -> None:
+    """The local backend's server: named after the run's job id, started by the supervisor with
+    --parent; should the supervisor be killed, the server ends (once no rank is left)."""
+    tmp = server[0]
+    name = f"unit-{os.getpid()}"
+    starter = subprocess.Popen(["bash", "-c", f'{sys.executable} -u -m ddpjob.node.warm serve --name {name} '
+                                f'--parent $$ & echo $! > {tmp}/server.pid; wait'], cwd=tmp, env=_env(tmp, "0"))
+    try:
+        _until(lambda: (tmp / "server.pid").exists() and (tmp / "server.pid").read_text().strip(), "the server")
+        pid = int((tmp / "server.pid").read_text())
+        proc = _client(server, "exit", "3", name=["--name", name])
+        out, err = proc.communicate(timeout=300)
+        seen = json.loads(out.splitlines()[0])
+        assert proc.returncode == 3 and seen["ppid"] == pid and seen["forked"] == "1", (seen, err)
+        assert not _gone(pid)
+        starter.kill()  # the supervisor dies (SIGKILL: nothing of it runs)
+        starter.wait()
+        _until(lambda: _gone(pid), f"server {pid} to end after its starter")
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait()
 
 
 def test_the_server_ends_on_sigterm_once_no_rank_is_left(server) -> None:
