@@ -90,7 +90,7 @@ def _until(cond, what: str, limit: float = 120.0) -> None:
 def _gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
-    except (FileNotFoundError, IndexError):
+    except (OSError, IndexError):  # gone before or while /proc was read (ENOENT, ESRCH)
         return True
 
 
