@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import config, crashes, exitcodes, requests, rundir, runlock
+from ddpjob.launch.backends import options
 from ddpjob.node import warm
 from ddpjob.store import memsnap
 
@@ -38,12 +39,6 @@ def rank_command(run_dir: Path, warm_name: str | None = None) -> list[str]:
     return [sys.executable, "-u", *client, "-m", "ddpjob", "run", str(run_dir)]
 
 
-def warm_start(cfg: config.JobConfig) -> bool:
-    """The local backend forks its ranks from one server per run whenever [slurm] warm_start
-    allows (on SLURM only jobs that may restart get one: there it is a job step of its own per
-    node; here it saves every rank but one its `import torch`, and a restart all of them). Not
-    with GPUs, where forked ranks are not what CI tests."""
-    return cfg.slurm.warm_start and cfg.slurm.gpus_per_node == 0
 
 
 def free_port() -> int:
@@ -82,7 +77,9 @@ class Supervisor:
         self.cfg = config.read_run_config(run_dir)
         rundir.private_umask(self.cfg.slurm.share_group)  # the rank logs it opens; the ranks inherit it
         # the run's warm-start server (started with the first ranks), unless a command is given
-        self.warm_name = f"{job_id}" if command is None and warm_start(self.cfg) else None
+        # as on SLURM, only a run that may restart (options.warm_start): the server imports what
+        # the ranks would in parallel, so a first start gains nothing (measured: 0.5 s slower)
+        self.warm_name = f"{job_id}" if command is None and options.warm_start(self.cfg) else None
         self.warm: subprocess.Popen[bytes] | None = None
         self.command = command or rank_command(run_dir, self.warm_name)
         self.procs: list[subprocess.Popen[bytes]] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,8 +51,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def submit_local(tmp_path: Path, **env: str) -> tuple[Path, int]:
     """`ddpjob submit --backend local`; returns the run dir and the supervisor's pid."""
-    import subprocess
-
     run_dir = tmp_path / "run"
     full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
     full.update(job_env(**env))
@@ -192,8 +191,6 @@ def test_killed_rank_fails_the_run_fast_and_a_damaged_newest_checkpoint_is_skipp
 def restarted_run(tmp_path: Path, checkpoint: dict[str, Any], **env: str) -> Path:
     """`ddpjob submit --backend local --wait` of the job with max_failures = 1 and `checkpoint`,
     the test plugins' `env` set (a kill at a chosen step); returns the run dir of the finished run."""
-    import subprocess
-
     job = write_job(tmp_path / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5, max_failures=1),
                     train=TRAIN, data=DATA, checkpoint=checkpoint)
     run_dir = tmp_path / "run"
@@ -220,6 +217,11 @@ def test_a_killed_rank_resumes_from_the_in_memory_snapshot(tmp_path: Path, refer
     assert crash["failed_rank"] == 1 and crash["failed_how"] == "killed by SIGKILL", crash
     starts = events(run_dir, "start")
     assert [s["resumed_step"] for s in starts] == [None, 32], starts
+    # max_failures = 1: both attempts' ranks were forked from the run's warm-start server, which
+    # ended with the run
+    assert [s.get("warm") for s in starts] == [True, True], starts
+    server = f"ddpjob.node.warm serve --name {json.loads((run_dir / 'job.json').read_text())['job_id']} "
+    assert server not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert finished["reason"] == "finished"
     assert_same_as_reference(run_dir, reference)
     job_id = json.loads((run_dir / "job.json").read_text())["job_id"]
