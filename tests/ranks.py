@@ -66,7 +66,8 @@ class Ranks:
             env.update((per_rank_env or {}).get(rank, {}))
             where = cwd or REPO
             # forked from the session's warm server where it imported what this rank would
-            command = (zygote.command(["ddpjob", "run", *args], log_dir) if zygote.eligible(env, where)
+            base = base_env()
+            command = (zygote.command(["ddpjob", "run", *args], log_dir, base) if zygote.eligible(env, where, base)
                        else [PYTHON, "-m", "ddpjob", "run", *args])
             with open(self.logs[rank], "wb") as out:
                 self.procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -35,22 +35,21 @@ def _name() -> str:
     return f"ddpjob-test-zygote-{os.getuid()}-{os.getpid()}"
 
 
-def eligible(env: dict[str, str], cwd: Path) -> bool:
-    """Would a rank with this environment and working directory import what the server did?"""
+def eligible(env: dict[str, str], cwd: Path, base: dict[str, str]) -> bool:
+    """Would a rank with this environment and working directory import what a server started
+    with `base` (ranks.base_env()) in REPO did?"""
     return (os.environ.get(OFF) != "1" and cwd.resolve() == REPO
-            and env.get("PYTHONPATH") == os.pathsep.join([str(TESTS), str(REPO)])
-            and not any(env.get(k) for k in ("PYTHONHOME", "PYTHONSAFEPATH", "PYTHONNOUSERSITE")))
+            and all(env.get(k) == base.get(k) for k in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH",
+                                                        "PYTHONNOUSERSITE", "PYTHONUSERBASE")))
 
 
-def command(module_argv: list[str], log_dir: Path) -> list[str]:
+def command(module_argv: list[str], log_dir: Path, base: dict[str, str]) -> list[str]:
     """The command that runs `python -m MODULE_ARGV` forked from this session's server (started
-    on first use, its log in `log_dir`)."""
+    on first use with the environment `base`, in REPO, its log in `log_dir`)."""
     global _server
     if _server is None or _server.poll() is not None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
-        env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])})
         with open(log_dir / "zygote.log", "ab") as out:
-            _server = subprocess.Popen([sys.executable, "-u", __file__, "serve", _name()], cwd=REPO, env=env,
+            _server = subprocess.Popen([sys.executable, "-u", __file__, "serve", _name()], cwd=REPO, env=base,
                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        start_new_session=True)
         atexit.register(_stop, _server)

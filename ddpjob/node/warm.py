@@ -155,12 +155,10 @@ def client(module_argv: list[str], addr: bytes | None = None, wait: bool = False
     return int(end.get("exit", 1))
 
 
-def named(name: str) -> bytes:
+def named(name: str) -> bytes | None:
     """The address of a server named by its starter (the local backend: one per run), not by
-    SLURM's job and node."""
-    if not _NAME.fullmatch(name):
-        raise ValueError(f"warm-start server name {name!r}")
-    return f"\0ddpjob-warm-{os.getuid()}-{name}".encode()
+    SLURM's job and node; None for a name we would not put in it."""
+    return f"\0ddpjob-warm-{os.getuid()}-{name}".encode() if _NAME.fullmatch(name) else None
 
 
 def main(argv: list[str]) -> int:
@@ -172,8 +170,9 @@ def main(argv: list[str]) -> int:
         else:
             parent = int(rest[1]) if rest[1].isdigit() else None
         rest = rest[2:]
-    addr = named(name) if name is not None and _NAME.fullmatch(name) else None
-    if what == ["serve"] and not rest and (name is None or addr):
+    addr = named(name) if name is not None else None
+    usable = name is None or addr is not None
+    if what == ["serve"] and not rest and usable:
         addr = addr or address()
         if addr is None:
             print("ddpjob: warm start: not in a SLURM job step (SLURM_JOB_ID, SLURMD_NODENAME); "
@@ -186,7 +185,7 @@ def main(argv: list[str]) -> int:
         return 0
     while rest[:1] == ["-u"]:  # submitit writes `PYTHON -u -m submitit.core._submit` after us
         rest = rest[1:]
-    if what == ["run"] and len(rest) >= 2 and rest[0] == "-m" and (name is None or addr):
+    if what == ["run"] and len(rest) >= 2 and rest[0] == "-m" and usable:
         return client(rest[1:], addr)
     print("usage: python -m ddpjob.node.warm serve [--name NAME] [--parent PID] | "
           "run [--name NAME] [-u] -m MODULE [ARGS...]", file=sys.stderr)
