@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -58,6 +59,13 @@ class Failed:
 def _subprocess(args: Sequence[str], timeout: float, env: Mapping[str, str] | None,
                 cwd: str | None) -> Result:
     argv = tuple(args)
+    # The command starts with SIGTERM blocked (a child inherits its starter thread's mask, and
+    # scontrol keeps it): the requeue that rank 0's `scontrol requeue` asks for sends SIGTERM to
+    # every process of the job, that scontrol included, which could die of it before printing
+    # the answer (seen under load: exit -15 read as a refusal, so a successor job was sent for a
+    # job that SLURM had requeued; it ran idle). KillWait's SIGKILL still ends a command that
+    # hangs; a SIGTERM for this thread waits until the command has returned.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
                            env=None if env is None else dict(env), cwd=cwd)
@@ -67,6 +75,8 @@ def _subprocess(args: Sequence[str], timeout: float, env: Mapping[str, str] | No
         return Result(argv, None, error=f"{' '.join(argv[:3])} gave no answer within {timeout:.0f} s")
     except OSError as exc:
         return Result(argv, None, error=f"{argv[0]} could not run: {exc.strerror or exc}")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     if p.returncode != 0:
         why = " ".join((p.stderr or p.stdout or "").split())[:300] or f"exit code {p.returncode}"
         return Result(argv, p.returncode, p.stdout, p.stderr, f"{' '.join(argv[:3])} failed: {why}")

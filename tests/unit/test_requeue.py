@@ -76,6 +76,19 @@ def test_the_real_runner_reports_a_missing_binary(monkeypatch) -> None:
     assert res.rc is None and not res.ok and "command not found" in res.error
 
 
+def test_the_sigterm_that_ends_the_job_does_not_cut_our_scontrol_short(monkeypatch, tmp_path) -> None:
+    """A preemption's requeue sends SIGTERM to every process of the job again, `scontrol requeue`
+    of rank 0 included: it runs to its answer (stop 34's CI: killed halfway, the job got a
+    successor although SLURM brought it back itself). Here the command sends it to itself."""
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\nkill -TERM $$\necho \"requeued $2\"\n")
+    fake.chmod(0o700)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    res = slurm.run(["scontrol", "requeue", "77"])
+    assert res.ok and res.stdout == "requeued 77\n", res
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # ours: as before
+
+
 def test_successor_job_drops_the_running_jobs_slurm_variables(fake_slurm, monkeypatch) -> None:
     monkeypatch.setenv("SLURM_NTASKS", "4")
     fake_slurm.answer("sbatch", "91\n")
