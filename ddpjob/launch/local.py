@@ -39,8 +39,6 @@ def rank_command(run_dir: Path, warm_name: str | None = None) -> list[str]:
     return [sys.executable, "-u", *client, "-m", "ddpjob", "run", str(run_dir)]
 
 
-
-
 def free_port() -> int:
     """A port the kernel just handed out, chosen again at every (re)start: a previous
     incarnation's port may still be in TIME_WAIT."""
