@@ -23,6 +23,7 @@ import pytest
 from ddpjob import __version__, config
 from ddpjob.errors import UsageError
 from ddpjob.launch import render
+from ddpjob.launch.backends import options
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = sorted((REPO / "jobs").glob("*.toml"))
@@ -32,9 +33,11 @@ PYTHON = "/opt/venv/bin/python"
 BASH = shutil.which("bash") or "/bin/bash"
 
 # A fake srun: records its argv (NUL-separated, so any byte survives) and DDPJOB_RUN_DIR.
+# one file per call, named after its pid: the warm-start server's srun runs in the background
+# beside the ranks' srun (FAKE_SRUN_LOG.PID holds the argv, FAKE_SRUN_LOG.PID.env the run dir)
 FAKE_SRUN = r"""#!/bin/bash
-printf '%s\0' "$@" > "$FAKE_SRUN_LOG"
-printf '%s' "$DDPJOB_RUN_DIR" > "$FAKE_SRUN_LOG.env"
+printf '%s\0' "$@" > "$FAKE_SRUN_LOG.$$"
+printf '%s' "$DDPJOB_RUN_DIR" > "$FAKE_SRUN_LOG.$$.env"
 exit "${FAKE_SRUN_EXIT:-0}"
 """
 
@@ -159,6 +162,7 @@ def test_hostile_paths_reach_srun_byte_for_byte(name: str, tmp_path: Path) -> No
     python = str(tmp_path / name / "py thon")
     script = tmp_path / "job.sbatch"
     script.write_text(render.render_sbatch(_job("smoke"), run_dir=run_dir, python=python))
+    (run_dir / "logs").mkdir(parents=True)  # as `ddpjob sbatch` leaves it
     assert subprocess.run([BASH, "-n", str(script)]).returncode == 0
     work = tmp_path / "work"
     work.mkdir()
@@ -166,12 +170,18 @@ def test_hostile_paths_reach_srun_byte_for_byte(name: str, tmp_path: Path) -> No
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_SRUN_LOG": str(log), "HOME": str(tmp_path)}
     r = subprocess.run([BASH, str(script)], cwd=work, env=env, capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    argv = log.read_bytes().split(b"\0")[:-1]
+    calls = {f: f.read_bytes().split(b"\0")[:-1] for f in tmp_path.glob("argv.*") if f.suffix != ".env"}
+    assert len(calls) == 2, calls  # 2 ranks a node: the warm-start server's step and the ranks'
+    (warm_call,) = [f for f, argv in calls.items() if argv[0] == b"--overlap"]
+    (rank_call,) = [f for f in calls if f != warm_call]
     escaped = str(run_dir).replace("%", "%%")
-    assert argv == [b"--kill-on-bad-exit=1", b"--unbuffered",
-                    f"--output={escaped}/logs/rank-%t.log".encode(), b"--open-mode=append",
-                    b"--nodes=1", b"--ntasks=2", python.encode(), b"-u", b"-m", b"ddpjob", b"run", str(run_dir).encode()]
-    assert Path(f"{log}.env").read_bytes() == str(run_dir).encode()
+    assert calls[rank_call] == [b"--kill-on-bad-exit=1", b"--unbuffered",
+                                f"--output={escaped}/logs/rank-%t.log".encode(), b"--open-mode=append",
+                                b"--nodes=1", b"--ntasks=2", python.encode(), b"-u", b"-m", b"ddpjob.node.warm",
+                                b"run", b"-m", b"ddpjob", b"run", str(run_dir).encode()]
+    assert calls[warm_call][-5:] == [python.encode(), b"-u", b"-m", b"ddpjob.node.warm", b"serve"]
+    assert (run_dir / "logs" / "warm-.log").is_file()  # its output went to RUN_DIR/logs (no job id here)
+    assert all(Path(f"{f}.env").read_bytes() == str(run_dir).encode() for f in calls)
     pwned = [p for p in tmp_path.rglob("PWNED")] + [p for p in Path.cwd().glob("PWNED")]
     assert not pwned, "an injected command ran"
 
@@ -326,16 +336,18 @@ def test_golden_container_script(runtime: str) -> None:
         golden.write_text(text, encoding="utf-8")
     assert text == golden.read_text(encoding="utf-8"), f"regenerate {golden} if intended"
     assert subprocess.run([BASH, "-n"], input=text, text=True).returncode == 0
-    plain = _stable(render.render_sbatch(_job("smoke"), run_dir=RUN_DIR, python=PYTHON))
+    # the plain job without its warm-start server (a container has none: options.warm_start)
+    plain = _stable(render.render_sbatch(_with_slurm(_job("smoke"), warm_start=False), run_dir=RUN_DIR, python=PYTHON))
     changed = [ln for ln in text.splitlines() if ln not in plain.splitlines()]
     assert changed and all(ln.lstrip().startswith("srun ") or "-m ddpjob run" in ln for ln in changed), \
         changed  # only the srun command differs
 
 
 def test_golden_warm_start_script() -> None:
-    """A job that may restart ([slurm] max_failures), on CPUs: the batch shell starts one warm-start
-    server per node (its own --overlap step, its output in RUN_DIR/logs) and the ranks' srun runs
-    them through it; nothing else changes. With GPUs, a container or warm_start = false: as before."""
+    """A job on CPUs that may restart ([slurm] max_failures) or runs several ranks per node: the
+    batch shell starts one warm-start server per node (its own --overlap step, its output in
+    RUN_DIR/logs) and the ranks' srun runs them through it; nothing else changes. One rank per
+    node that never restarts, GPUs, a container or warm_start = false: as before."""
     cfg = _with_slurm(_job("smoke"), max_failures=2)
     text = _stable(render.render_sbatch(cfg, run_dir=RUN_DIR, python=PYTHON))
     golden = GOLDEN / "smoke-warm.sbatch"
@@ -343,12 +355,23 @@ def test_golden_warm_start_script() -> None:
         golden.write_text(text, encoding="utf-8")
     assert text == golden.read_text(encoding="utf-8"), f"regenerate {golden} if intended"
     assert subprocess.run([BASH, "-n"], input=text, text=True).returncode == 0
-    plain = _stable(render.render_sbatch(_job("smoke"), run_dir=RUN_DIR, python=PYTHON))
+    plain = _stable(render.render_sbatch(_with_slurm(_job("smoke"), max_failures=2, warm_start=False),
+                                         run_dir=RUN_DIR, python=PYTHON))
     changed = [ln.strip() for ln in text.splitlines() if ln not in plain.splitlines()]
     assert changed[0] == "export DDPJOB_WARM=1" and changed[2] == "DDPJOB_WARM_PID=$!", changed
     assert changed[1].startswith("srun --overlap --no-kill ") and \
         changed[1].endswith(' -u -m ddpjob.node.warm serve >>"$DDPJOB_RUN_DIR"/logs/warm-"$SLURM_JOB_ID".log 2>&1 &')
     assert len(changed) == 4 and "-u -m ddpjob.node.warm run -m ddpjob run /scratch/runs/example &" in changed[3], changed
+
+    def warm(**slurm: object) -> bool:
+        return "ddpjob.node.warm" in render.render_sbatch(_with_slurm(_job("smoke"), **slurm),
+                                                           run_dir=RUN_DIR, python=PYTHON)
+
+    assert _job("smoke").slurm.tasks_per_node == 2 and warm(max_failures=0)  # 2 ranks a node
+    assert warm(max_failures=2, tasks_per_node=1) and not warm(max_failures=0, tasks_per_node=1)
+    # the local backend runs every rank on one host: the run's world size decides there
+    one = _with_slurm(_job("smoke"), max_failures=0, tasks_per_node=1)
+    assert not options.warm_start(one, ranks_per_host=1) and options.warm_start(one, ranks_per_host=2)
     for off in (dict(gpus_per_node=1), dict(warm_start=False), CONTAINERS["apptainer"]):
         other = _stable(render.render_sbatch(_with_slurm(_job("smoke"), max_failures=2, **off),
                                              run_dir=RUN_DIR, python=PYTHON))

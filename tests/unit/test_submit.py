@@ -167,7 +167,9 @@ def test_sbatch_text_is_valid_bash_and_quotes_hostile_paths(tmp_path):
     srun = next(ln for ln in lines if ln.startswith("srun "))
     words = shlex.split(srun)
     assert words[-1] == str(folder)  # the folder reaches submitit byte for byte
-    assert words[words.index("-m") + 1] == "submitit.core._submit"
+    # 2 tasks a node: submitit's command runs through the node's warm-start server
+    assert words[-4:-1] == ["-u", "-m", "submitit.core._submit"], words
+    assert words[words.index("-m") + 1:words.index("-m") + 3] == ["ddpjob.node.warm", "run"], words
 
 
 # ------------------------------------------------------------------ NodeTask

@@ -69,13 +69,19 @@ def task_count(cfg: JobConfig, nodes_var: str) -> str:
     return f"$(({nodes_var} * {int(cfg.slurm.tasks_per_node)}))"
 
 
-def warm_start(cfg: JobConfig) -> bool:
-    """Whether the ranks fork from a per-node process that has torch imported (node/warm.py):
-    only for jobs that may restart inside their allocation. Not with GPUs: a rank forked in the
+def warm_start(cfg: JobConfig, ranks_per_host: int | None = None) -> bool:
+    """Whether the ranks fork from a per-node process that has torch imported (node/warm.py): for
+    a job that may restart inside its allocation (a restart then skips torch's start-up), and for
+    one that runs more than one rank per node (`ranks_per_host`, [slurm] tasks_per_node unless
+    given; the local backend runs them all on one host): the node imports torch once instead of
+    once per rank, and the forked ranks share its pages (measured here: 130 MiB of PSS per forked
+    rank against 650 MiB per rank started cold). A first start of a single rank per node gains
+    nothing (the server imports what the rank would). Not with GPUs: a rank forked in the
     server's step would have that step's devices, not the ones SLURM bound to its own task
     (ConstrainDevices); not in a container: the server would have to run in the same one."""
     s = cfg.slurm
-    return s.warm_start and s.max_failures > 0 and s.gpus_per_node == 0 and not s.container
+    many = (s.tasks_per_node if ranks_per_host is None else ranks_per_host) > 1
+    return s.warm_start and (s.max_failures > 0 or many) and s.gpus_per_node == 0 and not s.container
 
 
 # The job step that runs one warm-start server per node of the allocation, spares included:
