@@ -34,7 +34,8 @@ def rows_of(f: Figures, state_diff: list[str], tensors: int, loss_problems: list
                  f"steps trained twice: {f.replayed_steps})")
     lost_ok = lost == 0 and f.unknown_lost == 0 and f.resumed_where_stopped and f.replayed_steps == 0
     median_total = statistics.median([r.total_s for r in f.recoveries]) if f.recoveries else 0.0
-    where = f"{n} preemptions ~{size.every_s:.0f} s apart, 2 nodes x 1 task, {size.steps} steps"
+    pace = f"{size.every_steps} steps" if size.every_steps else f"~{size.every_s:.0f} s"
+    where = f"{n} preemptions {pace} apart, 2 nodes x 1 task, {size.steps} steps"
     return [
         Row("P11", f"preemption storm ({where}): final state vs the uninterrupted run", "bit-identical",
             measured, same, {"state_differences": state_diff[:20], "loss_differences": loss_problems[:20]}),

@@ -39,11 +39,17 @@ class StormSize:
     model: str
     steps: int
     batch: int  # per rank
+    # > 0: paced by steps, not the clock: preemption k is submitted once attempt k-1 has trained
+    # this many steps past its first (the --tiny run in CI, where a busy machine trains slower)
+    every_steps: int = 0
 
 
 # ~6 minutes of training on the 2-core test machine (resnet8, ~55 ms a step), five preemptions
 FULL = StormSize(preemptions=5, every_s=60.0, min_run_s=20.0, model="resnet8", steps=6000, batch=32)
-TINY = StormSize(preemptions=2, every_s=12.0, min_run_s=4.0, model="cnn_tiny", steps=1500, batch=32)
+# ~25 steps a second on the idle 2-core test machine: each attempt trains its 60 steps and the
+# ~1-3 s SLURM takes to preempt it, and the last one the rest (about 400 steps)
+TINY = StormSize(preemptions=2, every_s=0.0, min_run_s=0.0, model="cnn_tiny", steps=700, batch=32,
+                 every_steps=60)
 
 
 def overrides(size: StormSize) -> list[str]:
@@ -100,6 +106,12 @@ def events(run: Path, kind: str, **match: Any) -> list[dict[str, Any]]:
             and all(e.get(k) == v for k, v in match.items())]
 
 
+def newest_step(run: Path) -> int:
+    """The newest step in the run's loss lines (log_every = 1), 0 before the first."""
+    return max((int(r["step"]) for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "train"),
+               default=0)
+
+
 def wait_for(what: str, check: Callable[[], Any], job: str, timeout: float) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := check()):
@@ -126,12 +138,15 @@ def storm(work: Path, run: Path, script: Path, size: StormSize,
         log(f"  P11: storm job {job} submitted ({size.steps} steps)")
         last: float | None = None  # when the previous high job was submitted
         for k in range(1, size.preemptions + 1):
-            wait_for(f"first step of attempt {k - 1}", lambda: events(run, "first_step", restart=k - 1),
-                  job, 600)
+            started = wait_for(f"first step of attempt {k - 1}",
+                               lambda: events(run, "first_step", restart=k - 1), job, 600)[0]
             first = time.monotonic()
-            # the first one half a period in: the job must still be training after the last
-            due = first + size.every_s / 2 if last is None else max(last + size.every_s, first + size.min_run_s)
-            time.sleep(max(0.0, due - time.monotonic()))
+            if size.every_steps:
+                target = int(started["step"]) + size.every_steps
+                wait_for(f"step {target}", lambda: newest_step(run) >= target, job, 600)
+            else:  # the first one half a period in: the job must still be training after the last
+                due = first + size.every_s / 2 if last is None else max(last + size.every_s, first + size.min_run_s)
+                time.sleep(max(0.0, due - time.monotonic()))
             if events(run, "stop", reason="finished"):
                 raise RuntimeError(f"P11: the job finished before preemption {k}: give it more steps")
             highs.append(slurmctl.sbatch(high, "--partition=high", "--nodes=2",

@@ -20,7 +20,8 @@ if str(REPO) not in sys.path:  # bench/ is a top-level folder of the repository,
 @pytest.mark.slow
 def test_tiny_storm_on_the_cluster_is_bit_identical_and_loses_nothing(slurm_cluster: object,
                                                                       tmp_path: Path) -> None:
-    """`bench P11 --tiny`: 2 preemptions of a ~30 s job and its uninterrupted reference (~2 min)."""
+    """`bench P11 --tiny`: 2 preemptions, 60 steps into each attempt, of a 700-step job, and its
+    uninterrupted reference (~1 min)."""
     out = subprocess.run([sys.executable, "-m", "bench", "P11", "--tiny", "--work", str(tmp_path),
                           "--json", str(tmp_path / "rows.json")],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
