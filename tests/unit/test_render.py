@@ -33,11 +33,17 @@ PYTHON = "/opt/venv/bin/python"
 BASH = shutil.which("bash") or "/bin/bash"
 
 # A fake srun: records its argv (NUL-separated, so any byte survives) and DDPJOB_RUN_DIR.
-# one file per call, named after its pid: the warm-start server's srun runs in the background
-# beside the ranks' srun (FAKE_SRUN_LOG.PID holds the argv, FAKE_SRUN_LOG.PID.env the run dir)
+# One record per step: FAKE_SRUN_LOG.warm for the warm-start server's (`srun --overlap ...`, in
+# the background), FAKE_SRUN_LOG.ranks for the ranks'; each with its .env (the run dir it saw).
+# The ranks' call ends only once the server's has written its record: the batch shell kills the
+# server's step as it ends, which could otherwise come before a busy machine ran its first line.
 FAKE_SRUN = r"""#!/bin/bash
-printf '%s\0' "$@" > "$FAKE_SRUN_LOG.$$"
-printf '%s' "$DDPJOB_RUN_DIR" > "$FAKE_SRUN_LOG.$$.env"
+case "$1" in --overlap) out="$FAKE_SRUN_LOG.warm" ;; *) out="$FAKE_SRUN_LOG.ranks" ;; esac
+printf '%s' "$DDPJOB_RUN_DIR" > "$out.env"
+printf '%s\0' "$@" > "$out.tmp" && mv "$out.tmp" "$out"
+if [ "$out" = "$FAKE_SRUN_LOG.ranks" ] && [[ " $* " == *" ddpjob.node.warm "* ]]; then
+    for _ in $(seq 1200); do [ -e "$FAKE_SRUN_LOG.warm" ] && break; sleep 0.05; done
+fi
 exit "${FAKE_SRUN_EXIT:-0}"
 """
 
@@ -170,18 +176,17 @@ def test_hostile_paths_reach_srun_byte_for_byte(name: str, tmp_path: Path) -> No
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_SRUN_LOG": str(log), "HOME": str(tmp_path)}
     r = subprocess.run([BASH, str(script)], cwd=work, env=env, capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    calls = {f: f.read_bytes().split(b"\0")[:-1] for f in tmp_path.glob("argv.*") if f.suffix != ".env"}
-    assert len(calls) == 2, calls  # 2 ranks a node: the warm-start server's step and the ranks'
-    (warm_call,) = [f for f, argv in calls.items() if argv[0] == b"--overlap"]
-    (rank_call,) = [f for f in calls if f != warm_call]
+    # 2 ranks a node: the warm-start server's step and the ranks'
+    calls = {k: Path(f"{log}.{k}").read_bytes().split(b"\0")[:-1] for k in ("warm", "ranks")}
     escaped = str(run_dir).replace("%", "%%")
-    assert calls[rank_call] == [b"--kill-on-bad-exit=1", b"--unbuffered",
+    assert calls["ranks"] == [b"--kill-on-bad-exit=1", b"--unbuffered",
                                 f"--output={escaped}/logs/rank-%t.log".encode(), b"--open-mode=append",
                                 b"--nodes=1", b"--ntasks=2", python.encode(), b"-u", b"-m", b"ddpjob.node.warm",
                                 b"run", b"-m", b"ddpjob", b"run", str(run_dir).encode()]
-    assert calls[warm_call][-5:] == [python.encode(), b"-u", b"-m", b"ddpjob.node.warm", b"serve"]
+    assert calls["warm"][0] == b"--overlap"
+    assert calls["warm"][-5:] == [python.encode(), b"-u", b"-m", b"ddpjob.node.warm", b"serve"]
     assert (run_dir / "logs" / "warm-.log").is_file()  # its output went to RUN_DIR/logs (no job id here)
-    assert all(Path(f"{f}.env").read_bytes() == str(run_dir).encode() for f in calls)
+    assert all(Path(f"{log}.{k}.env").read_bytes() == str(run_dir).encode() for k in calls)
     pwned = [p for p in tmp_path.rglob("PWNED")] + [p for p in Path.cwd().glob("PWNED")]
     assert not pwned, "an injected command ran"
 
@@ -266,8 +271,10 @@ def _wait_for(cond, proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 
 # A fake srun standing in for ranks that checkpoint on a signal: it records the signals it
-# gets and exits with status 7 once the test creates $T/release.
+# gets and exits with status 7 once the test creates $T/release. The warm-start server's step
+# (jobs/smoke.toml runs 2 ranks a node) only waits to be killed, as the batch shell does at its end.
 SLOW_SRUN = r"""#!/bin/bash
+[ "$1" != --overlap ] || exec sleep 600
 trap 'echo USR2 >> "$T/srun-signals"' USR2
 trap 'echo TERM >> "$T/srun-signals"' TERM
 touch "$T/started"
