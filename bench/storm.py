@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import slurmctl
+from bench.storm_ledger import train_records
 from ddpjob.rundir import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,12 +107,6 @@ def events(run: Path, kind: str, **match: Any) -> list[dict[str, Any]]:
             and all(e.get(k) == v for k, v in match.items())]
 
 
-def newest_step(run: Path) -> int:
-    """The newest step in the run's loss lines (log_every = 1), 0 before the first."""
-    return max((int(r["step"]) for r in read_jsonl(run / "metrics.jsonl") if r.get("kind") == "train"),
-               default=0)
-
-
 def wait_for(what: str, check: Callable[[], Any], job: str, timeout: float) -> Any:
     deadline = time.monotonic() + timeout
     while not (value := check()):
@@ -140,11 +135,11 @@ def storm(work: Path, run: Path, script: Path, size: StormSize,
         for k in range(1, size.preemptions + 1):
             started = wait_for(f"first step of attempt {k - 1}",
                                lambda: events(run, "first_step", restart=k - 1), job, 600)[0]
-            first = time.monotonic()
-            if size.every_steps:
+            if size.every_steps:  # the loss lines (log_every = 1) say how far it has trained
                 target = int(started["step"]) + size.every_steps
-                wait_for(f"step {target}", lambda: newest_step(run) >= target, job, 600)
+                wait_for(f"step {target}", lambda: any(r["step"] >= target for r in train_records(run)), job, 600)
             else:  # the first one half a period in: the job must still be training after the last
+                first = time.monotonic()
                 due = first + size.every_s / 2 if last is None else max(last + size.every_s, first + size.min_run_s)
                 time.sleep(max(0.0, due - time.monotonic()))
             if events(run, "stop", reason="finished"):
