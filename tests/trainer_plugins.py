@@ -3,8 +3,8 @@ on the ranks' PYTHONPATH.
 
 - `conv_nobn`: a small CNN without BatchNorm, so that K micro-batches of B and one batch of K*B
   give the same gradient up to float rounding (BN's batch statistics would differ).
-- `signalling_cnn`: cnn_tiny (same state_dict keys) that sends itself SIGUSR2 at a chosen
-  training forward call, so a test can stop a run mid-accumulation deterministically.
+- `signalling_cnn`: cnn_tiny (same state_dict keys, strided convs instead of max-pools) that
+  sends itself SIGUSR2 at a chosen training forward call, so a test can stop a run mid-accumulation deterministically.
   DDPJOB_TEST_SIGNAL="RANK:CALL" (1-based count of training-mode forward calls, this process).
   Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
   SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
@@ -56,6 +56,16 @@ def conv_nobn(num_classes: int = 10) -> nn.Module:
 class SignallingCNN(TinyCNN):
     def __init__(self, num_classes: int) -> None:
         super().__init__(num_classes)
+        # Cheaper than cnn_tiny, same parameters and state_dict keys: each max-pool gives way to
+        # a stride of 2 in the conv before it. The tests that use this model train thousands of
+        # steps in all, and on a CPU core the pools cost more than the convs: a step of the
+        # preemption tests' 4-rank job takes 47 ms instead of 86 on 2 cores.
+        for i, layer in enumerate(self):
+            if isinstance(layer, nn.MaxPool2d):
+                self[i] = nn.Identity()
+                conv = self[i - 3]
+                assert isinstance(conv, nn.Conv2d), conv
+                conv.stride = (2, 2)
         # Test-only plumbing: the node-side package never reads the environment outside
         # cluster.py, but a test plugin may.
         env = os.environ
