@@ -14,9 +14,12 @@ TORCHVISION=0.29.1
 STAMP=$VENV/.ddpjob-setup-stamp
 log() { printf '[setup] %s\n' "$*"; }
 # pip warns about every index location in this machine's pip.conf that does not exist: noise.
-# --no-compile: pip would byte-compile all ~8,700 modules it installs (about 40 s of one core
-# here, before anything can run); Python compiles the ~2,000 a run imports on first use instead.
+# --no-compile, then compile_all: pip byte-compiles the ~8,700 modules it installs one at a time
+# (about a minute here); compileall does it on every core. The .pyc files must exist: where
+# PYTHONDONTWRITEBYTECODE is set (this machine sets it), no run would ever write them, and every
+# process would compile torch's sources again on each import.
 pip_install() { "$PY" -m pip install -q --no-compile "$@" 2>&1 | sed "/WARNING: Location '.*' is ignored/d"; }
+compile_all() { "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true; }  # as pip: a module that does not compile (tests of py2 syntax) is skipped
 T0=$(date +%s)
 
 if [ ! -x "$PY" ]; then
@@ -44,6 +47,7 @@ else
     fi
     log "installing torch==$TORCH torchvision==$TORCHVISION (about a minute)"
     pip_install "torch==$TORCH" "torchvision==$TORCHVISION"
+    compile_all
 fi
 
 want=$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)
@@ -52,6 +56,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && "$PY" -c 'import ddpjob, pytes
 else
     log "installing ddpjob (editable) with its test dependencies"
     pip_install -e "$ROOT[test]"
+    compile_all
     echo "$want" >"$STAMP"
 fi
 log "python environment ready in $(( $(date +%s) - T0 ))s: $VENV"
