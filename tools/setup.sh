@@ -13,13 +13,17 @@ TORCH=2.14.1
 TORCHVISION=0.29.1
 STAMP=$VENV/.ddpjob-setup-stamp
 log() { printf '[setup] %s\n' "$*"; }
+# Like pip, a module that does not compile (torch ships one in Python 3.12 syntax) is skipped.
+compile_py() { "$PY" -m compileall -q -j 0 "$@" >/dev/null || true; }
+# pip with --no-compile, then compile_py over site-packages: pip byte-compiles the ~8,700 modules
+# it installs one at a time (about a minute here); compileall does it on every core. The .pyc files
+# must exist: where PYTHONDONTWRITEBYTECODE is set (this machine sets it), no run would ever write
+# them, and every process would compile torch's sources again on each import.
 # pip warns about every index location in this machine's pip.conf that does not exist: noise.
-# --no-compile, then compile_all: pip byte-compiles the ~8,700 modules it installs one at a time
-# (about a minute here); compileall does it on every core. The .pyc files must exist: where
-# PYTHONDONTWRITEBYTECODE is set (this machine sets it), no run would ever write them, and every
-# process would compile torch's sources again on each import.
-pip_install() { "$PY" -m pip install -q --no-compile "$@" 2>&1 | sed "/WARNING: Location '.*' is ignored/d"; }
-compile_all() { "$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true; }  # as pip: a module that does not compile (tests of py2 syntax) is skipped
+pip_install() {
+    "$PY" -m pip install -q --no-compile "$@" 2>&1 | sed "/WARNING: Location '.*' is ignored/d"
+    compile_py "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+}
 T0=$(date +%s)
 
 if [ ! -x "$PY" ]; then
@@ -47,7 +51,6 @@ else
     fi
     log "installing torch==$TORCH torchvision==$TORCHVISION (about a minute)"
     pip_install "torch==$TORCH" "torchvision==$TORCHVISION"
-    compile_all
 fi
 
 want=$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)
@@ -56,10 +59,9 @@ if [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && "$PY" -c 'import ddpjob, pytes
 else
     log "installing ddpjob (editable) with its test dependencies"
     pip_install -e "$ROOT[test]"
-    compile_all
     echo "$want" >"$STAMP"
 fi
 # ddpjob's own modules too (an editable install: they stay in the repository), on every call, so
 # that the test command starts from fresh .pyc files after an edit; quick when they are current.
-"$PY" -m compileall -q -j 0 "$ROOT/ddpjob" >/dev/null || true
+compile_py "$ROOT/ddpjob"
 log "python environment ready in $(( $(date +%s) - T0 ))s: $VENV"
