@@ -4,7 +4,8 @@ on the ranks' PYTHONPATH.
 - `conv_nobn`: a small CNN without BatchNorm, so that K micro-batches of B and one batch of K*B
   give the same gradient up to float rounding (BN's batch statistics would differ).
 - `signalling_cnn`: cnn_tiny (same state_dict keys, strided convs instead of max-pools) that
-  sends itself SIGUSR2 at a chosen training forward call, so a test can stop a run mid-accumulation deterministically.
+  sends itself SIGUSR2 at a chosen training forward call, so a test can stop a run
+  mid-accumulation deterministically.
   DDPJOB_TEST_SIGNAL="RANK:CALL" (1-based count of training-mode forward calls, this process).
   Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
   SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
