@@ -99,7 +99,7 @@ def dataset(base: Path, sizes: Sizes) -> Path:
 
 def job_config(root: Path, sizes: Sizes, world: int, *overrides: str) -> str:
     """jobs/cifar10_resnet18.toml, as users submit it, with the benchmark's overrides; JSON."""
-    from ddpjob import config
+    from ddpjob import jobfile
 
     base = [f"data.root={json.dumps(str(root))}", f"train.model={json.dumps(sizes.model)}",
             # the seeds' network (torchvision's stem); see the README's Performance section
@@ -112,7 +112,7 @@ def job_config(root: Path, sizes: Sizes, world: int, *overrides: str) -> str:
             # (P2's compiled row says so) and takes minutes: the rows that want it say so
             "train.compile=false",
             f"slurm.tasks_per_node={world}", "slurm.gpus_per_node=0", "slurm.cpus_per_task=1"]
-    return config.resolve(JOB, [*base, *overrides]).to_json()
+    return jobfile.resolve(JOB, [*base, *overrides]).to_json()
 
 
 CHARLM = Path(__file__).resolve().parents[1] / "examples" / "charlm" / "job.toml"
@@ -121,9 +121,9 @@ CHARLM = Path(__file__).resolve().parents[1] / "examples" / "charlm" / "job.toml
 def charlm_config(steps: int, stop_vote: str = "overlap") -> str:
     """examples/charlm/job.toml for P9/P10: `steps` steps, no DataLoader workers (the pool pins
     a rank to one core), no periodic checkpoints (both arms would pay them alike), JSON."""
-    from ddpjob import config
+    from ddpjob import jobfile
 
-    return config.resolve(CHARLM, [f"user.max_steps={steps}", "user.num_workers=0",
+    return jobfile.resolve(CHARLM, [f"user.max_steps={steps}", "user.num_workers=0",
                                    "user.print_every=1000000", "user.sample_chars=1",
                                    "checkpoint.every_steps=0", "train.threads=1",
                                    f"train.stop_vote=\"{stop_vote}\"",

@@ -62,9 +62,9 @@ def time_batches(batches: Any, n: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ P1: bare DDP
 def bare_ddp(spec: dict[str, Any], ctx: DistContext) -> Trial:
     """Hand-written DDP loop: same model, optimizer, precision and batches as the trainer."""
-    from ddpjob import config
+    from ddpjob import jobfile
 
-    cfg = config.from_json(spec["config"])
+    cfg = jobfile.from_json(spec["config"])
     t, rank, world = cfg.train, ctx.env.rank, ctx.env.world_size
     total = t.max_steps
     train = data.load_cifar10(cfg.data.root, train=True)
@@ -143,9 +143,9 @@ def seeds(spec: dict[str, Any], ctx: DistContext) -> Trial:
     """The seeds' recipe: torchvision ResNet-18 (10 classes), PIL transforms, DataLoader +
     DistributedSampler, fp32, plain SGD with momentum."""
     import torchvision
-    from ddpjob import config
+    from ddpjob import jobfile
 
-    cfg = config.from_json(spec["config"])
+    cfg = jobfile.from_json(spec["config"])
     t, rank, world = cfg.train, ctx.env.rank, ctx.env.world_size
     loader, sampler = _pil_loader(cfg.data.root, t.batch_size, rank, world, t.seed)
 
@@ -173,9 +173,9 @@ def seeds(spec: dict[str, Any], ctx: DistContext) -> Trial:
 
 def pil_loader(spec: dict[str, Any], ctx: DistContext) -> Trial:
     """P3's reference: the seeds' per-sample PIL pipeline alone, `batches` batches per trial."""
-    from ddpjob import config
+    from ddpjob import jobfile
 
-    cfg = config.from_json(spec["config"])
+    cfg = jobfile.from_json(spec["config"])
     loader, sampler = _pil_loader(cfg.data.root, cfg.train.batch_size, 0, 1, cfg.train.seed)
 
     def trial(params: dict[str, Any]) -> dict[str, Any]:

@@ -320,9 +320,9 @@ def _p6_often(warm: int, often: int, total: int, ck: list[Trial], no: list[Trial
     """A checkpoint every `often` steps, in the same run length: its cost is the mean over the
     steady-state checkpoints, those after keep_last were committed (each one's commit prunes
     the oldest, as in a long run), from the first of them to the end of the last step."""
-    from ddpjob import config
+    from ddpjob import jobfile
 
-    keep = config.from_json(cfg).checkpoint.keep_last
+    keep = jobfile.from_json(cfg).checkpoint.keep_last
     saved = list(range(often, total, often))
     steady = [c for c in saved if c > keep * often] or saved  # --tiny: too few to have a steady state
     costs = [_checkpoint_cost(t, steady[0], total) / len(steady) for t in ck]

@@ -24,9 +24,9 @@ from bench.marks import GATE, Marks
 
 
 def _config(spec: dict[str, Any]) -> Any:
-    from ddpjob import config
+    from ddpjob import jobfile
 
-    return config.from_json(spec["config"])
+    return jobfile.from_json(spec["config"])
 
 
 # -------------------------------------------------------------------------- ddpjob's arms

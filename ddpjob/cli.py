@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ddpjob import __version__, config, exitcodes
+from ddpjob import __version__, exitcodes, jobfile
 from ddpjob.errors import DDPJobError, UsageError
 
 
@@ -69,7 +69,7 @@ def _handler(spec: str):  # "module:function", imported only when the command ru
 def _add_job_overrides(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
     """Flags shared by submit/sbatch/run/doctor: they override the job file."""
     g = p.add_argument_group("job overrides (win over the job file)")
-    for flag, kind, what in config.CLI_FLAGS:
+    for flag, kind, what in jobfile.CLI_FLAGS:
         g.add_argument(f"--{flag.replace('_', '-')}", type=kind, help=what)
     g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="typed override of any job-file key, e.g. --set train.lr=0.05 (repeatable)")

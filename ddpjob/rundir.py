@@ -231,7 +231,7 @@ def check_reuse(path: Path, cfg: JobConfig) -> str:
     folder, or an empty one), SAME (a run dir of this very config), RESIZED (the same training
     at other resources or length: config.json takes the new ones and the checkpoints resume
     elastically). Anything else is refused with one line."""
-    from ddpjob import config
+    from ddpjob import jobfile
 
     if not path.exists():
         return NEW
@@ -248,7 +248,7 @@ def check_reuse(path: Path, cfg: JobConfig) -> str:
             return NEW
         raise UsageError(f"run directory '{path}' is not empty and has no {CONFIG}, expected a new "
                          "or empty folder or a run dir of this job", "choose a new --run-dir")
-    old = config.read_run_config(path)
+    old = jobfile.read_run_config(path)
     if old.hash() != cfg.hash():
         raise UsageError(f"run directory '{path}' holds another job (config hash {old.hash()}, this "
                          f"job has {cfg.hash()}), expected the same model, data and optimizer",

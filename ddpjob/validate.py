@@ -1,6 +1,6 @@
 """validate(JobConfig): every value checked on the login node, before anything is built from it.
 
-Called by config.from_dict (job file, overrides, config.json alike). Sizes are bounded first,
+Called by jobfile.from_dict (job file, overrides, config.json alike). Sizes are bounded first,
 so nothing later (a list of ranks, a rank table, SLURM's own limits) can grow without end; every
 string that reaches a script goes through ddpjob.scriptsafe, the same rules the renderers apply.
 A value the nodes would fail on (ZeroDivisionError, overflow, unknown model) fails here instead.
@@ -177,7 +177,7 @@ def _container(cfg: JobConfig) -> None:
 
 
 def canonical_signal(name: str) -> str:
-    """'sigusr2' -> 'USR2': how [slurm] signal is stored once validated (config.from_dict), and
+    """'sigusr2' -> 'USR2': how [slurm] signal is stored once validated (jobfile.from_dict), and
     so how sbatch, submitit and the ranks get it."""
     return name.upper().removeprefix("SIG")
 

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddpjob import config, rundir
+from ddpjob import jobfile, rundir
 
 # A fake `ddpjob run RUN_DIR`: records its environment, then behaves as RUN_DIR/fake.json says.
 FAKE_RANK = r'''
@@ -71,7 +71,7 @@ def make_run(tmp_path: Path, mode: str, nodes: int = 1, tasks: int = 2, max_requ
              name: str = "run", max_failures: int = 0) -> Path:
     run = tmp_path / name
     (run / "logs").mkdir(parents=True)
-    cfg = config.from_dict({"name": "fake", "slurm": {"nodes": nodes, "tasks_per_node": tasks,
+    cfg = jobfile.from_dict({"name": "fake", "slurm": {"nodes": nodes, "tasks_per_node": tasks,
                                                       "max_requeues": max_requeues,
                                                       "max_failures": max_failures}})
     rundir.write_text_atomic(run / "config.json", cfg.to_json())

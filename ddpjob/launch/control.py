@@ -120,9 +120,9 @@ def log_files(run_dir: Path, rank: int) -> list[Path]:
 
 
 def _check_rank(run_dir: Path, rank: int) -> None:
-    from ddpjob import config
+    from ddpjob import jobfile
 
-    world = config.read_run_config(run_dir).slurm.world_size
+    world = jobfile.read_run_config(run_dir).slurm.world_size
     if not 0 <= rank < world:
         raise UsageError(f"rank {rank} does not exist in {run_dir}, which has {world} rank(s)",
                          f"pass --rank between 0 and {world - 1}")

@@ -1,6 +1,6 @@
 """`ddpjob doctor [JOB.toml]`: catch on the login node what would otherwise fail after the queue.
 
-Sits between the job file (config.resolve) and submission: asks SLURM (scontrol, sacct, and with
+Sits between the job file (jobfile.resolve) and submission: asks SLURM (scontrol, sacct, and with
 --srun one tiny real job step) whether the cluster can run the job as configured, and checks the
 file systems, the dataset and the MASTER_PORT window. `ddpjob submit` runs `cheap_checks` and
 stops on the first failure (`raise_on_failures`).
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpjob import console, slurm
-from ddpjob.config import JobConfig, resolve
+from ddpjob.config import JobConfig
+from ddpjob.jobfile import resolve
 from ddpjob.validate import parse_time_s
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.node import cluster
@@ -229,7 +230,7 @@ def signal_routing(signal: str, sbatch_extra: Sequence[str], lead_s: object = "?
 
 def _raw_signal_routing(job: str, overrides: Sequence[str]) -> Check | None:
     """After a failed resolve: the routing check on the job file's raw values, if readable."""
-    from ddpjob.config import apply_overrides, tomllib
+    from ddpjob.jobfile import apply_overrides, tomllib
 
     try:
         raw = apply_overrides(tomllib.loads(Path(job).read_text(encoding="utf-8")), overrides)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, crashes, exitcodes, requests, rundir, runlock
+from ddpjob import crashes, exitcodes, jobfile, requests, rundir, runlock
 from ddpjob.launch.backends import options
 from ddpjob.node import warm
 from ddpjob.store import memsnap
@@ -72,7 +72,7 @@ class Supervisor:
     def __init__(self, run_dir: Path, job_id: str, command: list[str] | None = None) -> None:
         self.run_dir = run_dir
         self.job_id = job_id
-        self.cfg = config.read_run_config(run_dir)
+        self.cfg = jobfile.read_run_config(run_dir)
         rundir.private_umask(self.cfg.slurm.share_group)  # the rank logs it opens; the ranks inherit it
         # the run's warm-start server (started with the first ranks), unless a command is given
         # by SLURM's rule (options.warm_start), all of the run's ranks being on this host

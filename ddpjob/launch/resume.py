@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ddpjob import config, console, freeze, rundir
+from ddpjob import config, console, freeze, jobfile, rundir
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import runs, submit
 from ddpjob.launch.backends import choose
@@ -22,9 +22,9 @@ from ddpjob.launch.backends.sbatch_slurm import SbatchBackend
 
 
 def resumed_config(run: Path, overrides: list[str], flags: dict[str, object]) -> config.JobConfig:
-    raw = json.loads(config.read_run_config(run).to_json())
-    raw = config.with_cli_flags(config.apply_overrides(raw, overrides), flags)
-    return config.from_dict(raw, f"{run}/{rundir.CONFIG} with the given overrides")
+    raw = json.loads(jobfile.read_run_config(run).to_json())
+    raw = jobfile.with_cli_flags(jobfile.apply_overrides(raw, overrides), flags)
+    return jobfile.from_dict(raw, f"{run}/{rundir.CONFIG} with the given overrides")
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -35,7 +35,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if rundir.completed(run) is not None:
         raise DDPJobError(f"run '{run}' has completed, expected a stopped, cancelled or failed run",
                           "start a new run with `ddpjob submit`")
-    cfg = resumed_config(run, list(args.overrides), config.cli_flags(args))
+    cfg = resumed_config(run, list(args.overrides), jobfile.cli_flags(args))
     if args.allow_code_change:  # the code on disk now, accepting the old code's checkpoints
         runs.check_idle(run)  # never under a running job
         old = freeze.record(run)
@@ -44,7 +44,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         console.info(f"{run}: code frozen again ({rec['hash']}), resuming checkpoints of {', '.join(accepts) or '-'}")
     job = runs.job_record(run)
     backend = choose.of_record(job) or choose.for_request("auto")
-    command = ["ddpjob", "resume", str(run), *config.cli_flag_words(args)]  # for job.json: what was run
+    command = ["ddpjob", "resume", str(run), *jobfile.cli_flag_words(args)]  # for job.json: what was run
     for item in args.overrides:
         command += ["--set", item]
     if isinstance(backend, SbatchBackend):  # a `ddpjob sbatch` run: its template again, then sbatch

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, freeze, recordtypes, rundir, runlock
+from ddpjob import console, freeze, jobfile, recordtypes, rundir, runlock
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch.backends import TERMINAL, Backend, choose
 from ddpjob.store import manifest
@@ -201,7 +201,7 @@ def code_state(run_dir: Path) -> dict[str, Any]:
     if not rec.get("hash"):
         return {}
     try:
-        now = freeze.digest(freeze.collect(config.read_run_config(run_dir))["files"])
+        now = freeze.digest(freeze.collect(jobfile.read_run_config(run_dir))["files"])
     except (DDPJobError, OSError):
         now = None
     changed = None if now is None else now != rec["hash"]

@@ -1,6 +1,6 @@
 """`ddpjob sbatch JOB.toml -o FILE`: a standalone sbatch script plus its run directory.
 
-Login node, after config.py and render.py: resolves the job, renders the script (pure), then
+Login node, after jobfile.py and render.py: resolves the job, renders the script (pure), then
 writes RUN_DIR/config.json, RUN_DIR/logs/, RUN_DIR/job.sbatch and FILE. Every check runs before
 the first write, and on a failure nothing half-written is left: no new run dir, FILE untouched.
 """
@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ddpjob import config, console, freeze, rundir
+from ddpjob import config, console, freeze, jobfile, rundir
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import entrycheck, render
 from ddpjob.launch.backends.sbatch_slurm import SCRIPT  # RUN_DIR/job.sbatch, what a resume resubmits
@@ -22,8 +22,8 @@ from ddpjob.launch.backends.sbatch_slurm import SCRIPT  # RUN_DIR/job.sbatch, wh
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
     job = locate_job(args.job)
-    flags = config.cli_flags(args)
-    cfg = config.resolve(job, args.overrides, flags)
+    flags = jobfile.cli_flags(args)
+    cfg = jobfile.resolve(job, args.overrides, flags)
     rundir.private_umask(cfg.slurm.share_group)
     if not getattr(args, "no_data_check", False):
         _check_data(cfg)
@@ -82,7 +82,7 @@ def locate_job(job: str) -> Path:
     bundled = importlib.resources.files("ddpjob.jobs").joinpath(name)
     if bundled.is_file():
         return Path(str(bundled))
-    return p  # config.resolve reports it as missing
+    return p  # jobfile.resolve reports it as missing
 
 
 def _check_data(cfg: config.JobConfig) -> None:

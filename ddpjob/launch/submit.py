@@ -1,6 +1,6 @@
 """`ddpjob submit JOB.toml`: resolved config -> run dir(s) -> the chosen backend.
 
-Login-node side, after config.py: writes RUN_DIR/config.json once, freezes the code, then hands
+Login-node side, after jobfile.py: writes RUN_DIR/config.json once, freezes the code, then hands
 the run dir(s) to the backend chosen once from --backend (launch/backends/): submitit on SLURM (a
 job array for a sweep, launch/sweep.py), or the detached local supervisor. Writes job.json;
 status/logs/cancel/resume (control.py, stop.py, resume.py) read it back and find the backend again.
@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, freeze, rundir
+from ddpjob import config, console, freeze, jobfile, rundir
 from ddpjob.rank import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
@@ -112,11 +112,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from ddpjob.launch.sbatch import locate_job  # `smoke` and jobs/smoke.toml also name the bundled jobs
 
     job = locate_job(args.job)
-    flags = config.cli_flags(args)
+    flags = jobfile.cli_flags(args)
     points = expand_sweep(list(args.sweep))
     # Every point is validated before anything is written or submitted.
-    cfgs = [config.resolve(job, [*args.overrides, *p.overrides], flags) for p in points] or \
-        [config.resolve(job, args.overrides, flags)]
+    cfgs = [jobfile.resolve(job, [*args.overrides, *p.overrides], flags) for p in points] or \
+        [jobfile.resolve(job, args.overrides, flags)]
     if any(c.slurm != cfgs[0].slurm for c in cfgs):
         raise UsageError("the sweep varies [slurm] settings, but one job array shares one set of "
                          "resources", "sweep [train]/[data]/[checkpoint] keys; submit separate jobs "
@@ -186,7 +186,7 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, ro
 
 def _command(args: argparse.Namespace, job: str, backend: Backend) -> list[str]:
     """The submit command line, for job.json (what to rerun to get the same job)."""
-    cmd = ["ddpjob", "submit", job, "--backend", backend.name, *config.cli_flag_words(args)]
+    cmd = ["ddpjob", "submit", job, "--backend", backend.name, *jobfile.cli_flag_words(args)]
     for item in args.overrides:
         cmd += ["--set", item]
     for item in args.sweep:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ddpjob import config
+from ddpjob import jobfile
 from ddpjob.errors import UsageError
 
 MAX_POINTS = 1000  # SLURM's default MaxArraySize is 1001
@@ -66,7 +66,7 @@ def expand_sweep(specs: list[str]) -> list[SweepPoint]:
                              "e.g. --sweep train.lr=0.1,0.05")
         if key in [k for k, _ in axes]:
             raise UsageError(f"--sweep key '{key}' is given twice", "list all its values in one --sweep")
-        axes.append((key, [(v, config.parse_override(f"{key}={v}")[1]) for v in values]))
+        axes.append((key, [(v, jobfile.parse_override(f"{key}={v}")[1]) for v in values]))
         count = math.prod(len(vals) for _, vals in axes)  # before the product is built, not after
         if count > MAX_POINTS:
             raise UsageError(f"the sweep has {count} points, expected at most {MAX_POINTS}",

@@ -367,10 +367,10 @@ def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, st
 
 def main(argv: list[str]) -> int:
     """`python -m ddpjob.rank.requeue RUN_DIR STATUS`: the batch script after srun failed."""
-    from ddpjob import config
+    from ddpjob import jobfile
 
     run_dir, status = Path(argv[0]), int(argv[1])
-    cfg, env = config.read_run_config(run_dir), ClusterEnv.batch_shell()
+    cfg, env = jobfile.read_run_config(run_dir), ClusterEnv.batch_shell()
     # in place, a retry is never a requeue: brought back means "run the ranks again here"
     if not after_crash(cfg, env, run_dir, status, in_place=True):
         memsnap.remove_job(run_dir, env.job_id)  # the job ends here: its snapshots with it

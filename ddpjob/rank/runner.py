@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, exitcodes, freeze, rundir
+from ddpjob import console, exitcodes, freeze, jobfile, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.node.cluster import ClusterEnv
@@ -29,7 +29,7 @@ from ddpjob.rank.job import MissingUserKey, StopForRequeue
 def cmd_run(args: argparse.Namespace) -> int:
     """The CLI command; errors propagate to cli.main, which prints them as one line."""
     target = Path(args.target)
-    flags = config.cli_flags(args)
+    flags = jobfile.cli_flags(args)
     if target.is_dir():
         if args.overrides or any(v is not None for v in flags.values()):
             raise UsageError(f"'{target}' is a run directory, whose config.json is fixed, but "
@@ -43,7 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if target.suffix != ".toml" and not target.is_file():
         raise UsageError(f"'{target}' is neither a job file nor a run directory, expected "
                          "JOB.toml or RUN_DIR", "e.g. `ddpjob run jobs/smoke.toml`")
-    cfg = config.resolve(target, args.overrides, flags)
+    cfg = jobfile.resolve(target, args.overrides, flags)
     return _train(cfg, None, Path(args.run_dir) if args.run_dir else None, argv=None,
                   allow_code_change=args.allow_code_change, from_scratch=args.from_scratch)
 
@@ -73,7 +73,7 @@ def _node(run_dir: Path, argv: Sequence[str] | None, allow_code_change: bool = F
             rundir.record_event(run_dir, "noop", reason="completed", job_id=env.job_id,
                                 restart=env.restart_count)
         return exitcodes.OK
-    return _train(config.read_run_config(run_dir), run_dir, None, argv=argv,
+    return _train(jobfile.read_run_config(run_dir), run_dir, None, argv=argv,
                   allow_code_change=allow_code_change, from_scratch=from_scratch)
 
 

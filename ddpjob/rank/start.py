@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, exitcodes, freeze, rundir, runlock, slurm
+from ddpjob import console, exitcodes, freeze, jobfile, rundir, runlock, slurm
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.node.cluster import ClusterEnv
@@ -127,8 +127,8 @@ def _resolve(job: str | Path | JobConfig | None, overrides: Sequence[str]) -> Jo
         # `ddpjob` is started from, need not resolve from wherever torchrun was started.
         me = Path(sys.argv[0])
         pin = [f"train.entry={json.dumps(str(me.resolve()))}"] if me.suffix == ".py" and me.is_file() else []
-        return config.resolve(Path(job), [*overrides, *pin], {})
-    return config.from_dict(config.apply_overrides({}, overrides), "--set")
+        return jobfile.resolve(Path(job), [*overrides, *pin], {})
+    return jobfile.from_dict(jobfile.apply_overrides({}, overrides), "--set")
 
 
 def _forget(job: Job) -> None:

@@ -23,7 +23,7 @@ import atexit
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, exitcodes
+from ddpjob import exitcodes, jobfile
 
 
 class NodeTask:
@@ -67,7 +67,7 @@ class NodeTask:
             # restart_lines): run again inside the allocation, or not at all. Deciding here
             # too would requeue the job under the loop's feet.
             return False
-        return bool(requeue.after_crash(config.read_run_config(self.run_dir), env,
+        return bool(requeue.after_crash(jobfile.read_run_config(self.run_dir), env,
                                         Path(self.run_dir), code))
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:

@@ -13,7 +13,7 @@ import pytest
 from clirun import ddpjob, wait_for
 from ranks import LAG
 
-from ddpjob import config, rundir
+from ddpjob import jobfile, rundir
 from ddpjob.launch import runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,4 +128,4 @@ def test_resume_of_a_cancelled_sbatch_run_finishes_it(slurm_cluster, tmp_path):
     starts = [e for e in rundir.events(run) if e.get("event") == "start"]
     assert [(s["job_id"], s.get("resumed_step")) for s in starts] == [(first, None), (job["job_id"], 6 + LAG)]
     assert rundir.completed(run)["step"] == 12
-    assert "#SBATCH" in (run / "job.sbatch").read_text() and config.read_run_config(run).train.max_steps == 12
+    assert "#SBATCH" in (run / "job.sbatch").read_text() and jobfile.read_run_config(run).train.max_steps == 12

@@ -164,7 +164,7 @@ def test_short_signal_lead_and_slow_past_checkpoints_warn(job: Path, tmp_path: P
 @pytest.mark.slow
 def test_srun_sees_run_dir_and_data_from_a_compute_node(job: Path, tmp_path: Path) -> None:
     """A real job step; generous time, the test cluster is shared with other tests."""
-    from ddpjob.config import resolve
+    from ddpjob.jobfile import resolve
 
     c = doctor.srun_check(resolve(job), tmp_path / "runs", timeout_s=400)
     assert c.status == doctor.PASS, c

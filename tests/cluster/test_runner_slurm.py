@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ddpjob import config, rundir
+from ddpjob import jobfile, rundir
 from ranks import PYTHON, REPO, assert_bit_equal, final_state, metrics, run, write_job
 from test_runner import DATA, NOBN
 
@@ -27,7 +27,7 @@ def test_same_job_under_srun_2_nodes_x_2_tasks(tmp_path: Path, slurm_cluster: An
                     slurm={"nodes": 2, "tasks_per_node": 2})
     run_dir = tmp_path / "srun"
     run_dir.mkdir()
-    (run_dir / rundir.CONFIG).write_text(config.resolve(job).to_json())
+    (run_dir / rundir.CONFIG).write_text(jobfile.resolve(job).to_json())
     python = str(Path(PYTHON).absolute())
     script = tmp_path / "job.sbatch"
     script.write_text(textwrap.dedent(f"""\
@@ -70,7 +70,7 @@ def test_partition_preemption_of_srun_ranks_requeues_and_resumes_bit_exactly(
                     slurm={"nodes": 2, "tasks_per_node": 1})
     run_dir = tmp_path / "srun"
     run_dir.mkdir()
-    (run_dir / rundir.CONFIG).write_text(config.resolve(job).to_json())
+    (run_dir / rundir.CONFIG).write_text(jobfile.resolve(job).to_json())
     script = tmp_path / "job.sbatch"
     script.write_text(textwrap.dedent(f"""\
         #!/bin/bash

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import config
+from ddpjob import jobfile
 from test_sbatch_cli import sbatch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_hostile_run_dir_survives_real_sbatch_and_srun(slurm_cluster, tmp_path: 
     python = base / "py thon"
     python.write_text(RECORDER)
     python.chmod(0o755)
-    cfg = config.resolve(REPO / "jobs/smoke.toml", [], {"nodes": 2, "tasks_per_node": 1})
+    cfg = jobfile.resolve(REPO / "jobs/smoke.toml", [], {"nodes": 2, "tasks_per_node": 1})
     script = tmp_path / "x.sbatch"
     script.write_text(render.render_sbatch(cfg, run_dir=run, python=str(python)))
     job_id = slurmtools.submit(script, cwd=tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clirun import ddpjob
-from ddpjob import config, rundir
+from ddpjob import jobfile, rundir
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -94,7 +94,7 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
     ids = [f"{base}_{i}" for i in range(2)]
     frozen = [rundir.read_json(p / "code.json")["hash"] for p in points]
     for p, code in zip(points, frozen):
-        assert freeze.digest(freeze.collect(config.read_run_config(p))["files"]) != code  # the test can tell
+        assert freeze.digest(freeze.collect(jobfile.read_run_config(p))["files"]) != code  # the test can tell
     try:
         for p, jid in zip(points, ids):
             slurmtools.wait_state(jid, ("RUNNING",), timeout=180)

@@ -153,9 +153,9 @@ def test_script_missing_at_run_time_fails_in_one_line(tmp_path: Path) -> None:
     out = tmp_path / "run"
     p = _cli("submit", str(job), "--backend", "local", "--dry-run", "--run-dir", str(out))
     assert p.returncode == 0, p.stderr
-    from ddpjob import config, rundir
+    from ddpjob import jobfile, rundir
 
-    rundir.prepare(out, config.resolve(job, [], {}))  # the run dir as submit leaves it
+    rundir.prepare(out, jobfile.resolve(job, [], {}))  # the run dir as submit leaves it
     script.unlink()  # e.g. deleted, or not on the nodes' filesystem
     codes, r = run([str(out)], 1, tmp_path / "logs")
     assert codes == [1], r.output()
@@ -175,7 +175,7 @@ def test_bad_function_entry_is_refused_at_submit_and_fails_in_one_line_on_the_no
         tmp_path: Path, entry: str, at_submit: str, at_run: str) -> None:
     """Found out on the login node, not after the queue wait; and where the nodes see it anyway
     (a package only some machines have), the rank says so in one line."""
-    from ddpjob import config, rundir
+    from ddpjob import jobfile, rundir
 
     job = _entry_job(tmp_path, entry)
     p = _cli("submit", str(job), "--backend", "local", "--run-dir", str(tmp_path / "refused"))
@@ -184,7 +184,7 @@ def test_bad_function_entry_is_refused_at_submit_and_fails_in_one_line_on_the_no
     assert "preflight check 'entry' failed: " in line and at_submit in line, line
     assert not (tmp_path / "refused").exists()
     out = tmp_path / "run"
-    rundir.prepare(out, config.resolve(job, [], {}))  # the run dir as submit would have left it
+    rundir.prepare(out, jobfile.resolve(job, [], {}))  # the run dir as submit would have left it
     codes, r = run([str(out)], 1, tmp_path / "logs")
     assert codes == [1], r.output()
     (line,) = _error_lines(r.output(0))

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpjob import config, rundir, runlock
+from ddpjob import jobfile, rundir, runlock
 
 from clirun import wait_for
 from fake_local import fake_command, make_run
@@ -24,7 +24,7 @@ DDPJOB = [sys.executable, "-m", "ddpjob"]
 def _real_run(tmp_path: Path) -> Path:
     """A run dir as `ddpjob submit --backend local` leaves it, run by fake ranks that wait."""
     run = make_run(tmp_path, "wait")
-    cfg = config.from_dict({"name": "fake", "train": {"max_steps": 2, "threads": 1},
+    cfg = jobfile.from_dict({"name": "fake", "train": {"max_steps": 2, "threads": 1},
                             "data": {"dataset": "synthetic", "synthetic_train": 64, "synthetic_test": 16},
                             "slurm": {"tasks_per_node": 2}})
     rundir.write_text_atomic(run / "config.json", cfg.to_json())

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob import config, rundir
+from ddpjob import jobfile, rundir
 from ranks import PYTHON, assert_bit_equal, base_env, free_port, final_state, metrics, run, write_job
 
 NOBN = dict(model="trainer_plugins:conv_nobn", max_steps=12, batch_size=32, global_batch_size=64,
@@ -67,7 +67,7 @@ def test_toml_target_without_run_dir_gives_every_rank_the_same_new_dir(tmp_path:
     dirs = list((tmp_path / "runs").iterdir())
     assert len(dirs) == 1 and dirs[0].name.startswith("t-"), dirs
     assert (dirs[0] / "COMPLETED").is_file()
-    assert config.read_run_config(dirs[0]).train.max_steps == 2
+    assert jobfile.read_run_config(dirs[0]).train.max_steps == 2
 
 
 def test_toml_target_with_a_job_id_reuses_its_run_dir(tmp_path: Path) -> None:

@@ -51,9 +51,9 @@ def test_every_id_has_a_benchmark_and_the_job_file_exists() -> None:
     assert ON_DEMAND == {"P11", "P12", "P15"}  # never in the default set nor CI's --tiny run: they need the cluster
     assert harness.JOB.is_file()
     # the benchmark's config is the user's job file plus overrides, and it validates
-    from ddpjob import config
+    from ddpjob import jobfile
 
-    cfg = config.from_json(harness.job_config(Path("/data"), harness.FULL, 2))
+    cfg = jobfile.from_json(harness.job_config(Path("/data"), harness.FULL, 2))
     assert (cfg.train.model, cfg.train.batch_size, cfg.train.threads) == ("resnet18", 128, 1)
     assert cfg.train.amp == "auto" and cfg.train.channels_last  # the job file's recipe, kept
 

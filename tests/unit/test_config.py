@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import config, validate
+from ddpjob import config, jobfile, validate
 from ddpjob.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,8 +19,8 @@ JOBS = sorted((REPO / "jobs").glob("*.toml"))
 
 @pytest.mark.parametrize("job", JOBS, ids=[p.stem for p in JOBS])
 def test_every_job_file_validates_and_round_trips(job: Path) -> None:
-    cfg = config.resolve(job)
-    assert config.from_json(cfg.to_json()) == cfg
+    cfg = jobfile.resolve(job)
+    assert jobfile.from_json(cfg.to_json()) == cfg
     assert config.accumulation_for(cfg, cfg.slurm.world_size) >= 1
 
 
@@ -32,11 +32,11 @@ def test_every_key_of_every_job_file_is_commented(job: Path) -> None:
 
 
 def test_job_recipes() -> None:
-    smoke = config.resolve(REPO / "jobs/smoke.toml")
+    smoke = jobfile.resolve(REPO / "jobs/smoke.toml")
     assert (smoke.slurm.nodes, smoke.slurm.tasks_per_node, smoke.slurm.gpus_per_node) == (1, 2, 0)
     assert smoke.train.model == "cnn_tiny" and smoke.data.dataset == "synthetic"
     assert 0 < smoke.train.max_steps <= 300 and smoke.checkpoint.every_steps == 50
-    r18 = config.resolve(REPO / "jobs/cifar10_resnet18.toml")
+    r18 = jobfile.resolve(REPO / "jobs/cifar10_resnet18.toml")
     assert (r18.slurm.tasks_per_node, r18.slurm.gpus_per_node, r18.slurm.time) == (4, 4, "04:00:00")
     assert (r18.slurm.signal, r18.slurm.signal_lead_s) == ("USR2", 120)
     t = r18.train
@@ -44,13 +44,13 @@ def test_job_recipes() -> None:
         ("resnet18", "sgd", 0.9, True, 5e-4, 128)
     assert t.cifar_stem and t.schedule == "cosine" and t.warmup_epochs > 0 and t.amp == "auto"
     assert t.lr == pytest.approx(0.1 * 128 * 4 / 128)  # linear scaling to the global batch
-    r50 = config.resolve(REPO / "jobs/cifar10_resnet50.toml")
+    r50 = jobfile.resolve(REPO / "jobs/cifar10_resnet50.toml")
     assert (r50.slurm.nodes, r50.slurm.tasks_per_node) == (2, 4) and r50.train.sync_batchnorm
     assert config.accumulation_for(r50, 8) == 2 and config.accumulation_for(r50, 4) == 4
 
 
 def test_flags_win_over_set_which_wins_over_the_file(tmp_path: Path) -> None:
-    cfg = config.resolve(REPO / "jobs/smoke.toml",
+    cfg = jobfile.resolve(REPO / "jobs/smoke.toml",
                          ["train.lr=0.01", "slurm.nodes=3", "train.amp=\"bf16\"", "name=other"],
                          {"nodes": 2, "time": "1-00:00:00", "partition": None})
     assert (cfg.train.lr, cfg.slurm.nodes, cfg.slurm.time, cfg.train.amp, cfg.name) == \
@@ -60,13 +60,13 @@ def test_flags_win_over_set_which_wins_over_the_file(tmp_path: Path) -> None:
 
 def test_set_values_are_typed() -> None:
     job = REPO / "jobs/smoke.toml"
-    assert config.resolve(job, ["train.lr=1"]).train.lr == 1.0  # int accepted as float
-    assert config.resolve(job, ["slurm.setup=[\"module load x\"]"]).slurm.setup == ("module load x",)
-    assert config.resolve(job, ["slurm.partition=low"]).slurm.partition == "low"  # bare word
+    assert jobfile.resolve(job, ["train.lr=1"]).train.lr == 1.0  # int accepted as float
+    assert jobfile.resolve(job, ["slurm.setup=[\"module load x\"]"]).slurm.setup == ("module load x",)
+    assert jobfile.resolve(job, ["slurm.partition=low"]).slurm.partition == "low"  # bare word
     with pytest.raises(UsageError, match=r"slurm.nodes is 'two' \(str\), expected an integer"):
-        config.resolve(job, ["slurm.nodes=two"])
+        jobfile.resolve(job, ["slurm.nodes=two"])
     with pytest.raises(UsageError, match="expected true or false"):
-        config.resolve(job, ["train.nesterov=1"])
+        jobfile.resolve(job, ["train.nesterov=1"])
 
 
 @pytest.mark.parametrize("text, seconds", [
@@ -78,7 +78,7 @@ def test_parse_time_s(text: str, seconds: int) -> None:
 
 
 def test_resume_hash_ignores_resources_but_not_the_recipe() -> None:
-    cfg = config.resolve(REPO / "jobs/cifar10_resnet50.toml")
+    cfg = jobfile.resolve(REPO / "jobs/cifar10_resnet50.toml")
     bigger = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, nodes=1))
     assert bigger.hash() == cfg.hash()
     other_lr = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=0.1))
@@ -130,7 +130,7 @@ BAD = [
 @pytest.mark.parametrize("changes, message", BAD, ids=[m for _, m in BAD])
 def test_bad_values_give_one_found_expected_line(changes: dict, message: str) -> None:
     with pytest.raises(UsageError) as exc:
-        config.from_dict(_raw(**changes))
+        jobfile.from_dict(_raw(**changes))
     line = exc.value.line()
     assert message in line
     assert line.startswith("ddpjob: error: ") and ", expected" in line and ". Hint: " in line
@@ -141,20 +141,20 @@ def test_bad_values_give_one_found_expected_line(changes: dict, message: str) ->
                                   "x" * 101, "", "back`tick`"])
 def test_hostile_names_are_refused(name: str) -> None:
     with pytest.raises(UsageError, match="name .* expected letters, digits"):
-        config.from_dict({"name": name})
+        jobfile.from_dict({"name": name})
 
 
 def test_unknown_keys_list_the_valid_ones() -> None:
     with pytest.raises(UsageError, match=r"unknown key 'slurm.nodez'.*expected one of: "
                        r"account, constraint.*nodes.*Hint: did you mean 'nodes'\?"):
-        config.from_dict({"slurm": {"nodez": 2}})
+        jobfile.from_dict({"slurm": {"nodez": 2}})
     with pytest.raises(UsageError, match=r"unknown key 'slurmm'.*expected one of: name, slurm, "
                        r"train, data, checkpoint"):
-        config.from_dict({"slurmm": {}})
+        jobfile.from_dict({"slurmm": {}})
     with pytest.raises(UsageError, match="expected a table"):
-        config.from_dict({"train": 3})
+        jobfile.from_dict({"train": 3})
     # checkpoint.async is spelt as in TOML (the field is async_save)
-    assert config.from_dict({"checkpoint": {"async": True}}).checkpoint.async_save is True
+    assert jobfile.from_dict({"checkpoint": {"async": True}}).checkpoint.async_save is True
 
 
 @pytest.mark.parametrize("item, message", [
@@ -166,20 +166,20 @@ def test_unknown_keys_list_the_valid_ones() -> None:
 ])
 def test_bad_overrides(item: str, message: str) -> None:
     with pytest.raises(UsageError, match=message):
-        config.resolve(REPO / "jobs/smoke.toml", [item])
+        jobfile.resolve(REPO / "jobs/smoke.toml", [item])
 
 
 def test_job_file_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="not found"):
-        config.resolve(tmp_path / "missing.toml")
+        jobfile.resolve(tmp_path / "missing.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[slurm\nnodes = 1\n")
     with pytest.raises(UsageError, match="is not valid TOML"):
-        config.resolve(bad)
+        jobfile.resolve(bad)
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text(json.dumps(config.JobConfig().to_dict()))
-    assert config.read_run_config(run) == config.JobConfig()
+    assert jobfile.read_run_config(run) == config.JobConfig()
 
 
 # ------------------------------------------------------------------ the resume identity
@@ -245,7 +245,7 @@ def test_a_field_added_later_leaves_older_hashes_alone_at_its_default() -> None:
     class Later(config.TrainConfig):
         mixup: config.MatchIfSet[float] = 0.0
 
-    base = config.resolve(REPO / "jobs/smoke.toml")
+    base = jobfile.resolve(REPO / "jobs/smoke.toml")
     grown = dataclasses.replace(base, train=Later(**{f.name: getattr(base.train, f.name)
                                                      for f in dataclasses.fields(config.TrainConfig)}))
     assert grown.hash() == base.hash()
@@ -287,7 +287,7 @@ PINNED_HASHES = [
 @pytest.mark.parametrize("job, overrides, expected", PINNED_HASHES,
                          ids=[" ".join([j[5:], *o]) for j, o, _ in PINNED_HASHES])
 def test_the_hashes_of_existing_runs_stay(job: str, overrides: tuple[str, ...], expected: str) -> None:
-    assert config.resolve(REPO / job, overrides).hash() == expected
+    assert jobfile.resolve(REPO / job, overrides).hash() == expected
     assert config.JobConfig().hash() == "ff37a4d9f28dea95"
 
 
@@ -303,7 +303,7 @@ RESUME_FIXTURES = {
 @pytest.mark.parametrize("made_by", RESUME_FIXTURES)
 def test_a_config_written_by_earlier_code_hashes_as_its_checkpoint_says(made_by: str) -> None:
     fixture = RESUME_FIXTURES[made_by]
-    cfg = config.from_json((fixture / "config.json").read_text())
+    cfg = jobfile.from_json((fixture / "config.json").read_text())
     manifest = json.loads((fixture / "checkpoints" / "step-000000003" / "manifest.json").read_text())
     assert manifest["versions"]["ddpjob"] == "0.2.0"
     assert cfg.hash() == manifest["config_hash"] == "5ab19242918784a1"

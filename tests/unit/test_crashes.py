@@ -13,7 +13,7 @@ import pytest
 
 import fake_checkpoint
 
-from ddpjob import config, crashes, exitcodes, rundir
+from ddpjob import config, crashes, exitcodes, jobfile, rundir
 from ddpjob.launch import plot
 from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
@@ -98,7 +98,7 @@ def test_the_no_progress_streak_counts_attempts_that_got_nowhere_in_a_row() -> N
 
 
 def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
-    cfg = config.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, **slurm_keys}})
+    cfg = jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, **slurm_keys}})
     rundir.write_text_atomic(tmp_path / "config.json", cfg.to_json())
     rundir.write_json_atomic(tmp_path / "job.json", {"backend": "slurm", "job_id": "77"})
     (tmp_path / "logs").mkdir()
@@ -146,10 +146,10 @@ def test_the_node_loss_settings_refuse_what_cannot_work(tmp_path) -> None:
                        ({"on_node_loss": "continue"}, "with max_failures = 0: a lost node would end the job"),
                        ({"spare_nodes": 1, "max_failures": 1}, "slurm.spare_nodes = 1 with on_node_loss = \"requeue\"")):
         with pytest.raises(Exception, match=re.escape(says)):
-            config.from_dict({"name": "t", "slurm": {"nodes": 2, **keys}})
+            jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, **keys}})
     from ddpjob.launch.backends import options
 
-    cfg = config.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "spare_nodes": 1,
+    cfg = jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "spare_nodes": 1,
                                                    "on_node_loss": "continue", "max_failures": 1}})
     own, _ = options.sbatch_options(cfg)
     assert ("nodes", 3) in own and ("no-kill", True) in own  # the spare is allocated, a lost node leaves
@@ -182,7 +182,7 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     lines = "\n".join(plot.summary(d))  # what `ddpjob status` shows
     assert "n2 2 failures (excluded)" in lines and "rank 3 on n2: Bus error" in lines, lines
     # [slurm] exclude_after = 3: two failures are not yet the host, for the decision and status
-    cfg3 = config.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "exclude_after": 3}})
+    cfg3 = jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "exclude_after": 3}})
     rundir.write_text_atomic(d / "config.json", cfg3.to_json())
     assert requeue.restart_layout(d, ENV, cfg3) == (2, [])
     lines = "\n".join(plot.summary(d))

@@ -58,7 +58,7 @@ def test_raise_on_failures_is_the_first_failure_as_one_line() -> None:
 
 
 def test_cheap_checks_local_backend_and_unwritable_run_dir(job: Path, tmp_path: Path) -> None:
-    from ddpjob.config import resolve
+    from ddpjob.jobfile import resolve
 
     blocker = tmp_path / "afile"
     blocker.write_text("")

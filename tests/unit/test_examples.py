@@ -51,10 +51,10 @@ def test_missing_script_is_refused_at_submit(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ [user] and --set
 def test_user_table_and_set_keep_types_and_refuse_a_wrong_type(tmp_path: Path) -> None:
-    from ddpjob import config
+    from ddpjob import config, jobfile
 
     job = CHARLM / "job.toml"
-    cfg = config.resolve(job, ["user.lr=0.01", "user.schedule=cosine", "user.layers=3",
+    cfg = jobfile.resolve(job, ["user.lr=0.01", "user.schedule=cosine", "user.layers=3",
                                "user.log_sample_ids=true"], {})
     assert cfg.user["lr"] == 0.01 and cfg.user["schedule"] == "cosine"
     assert cfg.user["layers"] == 3 and cfg.user["log_sample_ids"] is True
@@ -66,15 +66,15 @@ def test_user_table_and_set_keep_types_and_refuse_a_wrong_type(tmp_path: Path) -
     # a typo is not a new key, an integer stays one, a float takes an integer
     with pytest.raises(config.UsageError, match=r"names user.lrr, which the job file's \[user\] table does not have.*"
                                                 r"did you mean 'lr'\?"):
-        config.resolve(job, ["user.lrr=0.01"], {})
+        jobfile.resolve(job, ["user.lrr=0.01"], {})
     with pytest.raises(config.UsageError, match="gives user.max_steps a float"):
-        config.resolve(job, ["user.max_steps=300.5"], {})
-    lr = config.resolve(job, ["user.lr=1"], {}).user["lr"]
+        jobfile.resolve(job, ["user.max_steps=300.5"], {})
+    lr = jobfile.resolve(job, ["user.lr=1"], {}).user["lr"]
     assert lr == 1.0 and type(lr) is float
     # without a [user] table in the job file (ddpjob.init() alone) there is nothing to check against
     bare = tmp_path / "bare.toml"
     bare.write_text('name = "t"\n')
-    assert config.resolve(bare, ["user.anything=2"], {}).user == {"anything": 2}
+    assert jobfile.resolve(bare, ["user.anything=2"], {}).user == {"anything": 2}
 
 
 def test_dry_run_shows_entry_and_args(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import config, rundir
+from ddpjob import config, jobfile, rundir
 from ddpjob.errors import DDPJobError
 from ddpjob import freeze
 
@@ -19,7 +19,7 @@ SMOKE = REPO / "jobs" / "smoke.toml"
 
 
 def _cfg(**train: object) -> config.JobConfig:
-    cfg = config.resolve(SMOKE)
+    cfg = jobfile.resolve(SMOKE)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train))
 
 

@@ -24,12 +24,12 @@ import pytest
     (["train.strategy=\"fsdp\"", "train.amp=\"fp16\""], "with train.amp = \"fp16\""),
 ])
 def test_config_refuses_what_fsdp_cannot_do_in_one_line(sets: list[str], found: str) -> None:
-    from ddpjob import config
+    from ddpjob import jobfile
     from ddpjob.errors import UsageError
     from ranks import REPO
 
     with pytest.raises(UsageError) as err:
-        config.resolve(REPO / "jobs" / "smoke.toml", sets)
+        jobfile.resolve(REPO / "jobs" / "smoke.toml", sets)
     line = err.value.line()
     assert found in line and "Hint: " in line and "\n" not in line
 
@@ -37,14 +37,14 @@ def test_config_refuses_what_fsdp_cannot_do_in_one_line(sets: list[str], found: 
 def test_strategy_ddp_keeps_the_config_hash_fsdp_changes_it() -> None:
     """Runs started before the key existed still resume (ddp is the default); a run cannot
     switch strategy (its checkpoints are another layout)."""
-    from ddpjob import config
+    from ddpjob import jobfile
 
-    plain = config.from_dict({})
-    assert config.from_dict({"train": {"strategy": "ddp"}}).hash() == plain.hash()
-    assert config.from_dict({"train": {"strategy": "fsdp"}}).hash() != plain.hash()
+    plain = jobfile.from_dict({})
+    assert jobfile.from_dict({"train": {"strategy": "ddp"}}).hash() == plain.hash()
+    assert jobfile.from_dict({"train": {"strategy": "fsdp"}}).hash() != plain.hash()
     d = plain.to_dict()
     del d["train"]["strategy"]  # a config.json written by an older ddpjob
-    assert config.from_dict(d).hash() == plain.hash()
+    assert jobfile.from_dict(d).hash() == plain.hash()
 
 
 def test_dcp_metadata_reader_builds_only_dcp_classes(tmp_path: Path) -> None:

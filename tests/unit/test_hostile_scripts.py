@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import sbatch_directives as sd
-from ddpjob import config
+from ddpjob import config, jobfile
 from ddpjob.errors import UsageError
 from ddpjob.launch import render
 from ddpjob.launch.backends import submitit_slurm
@@ -98,7 +98,7 @@ def test_refused_in_one_line_or_both_scripts_say_what_ddpjob_meant(field: str, v
                                                                    tmp_path: Path) -> None:
     run_dir = str(Path(f"/tmp/ddpjob-runs/{value}" if field == "run_dir" else "/tmp/ddpjob-runs/r1"))
     try:
-        cfg = config.from_dict(RAW if field == "run_dir" else _raw_with(field, value))
+        cfg = jobfile.from_dict(RAW if field == "run_dir" else _raw_with(field, value))
         template = render.render_sbatch(cfg, run_dir=Path(run_dir), python=PYTHON)
         submitit = submitit_slurm.sbatch_text(cfg, Path(run_dir) / "logs")
     except UsageError as exc:

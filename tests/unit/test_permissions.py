@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import config, rundir
+from ddpjob import jobfile, rundir
 from ddpjob.launch import submit
 from ddpjob.launch.backends import submitit_slurm
 
@@ -76,7 +76,7 @@ def test_submitit_script_refuses_a_pickle_folder_others_can_write(mode: int, ok:
     (run / "logs").mkdir(parents=True)
     run.chmod(0o700)
     (run / "logs").chmod(mode)
-    cfg = config.from_dict({"name": "t"})
+    cfg = jobfile.from_dict({"name": "t"})
     lines = submitit_slurm.slurm_parameters(cfg, run / "logs")["setup"]
     script = "\n".join([*lines, "echo started"]) + "\n"
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
@@ -94,7 +94,7 @@ def test_submitit_script_refuses_a_pickle_others_can_write_in_a_private_folder(m
     pickle = run / "logs" / "17_submitted.pkl"
     pickle.write_bytes(b"x")
     pickle.chmod(mode)
-    lines = submitit_slurm.slurm_parameters(config.from_dict({"name": "t"}), run / "logs")["setup"]
+    lines = submitit_slurm.slurm_parameters(jobfile.from_dict({"name": "t"}), run / "logs")["setup"]
     r = subprocess.run(["bash", "-c", "\n".join([*lines, "echo started"]) + "\n"], capture_output=True, text=True)
     assert (r.returncode == 0 and r.stdout == "started\n") if ok else \
         (r.returncode == 1 and f"{pickle} is writable by others" in r.stderr), (r.stdout, r.stderr)

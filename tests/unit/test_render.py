@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import __version__, config
+from ddpjob import __version__, config, jobfile
 from ddpjob.errors import UsageError
 from ddpjob.launch import render
 from ddpjob.launch.backends import options
@@ -49,7 +49,7 @@ exit "${FAKE_SRUN_EXIT:-0}"
 
 
 def _job(name: str) -> config.JobConfig:
-    return config.resolve(REPO / "jobs" / f"{name}.toml")
+    return jobfile.resolve(REPO / "jobs" / f"{name}.toml")
 
 
 def _with_slurm(cfg: config.JobConfig, **changes) -> config.JobConfig:
@@ -66,7 +66,7 @@ def _stable(text: str) -> str:
 
 @pytest.mark.parametrize("job", JOBS, ids=[p.stem for p in JOBS])
 def test_golden_script(job: Path) -> None:
-    text = _stable(render.render_sbatch(config.resolve(job), run_dir=RUN_DIR, python=PYTHON))
+    text = _stable(render.render_sbatch(jobfile.resolve(job), run_dir=RUN_DIR, python=PYTHON))
     golden = GOLDEN / f"{job.stem}.sbatch"
     if os.environ.get("DDPJOB_REGEN_GOLDEN"):
         golden.parent.mkdir(exist_ok=True)
@@ -88,7 +88,7 @@ def test_header_names_the_config() -> None:
 @pytest.mark.parametrize("job", JOBS, ids=[p.stem for p in JOBS])
 def test_every_script_passes_bash_n(job: Path, tmp_path: Path) -> None:
     script = tmp_path / "job.sbatch"
-    script.write_text(render.render_sbatch(config.resolve(job), run_dir=RUN_DIR, python=PYTHON))
+    script.write_text(render.render_sbatch(jobfile.resolve(job), run_dir=RUN_DIR, python=PYTHON))
     r = subprocess.run([BASH, "-n", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 
@@ -114,7 +114,7 @@ def test_directives_follow_the_job_file() -> None:
 def test_cpu_job_has_no_gpu_line_and_requeue_can_be_off() -> None:
     cfg = _with_slurm(_job("smoke"), requeue=False, signal="sigusr1", partition="low",
                       sbatch_extra=("--exclusive", "--comment=two words \"q\" #x"))
-    cfg = config.from_dict(cfg.to_dict())  # as a job file gives it: the signal's name made canonical
+    cfg = jobfile.from_dict(cfg.to_dict())  # as a job file gives it: the signal's name made canonical
     assert cfg.slurm.signal == "USR1"
     text = render.render_sbatch(cfg, run_dir=RUN_DIR, python=PYTHON)
     assert "--gpus-per-node" not in text

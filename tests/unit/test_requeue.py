@@ -15,7 +15,7 @@ import pytest
 
 import fake_checkpoint
 
-from ddpjob import config, rundir, slurm
+from ddpjob import config, jobfile, rundir, slurm
 from ddpjob.launch import control, phases, plot, runs
 from ddpjob.node import preemption
 from ddpjob.rank import requeue
@@ -27,7 +27,7 @@ ENV = ClusterEnv(source="slurm", job_id="77", restart_count=0)
 
 
 def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
-    cfg = config.from_dict({"name": "t", "slurm": {"max_requeues": 3, **slurm_keys}})
+    cfg = jobfile.from_dict({"name": "t", "slurm": {"max_requeues": 3, **slurm_keys}})
     rundir.write_text_atomic(tmp_path / "config.json", cfg.to_json())
     rundir.write_text_atomic(tmp_path / "job.sbatch", "#!/bin/bash\n")
     rundir.write_json_atomic(tmp_path / "job.json", {"backend": "slurm", "job_id": "77"})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import config
+from ddpjob import jobfile
 
 REPO = Path(__file__).resolve().parents[2]
 DDPJOB = [str(Path(sys.executable).parent / "ddpjob")]
@@ -34,9 +34,9 @@ def test_writes_script_and_run_dir(tmp_path: Path) -> None:
                "--run-dir", str(run), "-o", "x.sbatch", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
-    expected = config.resolve(REPO / "jobs/smoke.toml", ["train.max_steps=20"], {"nodes": 2})
+    expected = jobfile.resolve(REPO / "jobs/smoke.toml", ["train.max_steps=20"], {"nodes": 2})
     assert (run / "config.json").read_text() == expected.to_json()
-    assert config.read_run_config(run) == expected
+    assert jobfile.read_run_config(run) == expected
     assert (run / "logs").is_dir()
     script = (tmp_path / "x.sbatch").read_text()
     assert (run / "job.sbatch").read_text() == script
@@ -138,7 +138,7 @@ def test_same_run_dir_with_other_resources_resumes_elastically_other_training_is
     r = sbatch(job, "--nodes", "1", "--run-dir", str(run), "-o", "b.sbatch", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "config.json updated" in r.stderr
-    assert config.read_run_config(run).slurm.nodes == 1
+    assert jobfile.read_run_config(run).slurm.nodes == 1
     assert "#SBATCH --nodes=1\n" in (tmp_path / "b.sbatch").read_text()
     assert (run / "checkpoints" / "marker").read_text() == "kept"
     before = (run / "config.json").read_text()

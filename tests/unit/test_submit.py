@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from clirun import ddpjob as run_cli
-from ddpjob import cli, config
+from ddpjob import cli, config, jobfile
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import submit
 from ddpjob.launch.backends import choose, submitit_slurm
@@ -24,7 +24,7 @@ SMOKE = str(ROOT / "jobs" / "smoke.toml")
 
 
 def cfg_with(**slurm) -> config.JobConfig:
-    return config.from_dict({"name": "t", "slurm": slurm})
+    return jobfile.from_dict({"name": "t", "slurm": slurm})
 
 
 # ------------------------------------------------------------------ parameter mapping

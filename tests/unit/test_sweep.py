@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import config
+from ddpjob import jobfile
 from ddpjob.errors import UsageError
 from ddpjob.launch import sweep as sweeps
 
@@ -35,7 +35,7 @@ def test_values_with_commas_inside_lists_or_quotes_stay_whole():
 
 def test_each_point_resolves_to_a_valid_config_and_bad_points_are_caught():
     for p in sweeps.expand_sweep(["train.lr=0.1,0.05"]):
-        cfg = config.resolve(SMOKE, list(p.overrides))
+        cfg = jobfile.resolve(SMOKE, list(p.overrides))
         assert cfg.train.lr == p.values["train.lr"]
     with pytest.raises(UsageError, match="given twice"):
         sweeps.expand_sweep(["train.lr=0.1", "train.lr=0.2"])

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ddpjob import api, config, rundir
+from ddpjob import api, config, jobfile, rundir
 from ddpjob.train import models, trainer
 from ranks import metrics
 
@@ -30,7 +30,7 @@ BASE_DATA: dict[str, Any] = dict(dataset="synthetic", synthetic_train=1024, synt
 def fit_here(run_dir: Path, train: dict[str, Any] | None = None, data: dict[str, Any] | None = None,
              checkpoint: dict[str, Any] | None = None) -> tuple[trainer.FitResult, config.JobConfig]:
     """fit() in this process, as `ddpjob run` alone would call it."""
-    cfg = config.from_dict({"train": {**BASE_TRAIN, **(train or {})},
+    cfg = jobfile.from_dict({"train": {**BASE_TRAIN, **(train or {})},
                             "data": {**BASE_DATA, **(data or {})}, "checkpoint": checkpoint or {}})
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / rundir.CONFIG).write_text(cfg.to_json())
@@ -104,14 +104,14 @@ def test_lr_schedule_is_a_pure_function_of_the_step() -> None:
 
 
 def test_optimizer_skips_weight_decay_on_biases_and_norms() -> None:
-    cfg = config.from_dict({"train": {"weight_decay": 5e-4, "optimizer": "sgd"}})
+    cfg = jobfile.from_dict({"train": {"weight_decay": 5e-4, "optimizer": "sgd"}})
     model = models.build_model("resnet8", 10)
     opt = trainer.build_optimizer(model, cfg)
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 5e-4 and no_decay["weight_decay"] == 0.0
     assert all(p.ndim > 1 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-    adamw = trainer.build_optimizer(model, config.from_dict({"train": {"optimizer": "adamw"}}))
+    adamw = trainer.build_optimizer(model, jobfile.from_dict({"train": {"optimizer": "adamw"}}))
     assert isinstance(adamw, torch.optim.AdamW)
 
 

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, rundir, slurm
+from ddpjob import jobfile, rundir, slurm
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.launch.backends import TERMINAL, JobState
@@ -118,7 +118,7 @@ class SlurmJobs:
             res = slurm.cancel(job_id)
             said = "it was pending, so it is cancelled"
         else:
-            res = slurm.send_signal(job_id, config.read_run_config(run_dir).slurm.signal)
+            res = slurm.send_signal(job_id, jobfile.read_run_config(run_dir).slurm.signal)
             said = "the ranks write a checkpoint at their next step and end"
         if not res.ok:
             raise DDPJobError(f"{res.error}, expected the job signalled", "check `squeue -j "
