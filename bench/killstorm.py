@@ -38,8 +38,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import slurmctl, storm
-from bench.storm_ledger import train_records
-from ddpjob.rundir import read_jsonl
 from ddpjob.store import memsnap
 
 PHASES = ("detect and tear down", "restart", "start-up", "load", "first step")

@@ -322,7 +322,7 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     ref = reference.run_dir()
     counts = assert_same_as_reference(run, ref)
     assert counts["replayed"] >= last_logged - resumed
-    ledger = assert_goodput_ledger(run, jid, tmp_path, replayed=[0, 0, 0, last_logged - resumed])
+    assert_goodput_ledger(run, jid, tmp_path, replayed=[0, 0, 0, last_logged - resumed])
     # TensorBoard (train.tensorboard) across the 3 requeues, as its own reader sees RUN_DIR/tb:
     # one series, every step once although the killed incarnation logged steps it replayed
     import numpy as np

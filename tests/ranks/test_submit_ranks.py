@@ -92,7 +92,7 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
     ("apptainer", "apptainer exec --bind "),
 ])
 def test_the_submitit_script_runs_the_ranks_in_the_container(tmp_path, runtime, expected):
-    cfg = jobfile.resolve(SMOKE, [f'slurm.container="/images/t.sqsh"', f'slurm.container_runtime="{runtime}"'])
+    cfg = jobfile.resolve(SMOKE, ['slurm.container="/images/t.sqsh"', f'slurm.container_runtime="{runtime}"'])
     folder = tmp_path / "run" / "logs"
     folder.mkdir(parents=True)
     script = submitit_slurm.sbatch_text(cfg, folder)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.store.commit import CheckpointInfo, CheckpointStore
+from ddpjob.store.commit import CheckpointStore
 from ddpjob.store.rng import capture_rng_state, restore_rng_state
 from ddpjob.store.schedule import SaveSchedule
 
