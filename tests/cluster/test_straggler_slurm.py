@@ -25,8 +25,16 @@ def test_a_slow_rank_is_named_with_its_host_and_cause_and_a_clean_run_names_nobo
     import slurmtools
 
     slurmtools.cluster_free(timeout=300)
+    # 2 x 2: 4 unpinned ranks on this machine's 2 cores. Whichever ranks the scheduler runs
+    # first in a step arrive sooner, and that can hold for a window: clean ranks at about twice
+    # the median (CI17, beside stress-ng: ranks 2 and 3 at 15.5 and 17.2 ms against 8.7, named
+    # at step 30 under the default 50%, before the slow rank began). The injected 150 ms is about
+    # 15 times the median, so these cases name at 300%, the clean run (the control) too. The hog
+    # case has 2 pinned ranks, no such noise, and a hog that only doubles its rank's time: the
+    # default threshold.
+    threshold = None if how == "hog" else 3.0
     run, flags = straggler_run(tmp_path, how, backend="slurm", nodes=nodes, tasks=tasks, slow_rank=slow,
-                               seconds=0.15 if how != "hog" else 0.0)
+                               seconds=0.15 if how != "hog" else 0.0, threshold=threshold)
     if slow is None:
         assert flags == [], flags
         return
@@ -35,7 +43,6 @@ def test_a_slow_rank_is_named_with_its_host_and_cause_and_a_clean_run_names_nobo
     assert (first["rank"], first["host"]) == (slow, host), flags
     assert first["cause"] == ("data" if how == "data" else "compute"), flags
     assert 31 <= first["step"] <= 131, flags
-    # The slow rank is named first. 4 ranks share this machine's 2 cores, so a busy-wait of 150 ms
-    # a step also takes CPU from the others: one of them may really be slower than the rest
-    # after it (1 run in 4 named a second rank, 48 ms a step against a 31 ms median), and that is
-    # a true finding, not a false one. The clean run shows that nobody is named without a cause.
+    # The slow rank is named first. A busy-wait of 150 ms a step also takes CPU from the ranks
+    # that share its core, so one of them may really be slower than the rest after it: a true
+    # finding, not a false one. The clean run shows that nobody is named without a cause.
