@@ -17,6 +17,13 @@ from clirun import ddpjob as run_cli
 from ddpjob import rundir
 
 SMOKE = str(REPO / "jobs" / "smoke.toml")
+# train.straggler_threshold for 4 unpinned ranks on this machine's 2 cores, here and in the SLURM
+# 2 x 2 cases. Whichever ranks the scheduler runs first in a step arrive sooner, and that can
+# hold for a window: clean ranks at about twice the median, named under the default 50% before
+# the slow rank began (CI16, idle: 13.5 and 10.6 ms against 6.0; CI17, beside stress-ng: 15.5
+# and 17.2 against 8.7). The injected 150 ms is about 15 times the median: named at 300%, which
+# no clean rank came near. The default's arithmetic is pinned by tests/unit/test_straggler.py.
+NOISY_THRESHOLD = 3.0
 
 
 def straggler_run(tmp_path: Path, how: str, *, backend: str, nodes: int, tasks: int, slow_rank: int | None,
@@ -48,12 +55,8 @@ def straggler_run(tmp_path: Path, how: str, *, backend: str, nodes: int, tasks: 
 
 @pytest.mark.slow
 def test_a_rank_slow_in_its_compute_is_named_by_rank_0_with_its_host_and_the_cause(tmp_path: Path) -> None:
-    # 4 unpinned ranks on 2 cores: whichever pair the scheduler runs first in a step arrives
-    # sooner, and that can hold for a window (CI16: two clean ranks at 13.5 and 10.6 ms of work
-    # a step against a median of 6.0, named at step 30 under the default 50%). The injected
-    # 150 ms is 15 times the median: named at 300%, which no clean rank here comes near.
     run, flags = straggler_run(tmp_path, "compute", backend="local", nodes=1, tasks=4, slow_rank=2,
-                               threshold=3.0)
+                               threshold=NOISY_THRESHOLD)
     assert [(f["rank"], f["cause"]) for f in flags] == [(2, "compute")], flags
     flag = flags[0]
     assert 31 <= flag["step"] <= 31 + 100 and flag["host"] == os.uname().nodename, flag
