@@ -55,7 +55,17 @@ class SlurmConfig:
     signal: Free[str] = "USR2"  # sent to every task `signal_lead_s` before the time limit
     signal_lead_s: Free[int] = 120
     max_requeues: Free[int] = 20  # requeues after preemptions and time limits
-    max_failures: Free[int] = 0  # retries after crashes / node failures (0: a crash ends the run FAILED)
+    # crashes the cluster caused (a rank killed by a signal, a lost node, a peer gone, a stall)
+    # retried inside the allocation from the newest in-memory snapshot, about 2 s each (bench P12).
+    # 20, like max_requeues: a cap, not the guard. A retry that gets nowhere is stopped sooner by
+    # max_no_progress and by the same SIGKILL at the same step twice (ledger/policy.py); the cap
+    # bounds a job that keeps failing while it makes progress: at 20, one that loses a node every
+    # hour still trains for a day in one submission. 0: a crash ends the run FAILED
+    max_failures: Free[int] = 20
+    # an exception in the user's own code is theirs: not retried, whatever max_failures says
+    # (a passing I/O error of a shared file system is retried once); true retries it like a
+    # crash the cluster caused
+    retry_user_errors: Free[bool] = False
     # this many crashes in a row that got no further than the checkpoint they resumed from end
     # the job before max_failures is spent (a crash loop: the same step keeps failing)
     max_no_progress: Free[int] = 3

@@ -37,3 +37,9 @@ class UsageError(DDPJobError):
     """Bad command line, job file or override: exit code 2."""
 
     exit_code = exitcodes.USAGE
+
+
+class ClusterFailure(DDPJobError):
+    """What the cluster broke, not the user's code or settings: a collective that failed because
+    a peer died or stalled (node/hang.py). A crash it ends is retried inside the allocation
+    (ledger/policy.py)."""

@@ -231,3 +231,22 @@ def running_hash(cfg: JobConfig, run_dir: Path) -> tuple[str, tuple[str, ...]]:
     if rec.get("hash") and here.is_relative_to(frozen):
         return str(rec["hash"]), tuple(str(h) for h in rec.get("accepts") or ())
     return digest(collect(cfg)["files"]), ()
+
+
+def source_of(run_dir: Path | None, path: str) -> str:
+    """The file the user wrote for `path` when it is a frozen copy (RUN_DIR/code/repo/... or
+    code/entry/...): a crash's line names their file, not the copy. Else `path` as it is."""
+    if run_dir is None:
+        return path
+    try:
+        rel = Path(path).resolve().relative_to((run_dir / CODE).resolve()).as_posix()
+    except (ValueError, OSError):
+        return path
+    rec = record(run_dir)
+    root = (rec.get("git") or {}).get("root") if isinstance(rec.get("git"), dict) else None
+    if rel.startswith("repo/") and isinstance(root, str):
+        return str(Path(root) / rel.removeprefix("repo/"))
+    original = rec.get("original_entry")
+    if rel.startswith("entry/") and isinstance(original, str):
+        return str(Path(original).resolve().parent / rel.removeprefix("entry/"))
+    return path

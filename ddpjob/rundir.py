@@ -370,54 +370,6 @@ def damaged_lines(path: str | Path, show: int = 2) -> str:
     return f"{Path(path).name}: skipped {', '.join(bad[:show])}{more}"
 
 
-def record_event(run_dir: str | Path, event: str, **fields: Any) -> None:
-    """A (re)start or stop, with its reason: what `status`, `plot` and the tests read."""
-    append_jsonl(Path(run_dir) / EVENTS, {"time": time.time(), "event": event, **fields})
-
-
-def events(run_dir: str | Path) -> list[dict[str, Any]]:
-    return read_jsonl(Path(run_dir) / EVENTS)
-
-
-IN_PLACE = "in_allocation"  # requeued_by of a crash whose ranks ran again inside the allocation
-FAILURES = ("crash", "node_failure")  # spend max_failures; every other stop spends max_requeues
-
-
-def used(run_dir: str | Path, restart: int, job_id: str | None = None) -> tuple[int, int]:
-    """(requeues, failures) spent so far: failures are the crash and node-failure retries
-    recorded in events; every other restart of the run (SLURM's and successors') was a requeue.
-    With `job_id`, only its job_chain counts: a new submission of the run (`ddpjob resume`)
-    starts with fresh budgets. Read by rank/requeue.py's decision and the local supervisor."""
-    evs = events(run_dir)
-    chain = None if job_id is None else job_chain(evs, job_id)
-    failures = sum(1 for e in evs if e.get("event") == "stop" and e.get("reason") in FAILURES and e.get("requeued")
-                   and "rank" not in e and (chain is None or str(e.get("job_id")) in chain))
-    return max(0, restart - failures), failures
-
-
-def job_chain(evs: list[dict[str, Any]], job_id: Any) -> set[str]:
-    """The job and the jobs it succeeds: what a submission's budgets and crash ledger count over."""
-    chain, cur = {str(job_id)}, str(job_id)
-    while prev := next((str(e.get("job_id")) for e in evs if e.get("requeued_by") == "successor"
-                        and str(e.get("next_job_id")) == cur and str(e.get("job_id")) not in chain), None):
-        chain, cur = chain | {prev}, prev
-    return chain
-
-
-def run_restart(run_dir: str | Path, job_id: str | None, slurm_restart: int) -> int:
-    """This incarnation's restart number within the run: SLURM's count for this job id, plus
-    the crashes of this job retried inside its allocation (SLURM's count does not move then),
-    plus, for a successor job (whose SLURM_RESTART_COUNT starts at 0 again), the restart of the
-    stop that submitted it plus one. Every rank computes the same from the file."""
-    base = in_place = 0
-    for e in events(run_dir):
-        if e.get("requeued_by") == "successor" and str(e.get("next_job_id")) == str(job_id):
-            base = int(e.get("restart") or 0) + 1
-        elif e.get("requeued_by") == IN_PLACE and str(e.get("job_id")) == str(job_id) and "rank" not in e:
-            in_place += 1
-    return base + slurm_restart + in_place
-
-
 def is_run_dir(path: str | Path) -> bool:
     return (Path(path) / CONFIG).is_file()
 

@@ -51,9 +51,9 @@ if mode == "fail1once" and rank == 1 and restart == 0:
     os.kill(os.getpid(), signal.SIGKILL)
 if mode == "fail1once" and restart > 0:
     sys.exit(0)
-if mode == "kill1" and rank == 1:
+if mode in ("kill1", "segv1") and rank == 1:
     all_started()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL if mode == "kill1" else signal.SIGSEGV)
 if mode == "fail1" and rank == 1:
     all_started()
     sys.exit(1)

@@ -10,7 +10,8 @@ on the ranks' PYTHONPATH.
   Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
   SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
   SLURM path, to every task of the job) and waits in this forward call until the signal has
-  reached this process; HOW = "crash" raises instead, HOW = "kill" SIGKILLs this process; HOW = "pause" prints "paused at call N"
+  reached this process; HOW = "crash" raises instead, HOW = "kill" SIGKILLs this process, "segv" sends it
+  SIGSEGV, "internal" breaks ddpjob's per-step decision (an exception raised inside ddpjob); HOW = "pause" prints "paused at call N"
   and waits in this forward call until ddpjob's stop flag has a signal (or 120 s): the test sends
   the signal from outside (tests/ranks.py: signal_when_paused), and it lands in that very step. RANK falls back to SLURM_PROCID (submitit sets no RANK).
   DDPJOB_TEST_SNAP_WAIT=STEP: before HOW = "kill", wait until every rank's in-memory snapshot
@@ -100,9 +101,14 @@ class SignallingCNN(TinyCNN):
                     self._wait_for_signal(120)
                 elif self._how == "crash":  # a rank raising: srun --kill-on-bad-exit ends the rest
                     raise RuntimeError(f"test crash at training forward call {self._calls}")
-                elif self._how == "kill":  # kill -9: no ddpjob code runs on the way down
+                elif self._how in ("kill", "segv"):  # kill -9 / a segfault: no ddpjob code runs on the way down
                     _wait_for_snapshots()
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL if self._how == "kill" else signal.SIGSEGV)
+                elif self._how == "internal":  # ddpjob's own bug: its per-step decision is broken,
+                    # so the TypeError is raised in ddpjob's frame (rank/job.py), not in this file
+                    from ddpjob.rank.decide import StepDecider
+
+                    StepDecider.after_step = None  # type: ignore[assignment,method-assign]
                 else:
                     os.kill(os.getpid(), signal.SIGUSR2)
         return super().forward(x)

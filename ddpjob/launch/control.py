@@ -53,11 +53,19 @@ def format_status(i: RunInfo) -> str:
         skipped = rundir.damaged_lines(i.run_dir / record)
         if skipped:
             lines.append(f"damaged     {skipped}"[:300])
+    from ddpjob.ledger import events
+
+    partly = events.notes(events.read(i.run_dir))  # records of a newer ddpjob
+    if partly:
+        lines.append(f"history     {rundir.EVENTS}: {partly}"[:300])
     from ddpjob.launch import goodput
 
     ledger = goodput.of_runs([i])[i.run_dir]
     if ledger is not None:  # where the run's time went, over every attempt (launch/goodput.py)
         lines.append(f"goodput     {ledger.describe()}")
+    verdict = _verdict(i.run_dir)
+    if verdict:
+        lines.append(f"verdict     {verdict}")
     code = code_state(i.run_dir)
     if code:
         lines.append(f"code        {code['text']}")
@@ -66,6 +74,20 @@ def format_status(i: RunInfo) -> str:
     if i.point:
         lines.insert(1, f"point       {i.point}")
     return "\n".join(lines)
+
+
+def _verdict(run_dir: Path) -> str:
+    """The newest crash's verdict (ledger/policy.py): who broke it and what happened next."""
+    from ddpjob.ledger import events
+
+    try:
+        crashes = [e for e in events.read(run_dir) if events.is_decision(e) and e.get("verdict")]
+    except (ValueError, OSError):
+        return ""
+    if not crashes:
+        return ""
+    last = crashes[-1]
+    return f"{last['verdict']} (attempt {last.get('restart')}): {last.get('line') or last.get('note') or ''}"[:600]
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ddpjob import rundir
 from ddpjob.launch import runs
+from ddpjob.ledger import events
 from ddpjob.launch.backends import TERMINAL, choose
 from ddpjob.slurm import Incarnation
 
@@ -111,13 +112,13 @@ def _at_step(points: Sequence[tuple[int, float]], step: int) -> float | None:
     return None
 
 
-def build(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
+def build(evs: list[dict[str, Any]], metrics: list[dict[str, Any]],
           incarnations: Mapping[str, Sequence[Incarnation]], *, now: float, running: bool,
           submitted: float | None = None) -> Ledger | None:
     """The ledger of one run (None when no attempt started and SLURM knows no start either).
     `incarnations`: every start of each of the run's jobs (sacct; {} on the local backend);
     `running`: the run's job is pending or running, so the wall time ends now."""
-    starts = [e for e in events if e.get("event") == "start" and _num(e, "time") is not None
+    starts = [e for e in evs if e.get("event") == "start" and _num(e, "time") is not None
               and isinstance(e.get("restart"), int) and not isinstance(e.get("restart"), bool)]
     incs = [(jid, i) for jid, rows in incarnations.items() for i in rows if i.start is not None]
     if not starts and not incs:
@@ -153,7 +154,7 @@ def build(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
     prev_end: tuple[str, float] | None = None  # (job id, time) the previous attempt's records end
     for n, st in enumerate(starts):
         jid, restart = str(st.get("job_id")), st["restart"]
-        later = events[events.index(st) + 1:]
+        later = evs[evs.index(st) + 1:]
         nxt = next((i for i, e in enumerate(later) if e is starts[n + 1]), len(later)) if n + 1 < len(starts) else len(later)
         mine = [e for e in later[:nxt] if _same(e, jid, restart)]
         s_time = float(st["time"])
@@ -169,7 +170,7 @@ def build(events: list[dict[str, Any]], metrics: list[dict[str, Any]],
         spans.append((begin, s_time - load, "start-up"))
         spans.append((s_time - load, s_time, "load"))
 
-        stop = next((e for e in mine if e.get("event") == "stop" and "rank" not in e), None)
+        stop = next((e for e in mine if events.is_decision(e)), None)
         exited = next((e for e in mine if e.get("event") == "exit"), None)
         signals = [t for e in mine if e.get("event") == "signal" if (t := _num(e, "signal_time")) is not None]
         signalled = min(signals, default=_num(stop, "signal_time") if stop and stop.get("reason") != "crash" else None)
@@ -276,7 +277,7 @@ def of_runs(infos: list[runs.RunInfo]) -> dict[Path, Ledger | None]:
         if i.state == "DAMAGED":
             continue
         try:
-            job, evs = runs.job_record(i.run_dir), rundir.events(i.run_dir)
+            job, evs = runs.job_record(i.run_dir), events.read(i.run_dir)
         except (ValueError, OSError):
             continue
         per_run[i.run_dir] = (job, evs)

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import crashes, exitcodes, jobfile, requests, rundir, runlock
+from ddpjob import exitcodes, jobfile, rundir, runlock
+from ddpjob.ledger import attempts, budget, crashes, events, policy, requests
 from ddpjob.launch.backends import options
 from ddpjob.node import warm
 from ddpjob.store import memsnap
@@ -81,7 +82,8 @@ class Supervisor:
         self.warm: subprocess.Popen[bytes] | None = None
         self.command = command or rank_command(run_dir, self.warm_name)
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.restarts = 0
+        self.restarts = 0  # how many times the ranks were started again (local.json)
+        self.attempt = 0  # the attempt that runs now: its number in the run's ledger (ledger/attempts.py)
         self.cancelled = False
         self.history: list[dict[str, Any]] = []
         self.pending: list[int] = []  # signals received, not yet forwarded
@@ -124,8 +126,8 @@ class Supervisor:
             signum = self.pending.pop(0)
             name = signal.Signals(signum).name
             log(f"got {name}, forwarding it to {sum(p.poll() is None for p in self.procs)} rank(s)")
-            rundir.record_event(self.run_dir, "signal", signal=name, source="local-supervisor",
-                                job_id=self.job_id, restart=self.restarts)
+            events.record(self.run_dir, "signal", signal=name, source="local-supervisor",
+                          job_id=self.job_id, restart=self.attempt)
             self.signal_ranks(signum)
 
     def code_env(self, env: dict[str, str]) -> dict[str, str]:
@@ -164,9 +166,11 @@ class Supervisor:
         logs.mkdir(parents=True, exist_ok=True)
         self.start_warm(logs)
         self.procs = []
+        # this attempt's number, taken before its ranks exist: they record under it (ledger/attempts.py)
+        self.attempt = attempts.next_number(events.read(self.run_dir))
         for rank in range(s.world_size):
             env = self.code_env(rank_env(dict(os.environ), rank, s.nodes, s.tasks_per_node, port, self.job_id,
-                                         self.restarts))
+                                         self.attempt))
             if self.warm_name is not None:
                 env[warm.ENV] = "1"  # the server was started: wait for it to listen, as on SLURM
             fds: tuple[int, ...] = ()
@@ -178,10 +182,10 @@ class Supervisor:
                 # submitting terminal never reaches the ranks behind the supervisor's back.
                 self.procs.append(subprocess.Popen(self.command, env=env, stdout=out, pass_fds=fds,
                                                    stderr=subprocess.STDOUT, start_new_session=True))
-        log(f"started {s.world_size} rank(s) (restart {self.restarts}, MASTER_PORT {port}): "
-            + ", ".join(str(p.pid) for p in self.procs))
-        rundir.record_event(self.run_dir, "local_start", source="local-supervisor", job_id=self.job_id,
-                            restart=self.restarts, world_size=s.world_size, master_port=port)
+        log(f"started {s.world_size} rank(s) (attempt {self.attempt}, restart {self.restarts}, MASTER_PORT "
+            f"{port}): " + ", ".join(str(p.pid) for p in self.procs))
+        events.record(self.run_dir, "local_start", source="local-supervisor", job_id=self.job_id,
+                      restart=self.attempt, world_size=s.world_size, master_port=port)
         self.write("RUNNING")
 
     def wait_ranks(self) -> list[int]:
@@ -212,12 +216,12 @@ class Supervisor:
         return [int(p.returncode) for p in self.procs]
 
     def run(self) -> str:
-        """Start, wait, restart on a collective exit 3; returns the final state."""
-        max_requeues = self.cfg.slurm.max_requeues
+        """Start, wait, and carry out the policy's verdict (ledger/policy.py) on every end that is
+        not the run's: a collective exit 3, a crash. Returns the final state."""
         while True:
             self.start()
             codes = self.wait_ranks()
-            self.history.append({"restart": self.restarts, "exit_codes": codes, "time": time.time()})
+            self.history.append({"restart": self.attempt, "exit_codes": codes, "time": time.time()})
             log(f"ranks exited with {codes}")
             if all(c == 0 for c in codes):
                 state, reason = "COMPLETED", "all ranks exited 0"
@@ -226,15 +230,15 @@ class Supervisor:
             elif all(c == exitcodes.REQUEUE for c in codes) and requests.answered_stop(self.run_dir, self.job_id):
                 state, reason = "STOPPED", "stopped by `ddpjob stop` with a checkpoint; `ddpjob resume` continues"
             elif all(c == exitcodes.REQUEUE for c in codes):
-                if self.restarts < max_requeues:
+                verdict = self.after_stop()
+                if verdict.action != policy.END:
                     self.restarts += 1
-                    log(f"all ranks stopped for a requeue: restart {self.restarts}/{max_requeues}")
-                    rundir.record_event(self.run_dir, "local_requeue", source="local-supervisor",
-                                        job_id=self.job_id, restart=self.restarts)
+                    log(f"all ranks stopped for a requeue: {verdict.line}")
+                    events.record(self.run_dir, "local_requeue", source="local-supervisor", job_id=self.job_id,
+                                  restart=self.attempt, note=verdict.line)
                     self.write("REQUEUED")
                     continue
-                state = "FAILED"
-                reason = f"stopped for a requeue but max_requeues={max_requeues} is used up"
+                state, reason = "FAILED", f"stopped for a requeue, but {verdict.line}"
             elif self.retry_crash(codes):
                 continue
             else:
@@ -242,35 +246,49 @@ class Supervisor:
             self.stop_warm()
             self.write(state, reason=reason, exit_codes=codes)
             memsnap.remove_job(self.run_dir, self.job_id)  # the ranks' in-memory snapshots
-            rundir.record_event(self.run_dir, "local_end", source="local-supervisor", job_id=self.job_id,
-                                restart=self.restarts, state=state, reason=reason)
+            events.record(self.run_dir, "local_end", source="local-supervisor", job_id=self.job_id,
+                          restart=self.attempt, state=state, reason=reason)
             log(f"{state}: {reason}")
             return state
 
 
+    def after_stop(self) -> policy.Verdict:
+        """Every rank stopped with a checkpoint (exit 3): the policy's verdict, from why they did
+        (rank 0's stop record: a time limit, a preemption; SIGUSR2 reads as the time limit) and
+        the requeues this submission spent."""
+        evs = events.read(self.run_dir)
+        mine = [e for e in evs if events.is_decision(e) and events.of_attempt(e, self.job_id, self.attempt)]
+        requeues, failures = budget.used(evs, self.job_id)
+        facts = policy.Facts(str(mine[-1].get("reason")) if mine else "time_limit", requeues=requeues,
+                             failures=failures, stop_requested=requests.stop_requested(self.run_dir, self.job_id),
+                             run=str(self.run_dir))
+        return policy.decide(facts, policy.Limits.of(self.cfg))
+
     def retry_crash(self, codes: list[int]) -> bool:
-        """A rank failed (raised, was killed): run the ranks again from the newest checkpoint
-        while slurm.max_failures lasts, as the sbatch script does inside its allocation. The
-        stop is recorded here (no rank lived to); a retry spends max_failures."""
-        _, failures = rundir.used(self.run_dir, self.restarts, self.job_id)
-        evs = rundir.events(self.run_dir)
+        """A rank failed (raised, was killed): the policy's verdict (ledger/policy.py), recorded
+        here (no rank lived to) and carried out: the ranks run again from the newest snapshot or
+        checkpoint, as the sbatch script does inside its allocation, or the run ends."""
+        evs = events.read(self.run_dir)
         rank, code = self.first_bad or next(
             ((r, c) for r, c in enumerate(codes) if c not in (0, exitcodes.REQUEUE)), (0, max(codes)))
         culprit = crashes.with_rank_error(crashes.from_returncode(rank, socket.gethostname(), code),
-                                          evs, self.job_id, self.restarts)
-        resume_at, lost = crashes.resume_point(self.run_dir, memsnap.newest_saved(self.run_dir, self.job_id))
-        streak, _ = crashes.no_progress(evs, {self.job_id}, (self.job_id, self.restarts, resume_at))
-        loop = crashes.crash_loop(self.cfg.slurm.max_no_progress, streak, resume_at, lost, culprit)
-        retry = failures < self.cfg.slurm.max_failures and loop is None
-        note = (f"rank exit codes {codes}; " + (f"restarting the ranks (failure {failures + 1} of "
-                f"max_failures = {self.cfg.slurm.max_failures})" if retry else loop or
-                f"max_failures = {self.cfg.slurm.max_failures} reached: not retrying"))
-        rundir.record_event(self.run_dir, "stop", reason="crash", step=resume_at, steps_lost=lost,
-                            job_id=self.job_id, restart=self.restarts, status=max(codes), no_progress=streak,
-                            requeued=True if retry else None, requeued_by="supervisor" if retry else None,
-                            note=note, source="local-supervisor", **(culprit.fields() if culprit else {}))
-        log(f"ddpjob: error: {loop}" if loop else note)
-        self.first_bad, self.gave_up = None, loop
+                                          evs, self.job_id, self.attempt)
+        saved, from_snapshot = memsnap.newest_saved(self.run_dir, self.job_id)
+        resume_at, lost = crashes.resume_point(self.run_dir, saved)
+        facts = crashes.facts(evs, self.job_id, self.attempt, culprit, resume_at=resume_at, steps_lost=lost,
+                              from_snapshot=from_snapshot, here=True, run=str(self.run_dir),
+                              stop_requested=requests.stop_requested(self.run_dir, self.job_id))
+        verdict = policy.decide(facts, policy.Limits.of(self.cfg))
+        retry = verdict.action != policy.END
+        note = f"rank exit codes {codes}; {verdict.line}"
+        events.record(self.run_dir, "stop", reason="crash", step=resume_at, steps_lost=lost,
+                      job_id=self.job_id, restart=self.attempt, status=max(codes), no_progress=facts.streak,
+                      requeued=True if retry else None, requeued_by=budget.SUPERVISOR if retry else None,
+                      note=note, source="local-supervisor", **({"where": facts.where} if facts.where else {}),
+                      **verdict.fields(), **(culprit.fields() if culprit else {}))
+        log(f"ddpjob: error: {verdict.line}" if verdict.error else
+            f"ddpjob: crash verdict: {verdict.crash} ({facts.what}): {verdict.line}")
+        self.first_bad, self.gave_up = None, verdict.line
         if retry:
             self.restarts += 1
             self.write("RESTARTING")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddpjob import console, crashes, rundir
+from ddpjob import console, rundir
+from ddpjob.ledger import budget, crashes, events
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import goodput, phases
 
@@ -83,12 +84,12 @@ def _num(v: Any) -> float:
         return math.nan
 
 
-def restart_markers(events: list[dict[str, Any]]) -> list[Marker]:
+def restart_markers(evs: list[dict[str, Any]]) -> list[Marker]:
     """Every "start" after the first one is a restart; its reason is the last stop before it."""
     markers: list[Marker] = []
     started = False
     reason: str | None = None
-    for e in events:
+    for e in evs:
         kind = e.get("event")
         if kind == "stop":
             reason = str(e.get("reason") or "stopped")
@@ -112,10 +113,10 @@ def load_history(run_dir: str | Path, name: str | None = None) -> History:
             continue
         is_eval = rec.get("kind") == "eval" or (rec.get("kind") is None and "eval_acc" in rec)
         (evals if is_eval else train)[rec["step"]] = rec  # later (re-run) records win
-    events = rundir.events(run)
+    evs = events.read(run)
     after = rundir.read_record(run / "config.json").get("slurm", {}).get("exclude_after")
     return History(name or run.name, [train[s] for s in sorted(train)],
-                   [evals[s] for s in sorted(evals)], restart_markers(events), events,
+                   [evals[s] for s in sorted(evals)], restart_markers(evs), evs,
                    after if isinstance(after, int) and not isinstance(after, bool) else crashes.QUARANTINE_AFTER)
 
 
@@ -292,26 +293,26 @@ def summary(run_dir: str | Path) -> list[str]:
     return lines
 
 
-def ledger(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def ledger(evs: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """One entry per stop of the run (rank 0's and the crash records): a line with why, at which
     step, steps lost, how it came back and the seconds from the signal to the next start's
     resumed step; and the recovery's phases ('' if none were recorded: launch/phases.py)."""
     out: list[tuple[str, str]] = []
-    for i, e in enumerate(events):
-        if e.get("event") != "stop" or "rank" in e or e.get("reason") == "finished":
+    for i, e in enumerate(evs):
+        if not events.is_decision(e) or e.get("reason") == "finished":
             continue
         if e.get("reason") == "budget":  # a start refused (node/requeue.py: check_start)
             out.append((f"start refused (job {e.get('job_id')}): {e.get('note')}", ""))
             continue
-        sig = [float(s["signal_time"]) for s in events if s.get("event") == "signal"
+        sig = [float(s["signal_time"]) for s in evs if s.get("event") == "signal"
                and s.get("job_id") == e.get("job_id") and s.get("restart") == e.get("restart")
                and isinstance(s.get("signal_time"), (int, float))]
         t0 = min(sig, default=e.get("signal_time") or e.get("time"))
-        nxt = next((n for n in events[i + 1:] if n.get("event") == "start"), None)
+        nxt = next((n for n in evs[i + 1:] if n.get("event") == "start"), None)
         back = (f"resumed step {nxt.get('resumed_step') or 0} after {nxt['time'] - t0:.0f} s"
                 if nxt and isinstance(t0, (int, float)) and "time" in nxt else "not resumed")
         how = e.get("requeued_by") or ("requeued" if e.get("requeued") else "not requeued")
-        how = "restarted inside the allocation" if how == rundir.IN_PLACE else how
+        how = "restarted inside the allocation" if how == budget.IN_PLACE else how
         if e.get("next_job_id"):
             how += f" -> job {e['next_job_id']}"
         lost = e.get("steps_lost")
@@ -324,7 +325,7 @@ def ledger(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
                                   False).describe() + ", "
         out.append((f"{e.get('reason') or 'stopped'} at step {e.get('step')} (job {e.get('job_id')}), {who}"
                     f"steps lost {'?' if lost is None else lost}, {how}, {back}",
-                    phases.describe(phases.recovery(events, i))))
+                    phases.describe(phases.recovery(evs, i))))
     return out
 
 
@@ -346,6 +347,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
         for step, label in marks:
             console.info(f"  {run}: step {step}  {label}")
     for run in args.runs:  # the same ledger as `ddpjob status`, with the recovery's phases
-        for line, took in ledger(rundir.events(run)):
+        for line, took in ledger(events.read(run)):
             console.info(f"  {Path(run).name}: {line}" + (f"; recovery: {took}" if took else ""))
     return 0

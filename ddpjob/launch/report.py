@@ -14,6 +14,7 @@ from typing import Any
 
 from ddpjob import rundir
 from ddpjob.launch import goodput, phases, plot, runs
+from ddpjob.ledger import events
 
 SCHEMA = "ddpjob.run/1"
 STRAGGLER_KEYS = ("rank", "host", "cause", "busy_ms", "median_ms", "data_ms", "first_step", "step", "job_id",
@@ -38,7 +39,7 @@ def record(i: runs.RunInfo, ledger: goodput.Ledger | None = None) -> dict[str, A
         history, i.state, i.reason = None, "DAMAGED", f"{type(exc).__name__}: {exc}"[:200]
     evs = history.events if history else []
     stops = [{**{k: e.get(k) for k in STOP_KEYS}, "phases": phases.recovery(evs, n)}
-             for n, e in enumerate(evs) if e.get("event") == "stop" and "rank" not in e]
+             for n, e in enumerate(evs) if events.is_decision(e)]
     accs = [(a, r["step"]) for r in (history.evals if history else [])
             if (a := _num(r.get("eval_acc"))) is not None]
     best = max(accs, default=None)

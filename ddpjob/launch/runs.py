@@ -16,6 +16,7 @@ from typing import Any
 from ddpjob import console, freeze, jobfile, recordtypes, rundir, runlock
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch.backends import TERMINAL, Backend, choose
+from ddpjob.ledger import events
 from ddpjob.store import manifest
 
 SWEEP = "sweep.json"
@@ -75,7 +76,7 @@ def job_record(run_dir: Path) -> dict[str, Any]:
         raise rundir.RecordError(f"{run_dir / rundir.JOB} is not a regular file")  # DAMAGED, never read
     job = rundir.read_record(run_dir / rundir.JOB)
     if not job:
-        ids = [str(e["job_id"]) for e in rundir.events(run_dir) if e.get("job_id")]
+        ids = [str(e["job_id"]) for e in events.read(run_dir) if e.get("job_id")]
         if ids and re.fullmatch(r"\d+(_\d+)?", ids[-1]):
             job = {"backend": choose.SBATCH.name, "job_id": ids[-1], "via": choose.SBATCH.via}
     return job
@@ -85,8 +86,8 @@ def run_info(run_dir: Path, states: dict[str, dict[str, Any]] | None = None) -> 
     """The run now; `states`: the scheduler's answers for many runs at once (infos)."""
     job = job_record(run_dir)
     info = RunInfo(run_dir=run_dir, backend=job.get("backend", "?"), job_id=str(job.get("job_id", "")))
-    events = rundir.events(run_dir)
-    info.restarts = max([int(e.get("restart", 0) or 0) for e in events] or [0])
+    evs = events.read(run_dir)
+    info.restarts = max([int(e.get("restart", 0) or 0) for e in evs] or [0])
     backend = choose.of_record(job)
     if backend is not None:
         now = backend.state(run_dir, job, states)
@@ -95,17 +96,17 @@ def run_info(run_dir: Path, states: dict[str, dict[str, Any]] | None = None) -> 
     elif not job:
         info.state = "UNKNOWN"
         info.reason = "no job.json, no job id in events.jsonl (a `ddpjob sbatch` run not started?)"
-    stops = [e for e in events if e.get("event") == "stop" and "rank" not in e]
+    stops = [e for e in evs if events.is_decision(e)]
     if info.state in TERMINAL and stops and stops[-1].get("reason") == "user_stop":
         # the ranks' exit 3 reads as FAILED to SLURM; it was `ddpjob stop`, with a checkpoint
         info.state, info.reason = "STOPPED", f"by `ddpjob stop` at step {stops[-1].get('step')}"
-    if events:
-        last = events[-1]
+    if evs:
+        last = evs[-1]
         why = last.get("error") or last.get("note") or last.get("reason") or ""
         if last.get("event") == "stop" and not last.get("error"):
             # the crash decision comes after the ranks' own records: say the cause, then the decision.
             # The first record is the root cause; later ones are often ranks failing because of it.
-            cause = [e["error"] for e in events if e.get("event") == "stop" and isinstance(e.get("error"), str)
+            cause = [e["error"] for e in evs if events.is_rank_crash(e) and isinstance(e.get("error"), str)
                      and e.get("job_id") == last.get("job_id") and e.get("restart") == last.get("restart")]
             if cause:
                 text = cause[0].removeprefix("ddpjob: error: ").split(" Hint: ")[0]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from ddpjob.errors import DDPJobError
+from ddpjob.errors import ClusterFailure, DDPJobError
 from ddpjob.node import dist
 from ddpjob.node.cluster import ClusterEnv
 
@@ -120,13 +120,15 @@ def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float 
             raise DDPJobError(f"rank 0 on {env.hostname} could not listen on port {env.master_port} "
                               f"({cause})",
                               "another job uses this port: set MASTER_PORT to a free one") from None
+        # a group that did not form: a peer that never came or a network in the way, the
+        # cluster's doing (retried in place: ledger/policy.py), not the user's code
         if env.rank == 0:
-            raise DDPJobError(f"rank 0 on {env.hostname} waited {time.monotonic() - start:.0f} s at "
+            raise ClusterFailure(f"rank 0 on {env.hostname} waited {time.monotonic() - start:.0f} s at "
                               f"{env.master_addr}:{env.master_port} but not all {env.world_size} ranks "
                               f"joined ({cause})", "look at the other ranks' logs: they may have failed "
                               "to start, or reached another MASTER_ADDR/MASTER_PORT") from None
         # This rank reached rank 0's store (checked above), so the group itself did not form.
-        raise DDPJobError(f"rank {env.rank} on {env.hostname} reached rank 0 at {env.master_addr}:"
+        raise ClusterFailure(f"rank {env.rank} on {env.hostname} reached rank 0 at {env.master_addr}:"
                           f"{env.master_port} but the {backend} group of {env.world_size} ranks did not "
                           f"form within {timeout_s:g} s ({cause})",
                           "look at the other ranks' logs (one may have failed to start); if the nodes "

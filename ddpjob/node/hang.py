@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ddpjob.errors import DDPJobError
+from ddpjob.errors import ClusterFailure, DDPJobError
 
 POLL_S = 2.0  # how often each rank looks for the alarm: one tiny store request
 REPORT_S = 10.0  # how long the failing rank waits for the others' reports
@@ -116,7 +116,7 @@ class Watch:
     def close(self) -> None:
         self._closed.set()
 
-    def diagnose(self, what: str, exc: BaseException) -> DDPJobError:
+    def diagnose(self, what: str, exc: BaseException) -> ClusterFailure:
         """Called by the rank whose collective `what` failed with `exc`: wake every rank's
         watch, gather their reports and say in one line who did not arrive."""
         waited = time.monotonic() - self.since
@@ -127,7 +127,7 @@ class Watch:
             self._publish(self._report(what))
             reports = self._gather()
         except Exception:  # noqa: BLE001 - rank 0's store is gone with rank 0
-            return DDPJobError(
+            return ClusterFailure(
                 f"rank {self.rank} on {self.host}: {here} failed after {waited:.0f} s ({cause}), and "
                 "rank 0's store no longer answers: rank 0 has ended or its node is gone",
                 "look at rank 0's log for why it ended; every rank's stack is in its log")
@@ -137,7 +137,7 @@ class Watch:
                 "thread's stack at that moment" if failed is not None else
                 "each rank's log holds every thread's stack at that moment; if a step can "
                 "legitimately take this long, raise train.dist_timeout_s")
-        return DDPJobError(f"rank {self.rank} on {self.host}: {here} failed after {waited:.0f} s "
+        return ClusterFailure(f"rank {self.rank} on {self.host}: {here} failed after {waited:.0f} s "
                            f"({cause}); {describe(what, self.step, reports, self._hosts())}", hint)
 
     def explain(self, exc: BaseException) -> BaseException:

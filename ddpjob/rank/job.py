@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import console, exitcodes, rundir, runlock
+from ddpjob.ledger import events
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.rank.records import MetricLog, SampleLog
@@ -103,6 +104,11 @@ class Job:
             atexit.register(self._at_exit)
             self._excepthook = sys.excepthook
             sys.excepthook = self._report_uncaught
+
+    @property
+    def current_step(self) -> int | None:
+        """The optimizer steps done so far in this attempt's loop (None before resume())."""
+        return self._step
 
     def explain(self, exc: BaseException) -> BaseException:
         """What to report for an exception that ends this rank: a failed collective in the
@@ -224,7 +230,7 @@ class Job:
 
             if warmserver.FORKED in self.env.ddpjob_vars:  # forked by the node's warm-start server
                 info = {"warm": True, **info}
-            rundir.record_event(self.run_dir, "start", restart=self.restart, job_id=self.job_id,
+            events.record(self.run_dir, "start", restart=self.restart, job_id=self.job_id,
                                 world_size=self.world_size, source=self.env.source,
                                 host=self.env.hostname, resumed_step=step or None,
                                 launched_time=process_started(), load_s=self._load_s, **info)
@@ -244,7 +250,7 @@ class Job:
                 self._step = step
                 if first_step:  # the recovery's last phase ends here (launch/phases.py)
                     graphs = compilecache.graphs()  # torch.compile's work is in this first step
-                    rundir.record_event(self.run_dir, "first_step", step=step, job_id=self.job_id,
+                    events.record(self.run_dir, "first_step", step=step, job_id=self.job_id,
                                         restart=self.restart, **({"graphs": graphs} if graphs else {}))
                     first_step = False
                 self._stop.current_step = step
@@ -287,7 +293,7 @@ class Job:
         since the last record (the goodput ledger, launch/goodput.py). One line per checkpoint,
         nothing per step."""
         if self.is_rank0:
-            rundir.record_event(self.run_dir, "checkpoint", step=step, job_id=self.job_id, restart=self.restart,
+            events.record(self.run_dir, "checkpoint", step=step, job_id=self.job_id, restart=self.restart,
                                 block_s=round(block_s, 4), snapshot_s=round(self._snapshot_s, 4))
         self._snapshot_s = 0.0
 
@@ -311,7 +317,7 @@ class Job:
         import signal
 
         if self._stop.signum is not None:  # per rank: which signal reached it, and when
-            rundir.record_event(self.run_dir, "signal", rank=self.rank,
+            events.record(self.run_dir, "signal", rank=self.rank,
                                 signal=signal.Signals(self._stop.signum).name,
                                 at_step=self._stop.signal_step, stop_step=step,
                                 signal_time=self._stop.time,
@@ -386,7 +392,7 @@ class Job:
                 weights = plain_state_dict(model) if weights is None else weights
                 rundir.write_atomic(final / "model.pt", lambda f: torch.save(weights, f))
             rundir.mark_completed(self.run_dir, step=step, **info)
-            rundir.record_event(self.run_dir, "stop", reason="finished", step=step, job_id=self.job_id,
+            events.record(self.run_dir, "stop", reason="finished", step=step, job_id=self.job_id,
                                 restart=self.restart, **{k: v for k, v in info.items() if k == "accuracy"})
         self._control.barrier("job.finish()")
         self.finished = True
@@ -414,7 +420,7 @@ class Job:
 
             memsnap.remove_job(self.run_dir, self.job_id)
         if self.is_rank0 and self.stopped_at is not None:  # the end of the recovery's exit phase
-            rundir.record_event(self.run_dir, "exit", step=self.stopped_at, job_id=self.job_id,
+            events.record(self.run_dir, "exit", step=self.stopped_at, job_id=self.job_id,
                                 restart=self.restart)
         if self._lock is not None:  # after the last record: the run dir is free for the next job
             self._lock.release()

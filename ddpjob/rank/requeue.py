@@ -23,13 +23,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpjob import console, crashes, exitcodes, requests, rundir, slurm
+from ddpjob import console, exitcodes, rundir, slurm
+from ddpjob.ledger import attempts, budget, crashes, events, policy, requests
 from ddpjob.config import JobConfig
 from ddpjob.node import hostlist, preemption
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.store import memsnap
 
-FAILURES, used = rundir.FAILURES, rundir.used  # the budgets: counted in rundir, for the supervisor too
 CHECK_TRIES, CHECK_PAUSE_S = 3, 2.0
 sleep: Callable[[float], None] = time.sleep  # tests skip the pauses
 
@@ -44,7 +44,7 @@ def bring_back(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> dict[str, Any]
     res = slurm.requeue(job_id)
     if res.ok:
         return {"requeued": True, "requeued_by": "scontrol", "note": f"requeued job {job_id}"}
-    if any(e.get("event") == "cancel" for e in rundir.events(run_dir)):
+    if any(e.get("event") == "cancel" for e in events.read(run_dir)):
         return {"requeued": False, "note": f"{res.error}; the run was cancelled: no successor"}
     script = run_dir / "job.sbatch"
     new = (slurm.submit_successor(job_id, script, cwd=run_dir) if script.is_file()
@@ -140,52 +140,54 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
                 fields.update(requeued=True, requeued_by="slurm",
                               note="a node failed: SLURM ended this attempt (NODE_FAIL) and requeued the job")
     if decide:
-        fields.update(_decide(cfg, env, run_dir, reason, restart, fields.get("note")))
+        evs = events.read(run_dir)
+        requeues, failures = budget.used(evs, env.job_id)
+        facts = policy.Facts(reason, stop_requested=requests.stop_requested(run_dir, env.job_id),
+                             requeues=requeues, failures=failures, run=str(run_dir))
+        fields.update(carry_out(cfg, env, run_dir, policy.decide(facts, policy.Limits.of(cfg)), fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
     lost = None if signal_step is None else max(0, step - signal_step - 1 - lag)
-    rundir.record_event(run_dir, "stop", reason=reason, step=step, job_id=env.job_id, restart=restart,
-                        steps_lost=lost, signal_time=signal_time, **(times or {}), **fields)
+    events.record(run_dir, "stop", reason=reason, step=step, job_id=env.job_id, restart=restart,
+                  incarnation=env.restart_count, steps_lost=lost, signal_time=signal_time, **(times or {}),
+                  **fields)
     note = fields.get("note")
     console.print0(f"ddpjob: stopped at step {step} ({reason}); checkpoint written"
                    + (f"; {note}" if note else ""))
     return fields["requeued"]
 
 
-def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, reason: str, restart: int,
-            prefix: str | None, in_place: bool = False, loop: str | None = None) -> dict[str, Any]:
-    requeues, failures = used(run_dir, restart, env.job_id)
-    if requests.stop_requested(run_dir, env.job_id):
-        why = "stopped by `ddpjob stop`: not requeueing (`ddpjob resume RUN_DIR` continues)"
-    elif not cfg.slurm.requeue:
-        why = "slurm.requeue = false: not requeueing"
-    elif loop is not None:
-        why = loop
-    elif reason in FAILURES and failures >= cfg.slurm.max_failures:
-        why = f"max_failures = {cfg.slurm.max_failures} reached: not retrying"
-    elif reason not in FAILURES and requeues >= cfg.slurm.max_requeues:
-        why = f"max_requeues = {cfg.slurm.max_requeues} reached: not requeueing"
+def carry_out(cfg: JobConfig, env: ClusterEnv, run_dir: Path, verdict: policy.Verdict,
+              prefix: str | None = None) -> dict[str, Any]:
+    """The decision's fields for its stop record, the verdict carried out: a requeue is
+    `scontrol requeue` or a successor job (bring_back); a restart here is the batch shell's to
+    run (this process answers RESTART); the end needs nothing."""
+    if verdict.action == policy.REQUEUE:
+        out = bring_back(cfg, env, run_dir)
+        if verdict.crash is not None:
+            out["note"] = f"{verdict.line}: {out['note']}"
+    elif verdict.action == policy.RESTART:
+        out = {"requeued": True, "requeued_by": budget.IN_PLACE, "note": verdict.line}
     else:
-        out = (bring_back(cfg, env, run_dir) if not in_place else
-               {"requeued": True, "requeued_by": rundir.IN_PLACE,
-                "note": f"restarting the ranks inside allocation {env.job_id} (failure {failures + 1} "
-                        f"of max_failures = {cfg.slurm.max_failures})"})
-        out["note"] = "; ".join(str(x) for x in (prefix, out["note"]) if x)
-        return out
-    return {"requeued": None, "note": "; ".join(x for x in (prefix, why) if x)}
+        out = {"requeued": None, "note": verdict.line}
+    out["note"] = "; ".join(str(x) for x in (prefix, out["note"]) if x)
+    return {**out, **verdict.fields()}
 
 
 def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
                 in_place: bool = False) -> bool | None:
-    """The ranks ended with `status` (not 0, not 3): a rank raised or was killed. Retry from the
-    newest checkpoint while max_failures lasts; returns whether the job was brought back.
-    `in_place` (the batch script, which still holds the allocation): the retry runs the ranks
+    """The ranks ended with `status` (not 0, not 3): a rank raised or was killed. The policy's
+    verdict (ledger/policy.py) is recorded and carried out; returns whether the job was brought
+    back. `in_place` (the batch script, which still holds the allocation): a retry runs the ranks
     again in it (a crash then costs seconds, not a trip through the queue); else the job is
-    requeued (submitit's NodeTask is itself one of the ranks)."""
+    requeued (submitit's NodeTask of a job an older ddpjob submitted is itself one of the ranks)."""
     if rundir.completed(run_dir) is not None or not env.job_id:
         return None
-    restart = rundir.run_restart(run_dir, str(env.job_id), env.restart_count)
-    if any(e.get("event") == "stop" and "rank" not in e and str(e.get("job_id")) == str(env.job_id)
-           and e.get("restart") == restart for e in rundir.events(run_dir)):
+    evs = events.read(run_dir)
+    restart = attempts.current(evs, env.job_id)
+    # this start of the job (SLURM's restart count), decided already by another than a restart here
+    mine = [e for e in evs if events.is_decision(e) and str(e.get("job_id")) == str(env.job_id)
+            and e.get("incarnation") == env.restart_count]
+    if mine and mine[-1].get("requeued_by") != budget.IN_PLACE:
         # Rank 0 stopped with a checkpoint and decided already: srun's status is not 3 only
         # because --kill-on-bad-exit ended rank 0 after the others exited 3 (and SLURM does not
         # always signal the batch shell on a preemption).
@@ -197,8 +199,6 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
         print(f"ddpjob: job {env.job_id} was requeued by SLURM (status {status}); "
               "the stop is rank 0's or the next start's to record", flush=True)
         return None
-    evs = rundir.events(run_dir)
-    chain = rundir.job_chain(evs, env.job_id)
     culprit = crashes.with_rank_error(crashes.from_srun(_attempt_log(run_dir, str(env.job_id))) if in_place
                                       else None, evs, env.job_id, restart)
     # on_node_loss = "continue" (sbatch --no-kill): a failed node left the allocation, the job did not end
@@ -208,26 +208,34 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
     with _term_held():
         # in place the job's snapshots count too (the restart resumes from them; a spare's new
         # ranks get theirs from the survivors, store/peers.py): the newest all folders left hold
-        resume_at, steps_lost = crashes.resume_point(
-            run_dir, memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None))
-        streak, _ = crashes.no_progress(evs, chain, (env.job_id, restart, resume_at))
-        loop = crashes.crash_loop(cfg.slurm.max_no_progress, streak, resume_at, steps_lost, culprit)
-        reason = "node_failure" if lost else "crash"
+        saved, from_snapshot = memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None)
+        resume_at, steps_lost = crashes.resume_point(run_dir, saved)
+        facts = crashes.facts(evs, env.job_id, restart, culprit, resume_at=resume_at, steps_lost=steps_lost,
+                              from_snapshot=from_snapshot,
+                              here=in_place, hosts_left=not in_place or restart_layout(run_dir, env, cfg, culprit) is not None,
+                              lost_hosts=lost, run=str(run_dir),
+                              stop_requested=requests.stop_requested(run_dir, env.job_id),
+                              exclude_after=cfg.slurm.exclude_after if in_place else 0)
+        verdict = policy.decide(facts, policy.Limits.of(cfg))
         why = (f"node(s) {','.join(lost)} left allocation {env.job_id}" if lost
                else f"ranks exited with status {status}")
-        fields = _decide(cfg, env, run_dir, reason, restart, why, in_place=in_place, loop=loop)
-        rundir.record_event(run_dir, "stop", reason=reason, step=resume_at, job_id=env.job_id,
-                            restart=restart, status=status, steps_lost=steps_lost, no_progress=streak,
-                            **({"lost_hosts": lost} if lost else {}),
-                            **(culprit.fields() if culprit else {}), **fields)
-    if loop is not None:
-        who = "the ranks'" if culprit is None or culprit.rank is None else f"rank {culprit.rank}'s"
-        print(f"ddpjob: error: {loop}. Hint: {who} log in {run_dir / rundir.LOGS} says why; fix it and "
-              f"`ddpjob resume {run_dir}`", file=sys.stderr, flush=True)
-    else:
-        print(f"ddpjob: job {env.job_id} crashed (status {status})"
-              f"{f', {culprit.describe()}' if culprit else ''}: {fields['note']}", file=sys.stderr, flush=True)
+        fields = carry_out(cfg, env, run_dir, verdict, why)
+        events.record(run_dir, "stop", reason=facts.reason, step=resume_at, job_id=env.job_id,
+                      restart=restart, incarnation=env.restart_count, status=status, steps_lost=steps_lost, no_progress=facts.streak,
+                      **({"lost_hosts": lost} if lost else {}), **({"where": facts.where} if facts.where else {}),
+                      **(culprit.fields() if culprit else {}), **fields)
+    print(verdict_line(verdict, facts, run_dir), file=sys.stderr, flush=True)
     return fields["requeued"]
+
+
+def verdict_line(verdict: policy.Verdict, facts: policy.Facts, run_dir: Path) -> str:
+    """The one line a crash's verdict gets in the job's log (and, as the stop's note, in status):
+    who broke it, then what happens next."""
+    if verdict.error:
+        hint = "" if " Hint: " in verdict.line else (
+            f". Hint: the rank logs in {run_dir / rundir.LOGS} say why; fix it and `ddpjob resume {run_dir}`")
+        return f"ddpjob: error: {verdict.line}{hint}"
+    return f"ddpjob: crash verdict: {verdict.crash or facts.crash} ({facts.what}): {verdict.line}"
 
 
 # The batch script's line before each srun (templates/sbatch.sh.tmpl): what srun wrote after
@@ -263,14 +271,18 @@ def allocation_now(cfg: JobConfig, env: ClusterEnv) -> tuple[str, ...]:
         return env.hosts
 
 
-def restart_layout(run_dir: Path, env: ClusterEnv, cfg: JobConfig) -> tuple[int, list[str]] | None:
+def restart_layout(run_dir: Path, env: ClusterEnv, cfg: JobConfig,
+                   pending: crashes.Culprit | None = None) -> tuple[int, list[str]] | None:
     """(nodes, excluded hosts) for the next srun inside the allocation: every node of it but the
     hosts the run's ledger quarantines (slurm.exclude_after host failures), at most
     slurm.nodes of them when on_node_loss = "continue" (a spare takes a lost node's place; with
-    none left the world is smaller). None: no node is left to run on."""
-    evs = rundir.events(run_dir)
+    none left the world is smaller). None: no node is left to run on. `pending`: the culprit of
+    a crash being decided, not on record yet, counted too."""
+    evs = events.read(run_dir)
+    if pending is not None:
+        evs.append({"event": "stop", "reason": "crash", "job_id": env.job_id, **pending.fields()})
     hosts = allocation_now(cfg, env)
-    out = [h for h in crashes.excluded(evs, rundir.job_chain(evs, env.job_id), cfg.slurm.exclude_after)
+    out = [h for h in crashes.excluded(evs, budget.job_chain(evs, env.job_id), cfg.slurm.exclude_after)
            if h in hosts]
     nodes = (len(hosts) or env.num_nodes) - len(out)
     if cfg.slurm.on_node_loss == "continue":
@@ -311,9 +323,9 @@ def record_unseen(run_dir: Path, job_id: str | None) -> list[dict[str, Any]]:
     SIGKILL after GraceTime, the OOM killer. sacct says how each ended; the stop is recorded
     now so the budgets count it (a node failure spends max_failures, not max_requeues) and
     status/plot show it. Returns the records written."""
-    evs = rundir.events(run_dir)
+    evs = events.read(run_dir)
     seen = {(str(e.get("job_id")), e.get("restart")) for e in evs
-            if e.get("event") == "stop" and "rank" not in e}
+            if events.is_decision(e)}
     unseen = [e for e in evs if e.get("event") == "start" and e.get("source") in ("slurm", "torchrun")
               and (str(e.get("job_id")), e.get("restart")) not in seen
               and slurm.JOB_ID.fullmatch(str(e.get("job_id")))]
@@ -338,21 +350,31 @@ def record_unseen(run_dir: Path, job_id: str | None) -> list[dict[str, Any]]:
             fields.update(requeued=True, requeued_by="slurm")
         else:
             fields["requeued"] = False
-        fields["step"], fields["steps_lost"] = crashes.resume_point(run_dir, memsnap.newest_saved(run_dir, None))
-        rundir.record_event(run_dir, "stop", job_id=old, restart=start.get("restart"), **fields)
+        fields["step"], fields["steps_lost"] = crashes.resume_point(run_dir, memsnap.newest_saved(run_dir, None)[0])
+        events.record(run_dir, "stop", job_id=old, restart=start.get("restart"), **fields)
         written.append(fields)
     return written
+
+
+def attempt_of(env: ClusterEnv, evs: list[dict[str, Any]]) -> int:
+    """This rank's attempt number (ledger/attempts.py): the one the local supervisor took for its
+    ranks (DDPJOB_RESTART_COUNT), else the job's current one in the run's ledger (every rank
+    reads the same: rank 0 decides it under the run lock at the start and broadcasts it)."""
+    if "DDPJOB_RESTART_COUNT" in env.ddpjob_vars:
+        return env.restart_count
+    return attempts.current(evs, env.job_id)
 
 
 def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, str | None]:
     """Rank 0 at a start: (this start's restart number within the run, why it must not run or
     None). The budgets are checked here too because SLURM brings a job back by itself (after
     GraceTime, after a node failure) without asking ddpjob."""
-    restart = rundir.run_restart(run_dir, env.job_id, env.restart_count)
     if env.source in ("slurm", "torchrun") and slurm.JOB_ID.fullmatch(str(env.job_id)):
         for rec in record_unseen(run_dir, env.job_id):
             console.print0(f"ddpjob: the previous attempt ended unseen: {rec['reason']} ({rec['note']})")
-    requeues, failures = used(run_dir, restart, env.job_id)
+    evs = events.read(run_dir)  # after the unseen ends are on record: this attempt is a new one
+    restart = attempt_of(env, evs)
+    requeues, failures = budget.used(evs, env.job_id)
     s = cfg.slurm
     why = None
     if requeues > s.max_requeues:
@@ -360,8 +382,8 @@ def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, st
     elif failures > s.max_failures:
         why = f"{failures} failure(s) retried, more than slurm.max_failures = {s.max_failures}"
     if why:
-        rundir.record_event(run_dir, "stop", reason="budget", step=None, job_id=env.job_id,
-                            restart=restart, requeued=None, note=why)
+        events.record(run_dir, "stop", reason="budget", step=None, job_id=env.job_id,
+                      restart=restart, incarnation=env.restart_count, requeued=None, note=why)
     return restart, why
 
 
@@ -376,12 +398,8 @@ def main(argv: list[str]) -> int:
         memsnap.remove_job(run_dir, env.job_id)  # the job ends here: its snapshots with it
         return status
     layout = restart_layout(run_dir, env, cfg)
-    if layout is None:
-        print(f"ddpjob: error: every node of allocation {env.job_id} is excluded after failing "
-              f"{cfg.slurm.exclude_after} times, expected one left to restart on. Hint: `ddpjob resume "
-              f"{run_dir}` submits the run again on other nodes", file=sys.stderr, flush=True)
-        memsnap.remove_job(run_dir, env.job_id)
-        return status
+    # the verdict counted the hosts left (the crash just recorded included): a restart has one
+    assert layout is not None, "a restart verdict without a node left"
     nodes, out = layout
     if out:
         print(f"ddpjob: excluding {','.join(out)} ({cfg.slurm.exclude_after} failures each): the ranks "

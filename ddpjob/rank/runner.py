@@ -10,6 +10,7 @@ stopped for a requeue with a checkpoint written (the Job decided and did the req
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import traceback
@@ -18,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import console, exitcodes, freeze, jobfile, rundir
+from ddpjob.ledger import events, policy
 from ddpjob.config import JobConfig
-from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.errors import ClusterFailure, DDPJobError, UsageError
 from ddpjob.node.cluster import ClusterEnv
-from ddpjob.rank import entry, start
+from ddpjob.rank import entry, requeue, start
 from ddpjob.rank.job import MissingUserKey, StopForRequeue
 
 
@@ -70,7 +72,7 @@ def _node(run_dir: Path, argv: Sequence[str] | None, allow_code_change: bool = F
         if env.is_rank0:
             print(f"ddpjob: {run_dir} already completed at step {done.get('step')} "
                   f"(accuracy {done.get('accuracy')}): nothing to do", flush=True)
-            rundir.record_event(run_dir, "noop", reason="completed", job_id=env.job_id,
+            events.record(run_dir, "noop", reason="completed", job_id=env.job_id,
                                 restart=env.restart_count)
         return exitcodes.OK
     return _train(jobfile.read_run_config(run_dir), run_dir, None, argv=argv,
@@ -134,15 +136,16 @@ def _run_entry(cfg: JobConfig, run_dir: Path | None, env: ClusterEnv, stop: Any)
         if reported is raised:
             reported = _out_of_memory(raised, env.rank)  # the machine's limit, not a bug
         if reported is raised:
-            reported = _theirs(raised, env.rank)  # an error in the user's own code is theirs
+            reported = _theirs(raised, env.rank, run_dir)  # an error in the user's own code is theirs
             if reported is not raised:
                 traceback.print_exc()  # the rank's log keeps the whole story
         where = job.run_dir if job is not None else run_dir
         if where is not None and not isinstance(reported, SystemExit):
             why = reported.line() if isinstance(reported, DDPJobError) else _one_line(reported)
-            # the run's restart number (as the decision's record has it), SLURM's count before init
-            rundir.record_event(where, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
-                                restart=job.restart if job is not None else env.restart_count, error=why)
+            step = job.current_step if job is not None else None
+            events.record(where, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
+                          restart=job.restart if job is not None else requeue.attempt_of(env, events.read(where)),
+                          error=why, step=step, **_error_kind(raised, reported, run_dir))
             if not isinstance(reported, (DDPJobError, KeyboardInterrupt)):
                 traceback.print_exc()  # a bug: the log keeps the full story on every rank
         if reported is not raised:
@@ -181,15 +184,16 @@ def _user_frame(exc: BaseException) -> tuple[str, int] | None:
     return innermost if innermost is not None and not under(innermost[0], [ours]) else None
 
 
-def _theirs(exc: BaseException, rank: int) -> BaseException:
+def _theirs(exc: BaseException, rank: int, run_dir: Path | None = None) -> BaseException:
     """An exception raised in the user's own code, as one line that says so: the rank, the
-    exception and their line ("internal error" is for ddpjob's own bugs)."""
+    exception and their line, in their file rather than the run's frozen copy of it ("internal
+    error" is for ddpjob's own bugs)."""
     if isinstance(exc, DDPJobError) or not isinstance(exc, Exception):
         return exc
     place = _user_frame(exc)
     if place is None:
         return exc
-    file, line = place
+    file, line = freeze.source_of(run_dir, place[0]), place[1]
     what = exc.msg if isinstance(exc, SyntaxError) else str(exc)
     kind = type(exc).__name__
     if isinstance(exc, MissingUserKey):  # a KeyError to the user, its message unquoted
@@ -197,6 +201,32 @@ def _theirs(exc: BaseException, rank: int) -> BaseException:
     return DDPJobError(f"rank {rank}: your code raised {kind}: {' '.join(what.split())[:300]} "
                        f"at {os.path.basename(file)}:{line}",
                        f"fix it in {file}; the traceback is in this rank's log")
+
+
+# An OSError of these kinds in the user's code is a passing failure of the machine, most often a
+# shared file system (NFS, Lustre, GPFS) timing out or a server restarting: retried once, not
+# again at the same step and line (ledger/policy.py)
+_TRANSIENT = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
+                        errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN,
+                        errno.EREMOTEIO, errno.EAGAIN, errno.EBUSY})
+
+
+def _error_kind(raised: BaseException, reported: BaseException, run_dir: Path | None) -> dict[str, Any]:
+    """The crash record's verdict inputs (ledger/crashes.classify): whose error it is
+    (policy.USER, TRANSIENT, INTERNAL or INFRASTRUCTURE), the exception's name and the user's
+    file:line where it was raised in their code."""
+    if isinstance(reported, ClusterFailure) or isinstance(raised, KeyboardInterrupt):
+        return {"error_class": policy.INFRASTRUCTURE}  # a peer died, a stall, a node out of reach
+    place = _user_frame(raised)
+    where = None if place is None else f"{os.path.basename(freeze.source_of(run_dir, place[0]))}:{place[1]}"
+    kind = {"exception": type(raised).__name__, **({"where": where} if where else {})}
+    if place is not None:  # raised in the user's code
+        passing = isinstance(raised, (ConnectionError, TimeoutError)) or (
+            isinstance(raised, OSError) and raised.errno in _TRANSIENT)
+        return {"error_class": policy.TRANSIENT if passing else policy.USER, **kind}
+    if isinstance(reported, DDPJobError):  # ddpjob refused what the user can fix: a setting, a file, memory
+        return {"error_class": policy.USER, **kind}
+    return {"error_class": policy.INTERNAL, **kind}  # ddpjob's own bug
 
 
 def _out_of_memory(exc: BaseException, rank: int) -> BaseException:

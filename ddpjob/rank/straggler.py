@@ -188,10 +188,11 @@ def for_job(job: Any) -> StepTimer:
         watch = Watch(hosts, window=t.straggler_window, threshold=t.straggler_threshold)
 
     def report(flag: Flag) -> None:
-        from ddpjob import console, rundir
+        from ddpjob import console
+        from ddpjob.ledger import events
 
         console.warn(flag.describe())
-        rundir.record_event(job.run_dir, "straggler", rank=flag.rank, host=flag.host, cause=flag.cause,
+        events.record(job.run_dir, "straggler", rank=flag.rank, host=flag.host, cause=flag.cause,
                             busy_ms=round(1000 * flag.busy_s, 3), median_ms=round(1000 * flag.median_s, 3),
                             data_ms=round(1000 * flag.data_s, 3), step=flag.last, first_step=flag.first,
                             job_id=job.job_id, restart=job.restart)

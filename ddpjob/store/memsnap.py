@@ -163,12 +163,15 @@ def newest_common(run_dir: Path, job_id: str | None, base: Path = SHM) -> int | 
     return max(steps, default=None) if steps else None
 
 
-def newest_saved(run_dir: Path, job_id: str | None) -> int | None:
-    """The step a restart of the job on this machine would resume from: the newest valid
-    checkpoint, or with `job_id` the newest snapshot all its ranks hold when newer."""
+def newest_saved(run_dir: Path, job_id: str | None) -> tuple[int | None, bool]:
+    """(the step a restart of the job on this machine would resume from: the newest valid
+    checkpoint, or with `job_id` the newest snapshot all its ranks hold when newer; whether that
+    is a snapshot's)."""
     found = manifest.newest_valid(Path(run_dir) / rundir.CHECKPOINTS)
     snap = newest_common(run_dir, job_id) if job_id else None
-    return max((s for s in (found[0] if found else None, snap) if s is not None), default=None)
+    if snap is not None and (found is None or snap > found[0]):
+        return snap, True
+    return (found[0] if found else None), False
 
 
 def remove_job(run_dir: Path, job_id: str | None, base: Path = SHM) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddpjob import rundir
+from ddpjob.ledger import events
 from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist
@@ -228,7 +228,7 @@ class StateStore:
                 # it verifies: its manifest was rewritten to match. Never loaded (weights_only);
                 # skipped like a damaged one, and said where the run's history is kept
                 reason = f"it holds code, not only tensors ({code}): someone wrote into the run dir"
-                rundir.record_event(self.store.root.parent, "checkpoint_rejected", step=info.step,
+                events.record(self.store.root.parent, "checkpoint_rejected", step=info.step,
                                     reason=reason, job_id=self.job_id, restart=self.restart)
             if reason is None:
                 self._check_code(info)

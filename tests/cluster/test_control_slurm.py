@@ -15,6 +15,7 @@ from ranks import LAG
 
 from ddpjob import jobfile, rundir
 from ddpjob.launch import runs
+from ddpjob.ledger.events import read as read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +47,7 @@ def test_status_logs_cancel_ls_on_a_real_slurm_job(slurm_cluster, tmp_path):
     assert wait_done(job_id, timeout=120) == "CANCELLED"
     wait_for(lambda: "CANCELLED" in ddpjob("status", str(run), cwd=tmp_path).stdout, timeout=30,
              what="status CANCELLED")
-    assert any(e["event"] == "cancel" for e in rundir.events(run))
+    assert any(e["event"] == "cancel" for e in read_events(run))
 
 
 @pytest.mark.cluster
@@ -71,7 +72,7 @@ def test_a_preempted_submitit_job_is_requeued_by_slurm_and_resumes(slurm_cluster
     if slurmtools.wait_state(job_id, ("PENDING", "RUNNING", "COMPLETED"), timeout=60) == "PENDING":
         slurmtools.release_now(job_id)  # skip the ~11 s hold of a requeued job
     assert slurmtools.wait_done(job_id, timeout=400) == "COMPLETED"
-    stops = [e for e in rundir.events(run) if e["event"] == "stop"]
+    stops = [e for e in read_events(run) if e["event"] == "stop"]
     assert stops[0]["reason"] == "preemption" and stops[-1]["reason"] == "finished"
     assert stops[-1]["restart"] == 1 and rundir.completed(run)["step"] == 300
     out = ddpjob("status", str(run), cwd=tmp_path)
@@ -115,7 +116,7 @@ def test_resume_of_a_cancelled_sbatch_run_finishes_it(slurm_cluster, tmp_path):
     slurmtools.read_when(run / "logs" / "rank-0.log", "paused at call 6", timeout=300)
     assert ddpjob("cancel", str(run), cwd=tmp_path).returncode == 0
     assert slurmtools.wait_done(first, timeout=120) == "CANCELLED"
-    [stop] = [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e]
+    [stop] = [e for e in read_events(run) if e.get("event") == "stop" and "rank" not in e]
     assert (stop["reason"], stop["step"], stop["requeued"]) == ("signal", 6 + LAG, None), stop
     env.pop("DDPJOB_TEST_SIGNAL")  # sbatch passes resume's environment on to the job
     out = subprocess.run([sys.executable, "-m", "ddpjob", "resume", str(run), "--set", "train.max_steps=12"],
@@ -125,7 +126,7 @@ def test_resume_of_a_cancelled_sbatch_run_finishes_it(slurm_cluster, tmp_path):
     assert job["via"] == "sbatch" and job["job_ids"] == [first, job["job_id"]]
     slurmtools.submitted.append(job["job_id"])
     assert slurmtools.wait_done(job["job_id"], timeout=300) == "COMPLETED"
-    starts = [e for e in rundir.events(run) if e.get("event") == "start"]
+    starts = [e for e in read_events(run) if e.get("event") == "start"]
     assert [(s["job_id"], s.get("resumed_step")) for s in starts] == [(first, None), (job["job_id"], 6 + LAG)]
     assert rundir.completed(run)["step"] == 12
     assert "#SBATCH" in (run / "job.sbatch").read_text() and jobfile.read_run_config(run).train.max_steps == 12

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from ddpjob import jobfile, rundir
+from ddpjob.ledger.events import read as read_events
 from ranks import PYTHON, REPO, assert_bit_equal, final_state, metrics, run, write_job
 from test_runner import DATA, NOBN
 
@@ -45,7 +46,7 @@ def test_same_job_under_srun_2_nodes_x_2_tasks(tmp_path: Path, slurm_cluster: An
     state = slurmtools.wait_done(job_id, timeout=600)
     log = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert state == "COMPLETED", log[-4000:]
-    start = [e for e in rundir.events(run_dir) if e["event"] == "start"][0]
+    start = [e for e in read_events(run_dir) if e["event"] == "start"][0]
     assert (start["world_size"], start["source"], start["job_id"]) == (4, "slurm", job_id)
     assert "rank 0/4" in log and "node 0/2" in log
     codes, r = run([str(job), "--run-dir", str(tmp_path / "local")], 4, tmp_path / "logs")
@@ -98,7 +99,7 @@ def test_partition_preemption_of_srun_ranks_requeues_and_resumes_bit_exactly(
     state = slurmtools.wait_done(job_id, timeout=300)
     log = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert state == "COMPLETED", log[-4000:]
-    ev = rundir.events(run_dir)
+    ev = read_events(run_dir)
     stop = [e for e in ev if e["event"] == "stop"]
     assert stop[0]["reason"] == "preemption" and stop[0]["requeued"] is True, stop
     assert stop[-1]["reason"] == "finished" and stop[-1]["restart"] == 1

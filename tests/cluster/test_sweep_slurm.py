@@ -12,6 +12,7 @@ import pytest
 
 from clirun import ddpjob
 from ddpjob import jobfile, rundir
+from ddpjob.ledger.events import read as read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -113,7 +114,7 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
         for p in points:
             deadline = time.monotonic() + 400
             while rundir.completed(p) is None:
-                assert time.monotonic() < deadline, f"{p} did not complete: {rundir.events(p)[-3:]}"
+                assert time.monotonic() < deadline, f"{p} did not complete: {read_events(p)[-3:]}"
                 time.sleep(1)
         logs = {f.name: f.read_text() for f in (sweep / "logs").glob("*_log.out")}
         for i, (p, code) in enumerate(zip(points, frozen)):
@@ -123,7 +124,7 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
             starts = 2  # each point: its first run and the resumed one
             for text in mine:
                 assert text.count(where) == starts, text[-3000:]
-            stops = [e for e in rundir.events(p) if e.get("event") == "stop" and "rank" not in e]
+            stops = [e for e in read_events(p) if e.get("event") == "stop" and "rank" not in e]
             assert stops[0]["reason"] == "time_limit" and stops[0]["requeued_by"] == "scontrol", stops
             assert stops[0]["job_id"] == ids[i] and stops[0]["note"] == f"requeued job {ids[i]}", stops
             assert stops[-1]["reason"] == "finished" and stops[-1]["restart"] == starts - 1, stops

@@ -18,6 +18,7 @@ from ranks import base_env
 from ddpjob import rundir
 from ddpjob.launch import runs
 from ddpjob.launch.backends import local_procs
+from ddpjob.ledger.events import read as read_events
 
 
 _started: list[Path] = []
@@ -74,7 +75,7 @@ def test_status_ls_logs_cancel_on_a_local_run(tmp_path):
     out = ddpjob("cancel", str(run), cwd=tmp_path)
     assert out.returncode == 0 and f"cancelled {job_id}" in out.stdout
     wait_for(lambda: local_state(run).get("state") == "CANCELLED", what="CANCELLED")
-    assert any(e["event"] == "cancel" and e["by"] == "user" for e in rundir.events(run))
+    assert any(e["event"] == "cancel" and e["by"] == "user" for e in read_events(run))
     out = ddpjob("status", str(run), cwd=tmp_path)
     assert "state       CANCELLED" in out.stdout and "completed   no" in out.stdout
     out = ddpjob("cancel", str(run), cwd=tmp_path)  # twice: nothing left to cancel

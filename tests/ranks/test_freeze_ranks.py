@@ -16,6 +16,7 @@ from ranks import LAG
 
 from ddpjob import rundir
 from ddpjob import freeze
+from ddpjob.ledger.events import read as read_events
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKE = REPO / "jobs" / "smoke.toml"
@@ -71,7 +72,7 @@ def test_a_plugin_edited_after_submission(tmp_path: Path) -> None:
     assert "the code on disk has changed since" in status, status
     done = _cli("resume", str(run), "--wait", cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
-    starts = [e for e in rundir.events(run) if e.get("event") == "start"]
+    starts = [e for e in read_events(run) if e.get("event") == "start"]
     assert [s.get("resumed_step") for s in starts] == [None, 6 + LAG], starts
     import torch
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ddpjob import rundir
+from ddpjob.ledger.events import read as read_events
 
 from clirun import wait_for
 from fake_local import fake_command, local_state, make_run
@@ -62,7 +63,7 @@ def test_ranks_get_the_torchrun_environment_and_the_job_completes(tmp_path):
     state = local_state(run)
     assert state["state"] == "COMPLETED" and state["restarts"] == 0 and state["pid"] == sup.pid
     assert "fake rank 3 restart 0 mode ok" in (run / "logs" / "rank-3.log").read_text()
-    assert [e["event"] for e in rundir.events(run)] == ["local_start", "local_end"]
+    assert [e["event"] for e in read_events(run)] == ["local_start", "local_end"]
 
 
 def test_sigusr2_is_forwarded_ranks_exit_3_and_are_restarted(tmp_path):
@@ -79,7 +80,7 @@ def test_sigusr2_is_forwarded_ranks_exit_3_and_are_restarted(tmp_path):
     assert [h["exit_codes"] for h in state["history"]] == [[3, 3], [0, 0]]
     log0 = (run / "logs" / "rank-0.log").read_text()  # appended across the restart
     assert "restart 0 mode wait" in log0 and "got signal [12]" in log0 and "restart 1 mode wait" in log0
-    events = [e["event"] for e in rundir.events(run)]
+    events = [e["event"] for e in read_events(run)]
     assert events == ["local_start", "signal", "local_requeue", "local_start", "local_end"]
 
 
@@ -108,17 +109,17 @@ def test_a_killed_rank_is_restarted_in_place_while_max_failures_lasts(tmp_path):
     state = local_state(run)
     assert state["state"] == "COMPLETED" and state["restarts"] == 1, state
     assert [h["exit_codes"][1] for h in state["history"]] == [-signal.SIGKILL, 0], state["history"]
-    (crash,) = [e for e in rundir.events(run) if e["event"] == "stop"]
+    (crash,) = [e for e in read_events(run) if e["event"] == "stop"]
     assert crash["reason"] == "crash" and crash["requeued"] is True and crash["requeued_by"] == "supervisor"
     assert "failure 1 of max_failures = 1" in crash["note"], crash
     assert (run / "fake-r0-s1.json").exists() and (run / "fake-r1-s1.json").exists()
 
 
-def test_a_rank_killed_at_the_same_point_every_time_ends_as_a_crash_loop(tmp_path):
-    """kill -9 of rank 1 in every attempt, before any checkpoint: with max_failures = 10 left,
+def test_a_rank_that_segfaults_at_the_same_point_every_time_ends_as_a_crash_loop(tmp_path):
+    """A segfault of rank 1 in every attempt, before any checkpoint: with max_failures = 10 left,
     slurm.max_no_progress = 3 attempts in a row that got nowhere end the run FAILED, with one
     line naming the rank, its host and how it died."""
-    run = make_run(tmp_path, "kill1", tasks=2, max_failures=10)
+    run = make_run(tmp_path, "segv1", tasks=2, max_failures=10)
     sup = start_supervisor(tmp_path, run)
     assert sup.wait(timeout=180) == 1
     state = local_state(run)
@@ -126,12 +127,26 @@ def test_a_rank_killed_at_the_same_point_every_time_ends_as_a_crash_loop(tmp_pat
     host = socket.gethostname()
     assert state["reason"] == (
         "crash loop: 3 attempts in a row crashed without getting past the checkpoint at step 0 "
-        f"(rank 1 on {host}: killed by SIGKILL); not retrying (slurm.max_no_progress = 3)"), state["reason"]
-    stops = [e for e in rundir.events(run) if e["event"] == "stop"]
+        f"(rank 1 on {host}: killed by SIGSEGV); not retrying (slurm.max_no_progress = 3)"), state["reason"]
+    stops = [e for e in read_events(run) if e["event"] == "stop"]
     assert [(s["no_progress"], s["requeued"]) for s in stops] == [(1, True), (2, True), (3, None)], stops
-    assert all(s["failed_rank"] == 1 and s["host_fault"] for s in stops)
+    assert all(s["failed_rank"] == 1 and s["host_fault"] and s["verdict"] == "infrastructure" for s in stops)
     log = (tmp_path / "supervisor.log").read_text()
     assert "ddpjob: error: crash loop: 3 attempts" in log, log
+
+
+def test_a_sigkill_at_the_same_point_again_ends_the_run_as_the_oom_killers(tmp_path):
+    """kill -9 of rank 1 at the same point of two attempts in a row (the kernel's OOM killer on
+    the job's own memory looks like this): the second ends the run, with a line that says so."""
+    run = make_run(tmp_path, "kill1", tasks=2, max_failures=10)
+    sup = start_supervisor(tmp_path, run)
+    assert sup.wait(timeout=180) == 1
+    state = local_state(run)
+    assert state["state"] == "FAILED" and len(state["history"]) == 2, state
+    assert state["reason"].startswith(f"crash loop: rank 1 on {socket.gethostname()}: killed by SIGKILL again at "
+                                      "the same step: likely the kernel's OOM killer"), state["reason"]
+    stops = [e for e in read_events(run) if e["event"] == "stop"]
+    assert [(s["action"], s["requeued"]) for s in stops] == [("restart", True), ("end", None)], stops
 
 
 def test_sigterm_cancels_without_restart(tmp_path):
@@ -151,7 +166,8 @@ def test_requeues_stop_at_max_requeues(tmp_path):
     assert sup.wait(timeout=60) == 1
     state = local_state(run)
     assert state["state"] == "FAILED" and state["restarts"] == 2
-    assert "max_requeues=2" in state["reason"] and len(state["history"]) == 3
+    assert state["reason"] == "stopped for a requeue, but max_requeues = 2 reached: not requeueing"
+    assert len(state["history"]) == 3
 
 
 def test_sweep_points_run_one_after_another(tmp_path):
@@ -194,8 +210,8 @@ def test_submit_local_wait_trains_to_completion_with_two_ranks(tmp_path):
     assert local_state(run)["state"] == "COMPLETED"
     assert rundir.completed(run) is not None
     assert "finished: step 6" in (run / "logs" / "rank-0.log").read_text()
-    assert [e["event"] for e in rundir.events(run)][0] == "local_start"
+    assert [e["event"] for e in read_events(run)][0] == "local_start"
     # 2 ranks on this host: forked from the run's warm-start server, which imported torch once
-    assert [e.get("warm") for e in rundir.events(run) if e["event"] == "start"] == [True]
+    assert [e.get("warm") for e in read_events(run) if e["event"] == "start"] == [True]
     assert (run / "logs" / "warm-local.log").is_file()
     print(f"local 2-rank smoke (6 steps) took {time.monotonic() - t0:.1f}s")

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ddpjob import jobfile, rundir, runlock
+from ddpjob.ledger.events import read as read_events
 
 from clirun import wait_for
 from fake_local import fake_command, make_run
@@ -62,7 +63,7 @@ def test_a_second_job_is_refused_in_a_run_dir_where_one_trains(tmp_path: Path) -
             assert "is in use: local supervisor of job local-" in lines[0], lines
             assert "Traceback" not in r.stderr
         assert (run / "local.json").read_bytes() == before
-        assert not [e for e in rundir.events(run) if e["event"] == "start"]
+        assert not [e for e in read_events(run) if e["event"] == "start"]
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob import jobfile, rundir
+from ddpjob import jobfile
+from ddpjob.ledger.events import read as read_events
 from ranks import PYTHON, assert_bit_equal, base_env, free_port, final_state, metrics, run, write_job
 
 NOBN = dict(model="trainer_plugins:conv_nobn", max_steps=12, batch_size=32, global_batch_size=64,
@@ -46,7 +47,7 @@ def test_same_job_under_torchrun_legacy_launch_and_alone(tmp_path: Path) -> None
         out = _cmd(args, tmp_path)
         assert out.returncode == 0, f"{name}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
         assert (tmp_path / name / "COMPLETED").is_file()
-    starts = {n: [e for e in rundir.events(tmp_path / n) if e["event"] == "start"][0] for n in launches}
+    starts = {n: [e for e in read_events(tmp_path / n) if e["event"] == "start"][0] for n in launches}
     assert {n: (s["world_size"], s["accumulation"]) for n, s in starts.items()} == {
         "torchrun": (2, 1), "legacy": (2, 1), "alone": (1, 2)}
     a, opt_a = final_state(tmp_path / "torchrun")

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from ddpjob import rundir
+from ddpjob.ledger.events import read as read_events
 from clirun import REPO as ROOT
 from clirun import ddpjob as run_cli
 from ranks import LAG
@@ -34,7 +35,7 @@ def _paused(log: Path, timeout: float = 240) -> None:
 
 
 def _stops(run: Path) -> list[dict[str, Any]]:
-    return [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e]
+    return [e for e in read_events(run) if e.get("event") == "stop" and "rank" not in e]
 
 
 @pytest.mark.slow
@@ -53,12 +54,12 @@ def test_stop_checkpoints_a_local_run_which_resume_finishes(tmp_path: Path) -> N
         time.sleep(0.2)
     (stop,) = _stops(run)
     assert stop["reason"] == "user_stop" and stop["step"] == 6 + LAG, stop
-    assert [e for e in rundir.events(run) if e["event"] == "start"][-1]["restart"] == 0  # not restarted
+    assert [e for e in read_events(run) if e["event"] == "start"][-1]["restart"] == 0  # not restarted
     status = run_cli("status", str(run), cwd=tmp_path, env=env).stdout
     assert "state       STOPPED" in status and f"checkpoint  step-{6 + LAG:09d}" in status, status
     again = run_cli("stop", str(run), cwd=tmp_path, env=env)
     assert again.returncode == 1 and "has already finished, nothing to stop" in again.stderr
     done = run_cli("resume", str(run), "--wait", cwd=tmp_path, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    starts = [e for e in rundir.events(run) if e["event"] == "start"]
+    starts = [e for e in read_events(run) if e["event"] == "start"]
     assert starts[-1]["resumed_step"] == 6 + LAG and (run / "COMPLETED").exists()

@@ -14,7 +14,7 @@ import pytest
 
 from clirun import REPO
 from clirun import ddpjob as run_cli
-from ddpjob import rundir
+from ddpjob.ledger.events import read as read_events
 
 SMOKE = str(REPO / "jobs" / "smoke.toml")
 # train.straggler_threshold for 4 unpinned ranks on this machine's 2 cores, here and in the SLURM
@@ -50,7 +50,7 @@ def straggler_run(tmp_path: Path, how: str, *, backend: str, nodes: int, tasks: 
         keys += ["--set", f"train.straggler_threshold={threshold}"]
     out = run_cli("submit", SMOKE, *keys, cwd=tmp_path, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return run, [e for e in rundir.events(run) if e.get("event") == "straggler"]
+    return run, [e for e in read_events(run) if e.get("event") == "straggler"]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from ranks import LAG
 from clirun import ddpjob as run_cli
 from ddpjob import jobfile, rundir
 from ddpjob.launch.backends import submitit_slurm
+from ddpjob.ledger.events import read as read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -71,7 +72,7 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
     while rundir.read_record(run / "local.json").get("state") != "CANCELLED":
         assert time.monotonic() < deadline, rundir.read_record(run / "local.json")
         time.sleep(0.2)
-    stop = [e for e in rundir.events(run) if e.get("event") == "stop" and "rank" not in e][-1]
+    stop = [e for e in read_events(run) if e.get("event") == "stop" and "rank" not in e][-1]
     assert stop["step"] == 6 + LAG, stop  # the step in flight finishes, the vote's, then the checkpoint
     # `ddpjob resume` takes the run's own config (the job file may have changed since)
     second = run_cli("resume", str(run), "--tasks-per-node", "1", "--wait", cwd=tmp_path, env=env,
@@ -82,7 +83,7 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
     assert done.returncode == 1 and "has completed" in done.stderr and done.stderr.count("\n") == 1
     job = rundir.read_json(run / "job.json")
     assert job["job_ids"] == [job1, job["job_id"]] and job["job_id"] != job1
-    starts = [e for e in rundir.events(run) if e.get("event") == "start"]
+    starts = [e for e in read_events(run) if e.get("event") == "start"]
     assert [(s["world_size"], s.get("resumed_step")) for s in starts] == [(2, None), (1, 6 + LAG)], starts
     assert rundir.completed(run)["step"] == 12
 

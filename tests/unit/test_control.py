@@ -17,6 +17,7 @@ from ddpjob import rundir
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import control, runs
 from ddpjob.launch.backends import slurmjobs
+from ddpjob.ledger.events import read as read_events, record as record_event
 
 
 # ------------------------------------------------------------------ pure parts
@@ -68,7 +69,7 @@ def test_a_run_without_job_json_is_found_through_the_job_id_its_ranks_recorded(t
     """`ddpjob sbatch` + `sbatch` writes no job.json: the runner's events carry the job id."""
     run = make_run(tmp_path, "ok")
     assert runs.run_info(run).state == "UNKNOWN"
-    rundir.record_event(run, "start", job_id="4242", restart=0)
+    record_event(run, "start", job_id="4242", restart=0)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sacct").write_text("#!/bin/sh\necho '4242|RUNNING|0:0|n1'\n")
@@ -157,7 +158,7 @@ def test_cancel_of_an_empty_name_or_of_a_run_never_submitted_cancels_nothing(tmp
     assert main(["cancel", str(never)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"ddpjob: error: '{never}' has no job id"), err
-    assert rundir.events(never) == []  # nothing recorded that could block a later requeue
+    assert read_events(never) == []  # nothing recorded that could block a later requeue
 
 
 def test_resume_waits_a_bounded_time_for_a_job_that_is_completing(tmp_path, fake_slurm, monkeypatch, capsys):

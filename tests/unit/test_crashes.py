@@ -13,10 +13,12 @@ import pytest
 
 import fake_checkpoint
 
-from ddpjob import config, crashes, exitcodes, jobfile, rundir
+from ddpjob import config, exitcodes, jobfile, rundir
+from ddpjob.ledger import budget, crashes
 from ddpjob.launch import plot
 from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
+from ddpjob.ledger.events import read as read_events
 
 ENV = ClusterEnv(source="slurm", job_id="77", restart_count=0, hosts=("n1", "n2"), num_nodes=2)
 KILLED = ("ddpjob: attempt 0: ranks on 2 node(s)\n"
@@ -91,10 +93,6 @@ def test_the_no_progress_streak_counts_attempts_that_got_nowhere_in_a_row() -> N
     assert crashes.no_progress(evs[:2], None, ("77", 1, 10)) == (1, 10)
     # from scratch, dying before the first checkpoint is no progress either
     assert crashes.no_progress([start("77", 0, None)], None, ("77", 0, 0)) == (1, 0)
-    line = crashes.crash_loop(3, 3, 10, 5, crashes.Culprit(2, "n2", "Killed", True))
-    assert line == ("crash loop: 3 attempts in a row crashed without getting past the checkpoint at step 10, "
-                    "the last after step 15 (rank 2 on n2: Killed); not retrying (slurm.max_no_progress = 3)")
-    assert crashes.crash_loop(3, 2, 10, 5, None) is None
 
 
 def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
@@ -128,9 +126,9 @@ def test_a_node_lost_with_on_node_loss_continue_is_left_behind_inside_the_alloca
     batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: Node failure on n2\n"
                  "srun: error: n2: task 2: Killed\nsrun: error: n1: task 0: Killed\n")
     assert requeue.after_crash(cfg, env, d, 137, in_place=True) is True
-    stop = [e for e in rundir.events(d) if e["event"] == "stop"][-1]
+    stop = [e for e in read_events(d) if e["event"] == "stop"][-1]
     assert (stop["reason"], stop["lost_hosts"], stop["requeued_by"]) == ("node_failure", ["n2"], "in_allocation")
-    assert stop["note"].startswith("node(s) n2 left allocation 77; restarting the ranks inside allocation 77")
+    assert stop["note"].startswith("node(s) n2 left allocation 77; restarting in place from the checkpoint of step 30")
     # srun's "Node failure on n2" names the culprit, not the first task it then killed (on n1)
     assert (stop["failed_rank"], stop["failed_host"], stop["failed_how"]) == (None, "n2", "node failure")
     assert "node n2 failed" in "\n".join(plot.summary(d))
@@ -138,12 +136,12 @@ def test_a_node_lost_with_on_node_loss_continue_is_left_behind_inside_the_alloca
     rundir.append_jsonl(d / "events.jsonl", start("77", 1, 30))
     batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n1: task 1: Exited with exit code 1\n")
     assert requeue.after_crash(cfg, env, d, 1, in_place=True) is True
-    assert [e["reason"] for e in rundir.events(d) if e["event"] == "stop"] == ["node_failure", "crash"]
+    assert [e["reason"] for e in read_events(d) if e["event"] == "stop"] == ["node_failure", "crash"]
 
 
 def test_the_node_loss_settings_refuse_what_cannot_work(tmp_path) -> None:
     for keys, says in (({"on_node_loss": "stay"}, "slurm.on_node_loss is 'stay', expected requeue or continue"),
-                       ({"on_node_loss": "continue"}, "with max_failures = 0: a lost node would end the job"),
+                       ({"on_node_loss": "continue", "max_failures": 0}, "with max_failures = 0: a lost node would end the job"),
                        ({"spare_nodes": 1, "max_failures": 1}, "slurm.spare_nodes = 1 with on_node_loss = \"requeue\"")):
         with pytest.raises(Exception, match=re.escape(says)):
             jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, **keys}})
@@ -169,7 +167,7 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     rundir.append_jsonl(d / "events.jsonl", start("77", 0, None))
     batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: n2: task 2: Killed\n")
     assert requeue.after_crash(cfg, ENV, d, 137, in_place=True) is True
-    first = [e for e in rundir.events(d) if e["event"] == "stop"][-1]
+    first = [e for e in read_events(d) if e["event"] == "stop"][-1]
     assert (first["failed_rank"], first["failed_host"], first["host_fault"]) == (2, "n2", True)
     assert requeue.restart_layout(d, ENV, cfg) == (2, [])  # once is not yet the host
     fake_checkpoint.committed(d, 60)
@@ -177,7 +175,7 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     # the first attempt's line is still in the log: only the newest attempt's lines count
     batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n2: task 3: Bus error\n")
     assert requeue.after_crash(cfg, ENV, d, 135, in_place=True) is True
-    assert [e.get("failed_rank") for e in rundir.events(d) if e["event"] == "stop"] == [2, 3]
+    assert [e.get("failed_rank") for e in read_events(d) if e["event"] == "stop"] == [2, 3]
     assert requeue.restart_layout(d, ENV, cfg) == (1, ["n2"])
     lines = "\n".join(plot.summary(d))  # what `ddpjob status` shows
     assert "n2 2 failures (excluded)" in lines and "rank 3 on n2: Bus error" in lines, lines
@@ -211,11 +209,14 @@ def test_the_decision_prints_the_layout_for_the_batch_script(fake_slurm, tmp_pat
     rundir.append_jsonl(d / "events.jsonl", {**crash("77", 3, 20, "n2"), "failed_rank": 2})
     batch_log(d, "ddpjob: attempt 3: ranks on 1 node(s), excluding n1\nsrun: error: n2: task 0: Killed\n")
     assert requeue.main([str(d), "137"]) == 137
-    assert "every node of allocation 77 is excluded" in capsys.readouterr().err
+    assert ("ddpjob: error: every node of the allocation is excluded after failing, expected one left to "
+            "restart on. Hint: `ddpjob resume") in capsys.readouterr().err
 
 
 def test_a_crash_loop_ends_the_job_with_one_line(fake_slurm, tmp_path, capsys) -> None:
-    cfg, d = run_dir(tmp_path, max_failures=10, max_no_progress=3)
+    """A rank segfaults in every attempt past the checkpoint it resumed from: retried (what the
+    cluster breaks is), until slurm.max_no_progress attempts in a row got nowhere."""
+    cfg, d = run_dir(tmp_path, max_failures=10, max_no_progress=3, exclude_after=0)
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
     fake_checkpoint.committed(d, 10)
     rundir.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 15})
@@ -224,20 +225,18 @@ def test_a_crash_loop_ends_the_job_with_one_line(fake_slurm, tmp_path, capsys) -
     for restart in range(4):
         if restart:
             rundir.append_jsonl(d / "events.jsonl", start("77", restart, 10))
-        rundir.append_jsonl(d / "events.jsonl", {
-            "event": "stop", "reason": "crash", "rank": 0, "host": "n1", "job_id": "77", "restart": restart,
-            "error": "ddpjob: error: rank 0: RuntimeError: step 15 fails (train.py:9). Hint: yours."})
         batch_log(d, f"ddpjob: attempt {restart}: ranks on 2 node(s)\n"
-                     "srun: error: n1: task 0: Exited with exit code 1\n")
-        answers.append(requeue.after_crash(cfg, ENV, d, 1, in_place=True))
+                     "srun: error: n1: task 0: Segmentation fault\n")
+        answers.append(requeue.after_crash(cfg, ENV, d, 139, in_place=True))
     # the first attempt got from 0 to 10; the next three got nowhere: the third of them ends it
     assert answers == [True, True, True, None]
-    stops = [e for e in rundir.events(d) if e["event"] == "stop" and "rank" not in e]
+    stops = [e for e in read_events(d) if e["event"] == "stop" and "rank" not in e]
     assert [s["no_progress"] for s in stops] == [0, 1, 2, 3]
-    assert requeue.used(d, 4, "77")[1] == 3  # 7 retries of max_failures were left
+    assert [s["verdict"] for s in stops] == ["infrastructure"] * 4
+    assert budget.used(read_events(d), "77")[1] == 3  # 7 retries of max_failures were left
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("ddpjob: error: crash loop: 3 attempts in a row crashed without getting past "
                           "the checkpoint at step 10, the last after step 15 (rank 0 on n1: "
-                          "RuntimeError: step 15 fails (train.py:9)); not retrying (slurm.max_no_progress = 3). "
-                          "Hint: rank 0's log in "), err
+                          "Segmentation fault); not retrying (slurm.max_no_progress = 3). "
+                          "Hint: the rank logs in "), err
     assert "slurm.max_no_progress = 3" in stops[-1]["note"]

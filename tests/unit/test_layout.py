@@ -1,6 +1,7 @@
 """The package layout's rules: the login side (cli, config, launch/) never imports torch at
 import time, every torch.distributed collective is called from ddpjob/node/dist.py only, and
-the packages import down the layer order (shared -> node -> store -> rank -> face -> train),
+the packages import down the layer order (shared -> ledger -> node -> store -> rank -> face ->
+train),
 never in a circle."""
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def test_collectives_only_in_node_dist() -> None:
 # the public API, which re-exports the rank layer for user scripts and the built-in trainer.
 # launch (the login side) stands above all and never imports rank or face: it reaches the rank
 # layer only by name (a module path in a script or a pickle).
-LEVELS = {"shared": 0, "node": 1, "store": 2, "rank": 3, "face": 4, "train": 5, "launch": 6}
+LEVELS = {"shared": 0, "ledger": 1, "node": 2, "store": 3, "rank": 4, "face": 5, "train": 6, "launch": 7}
 BY_NAME_ONLY = {("launch", "rank"), ("launch", "face")}
 # Imports that break the order on purpose, at most 4, each with its reason.
 ALLOWED = {
@@ -224,7 +225,7 @@ def test_the_import_finder_sees_function_level_and_relative_imports() -> None:
 
 
 def test_layers_import_downward_only() -> None:
-    """shared -> node -> store -> rank -> face -> train, launch beside them on the login side:
+    """shared -> ledger -> node -> store -> rank -> face -> train, launch beside them on the login side:
     no package imports one that imports it back, and nothing imports up the order beyond
     ALLOWED (which may only shrink: each entry is a debt)."""
     assert len(ALLOWED) <= 4

@@ -20,6 +20,8 @@ from ddpjob.launch import control, phases, plot, runs
 from ddpjob.node import preemption
 from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
+from ddpjob.ledger import attempts, budget
+from ddpjob.ledger.events import read as read_events, record as record_event
 
 PREEMPTING = "JobId=77 JobState=RUNNING PreemptTime=2026-01-01T00:00:00 Command=/a b/job.sbatch"
 CANCELLED = "JobId=77 JobState=RUNNING PreemptTime=None"
@@ -35,7 +37,7 @@ def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
 
 
 def last_stop(d: Path) -> dict:
-    return [e for e in rundir.events(d) if e["event"] == "stop"][-1]
+    return [e for e in read_events(d) if e["event"] == "stop"][-1]
 
 
 # ------------------------------------------------------------------ slurm.py
@@ -143,8 +145,8 @@ def test_scontrol_refused_or_missing_submits_one_successor(fake_slurm, tmp_path,
                                             str(d / "job.sbatch")]]
     job = json.loads((d / "job.json").read_text())
     assert job["job_id"] == "78" and job["job_ids"] == ["77", "78"]
-    # the successor's SLURM_RESTART_COUNT is 0, the run's restart is 1
-    assert rundir.run_restart(d, "78", 0) == 1 and rundir.run_restart(d, "77", 2) == 2
+    # the successor's SLURM_RESTART_COUNT is 0, its attempt in the run is 1
+    assert attempts.current(read_events(d), "78") == 1
     assert runs.job_record(d)["job_id"] == "78"
 
 
@@ -167,7 +169,7 @@ def test_no_successor_for_a_cancelled_run_or_without_sbatch(fake_slurm, tmp_path
     fake_slurm.answer("sbatch", rc=1, stderr="Batch job submission failed")
     assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 3) is False
     assert "no successor either" in last_stop(d)["note"]
-    rundir.record_event(d, "cancel", by="user")
+    record_event(d, "cancel", by="user")
     assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 4) is False
     assert len(fake_slurm.called("sbatch")) == 1
 
@@ -208,7 +210,7 @@ def test_the_array_task_whose_job_id_is_the_arrays_requeues_itself_only(fake_slu
     fake_slurm.answer("scontrol show job", PREEMPTING.replace("JobId=77", "JobId=548 ArrayJobId=548 ArrayTaskId=1"))
     assert requeue.after_stop(cfg, env, d, preemption.PREEMPTED, 10) is True
     assert fake_slurm.called("scontrol show job")[-1] == ["scontrol", "show", "job", "-o", "548_1"]
-    rundir.record_event(d, "stop_request", by="user", job_id="548_1", restart=2)
+    record_event(d, "stop_request", by="user", job_id="548_1", restart=2)
     assert requeue.after_stop(cfg, env, d, preemption.REQUEUE, 11) is None
     assert last_stop(d)["reason"] == "user_stop" and len(fake_slurm.called("scontrol requeue")) == 2
 
@@ -230,7 +232,7 @@ def test_a_sweep_points_successor_runs_that_point_alone(fake_slurm, tmp_path) ->
         "548_1_0_log.out", "548_1_0_log.err", "560_1_0_log.out", "560_1_0_log.err"]
     # the successor's task names itself 560_1 and finds its restart
     successor = array_task("560", 1, slurm_job_id="560")
-    assert successor.job_id == "560_1" and rundir.run_restart(d, successor.job_id, 0) == 1
+    assert successor.job_id == "560_1" and attempts.current(read_events(d), successor.job_id) == 1
 
 
 def test_scontrols_per_task_answer_is_read_for_the_asked_task(fake_slurm, tmp_path) -> None:
@@ -259,7 +261,7 @@ def test_max_requeues_counts_successors_too(fake_slurm, tmp_path) -> None:
     fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled").answer("sbatch", "78")
     assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 3) is True
     successor = ClusterEnv(source="slurm", job_id="78", restart_count=0)
-    restart = rundir.run_restart(d, "78", 0)
+    restart = attempts.current(read_events(d), "78")
     assert requeue.after_stop(cfg, successor, d, preemption.REQUEUE, 6, restart=restart) is None
     assert "max_requeues = 1 reached" in last_stop(d)["note"]
 
@@ -285,7 +287,7 @@ def test_a_crash_is_retried_only_within_max_failures(fake_slurm, tmp_path, max_f
     stop = last_stop(d)
     assert (stop["reason"], stop["step"], stop["steps_lost"]) == ("crash", 10, 3)
     if requeued:  # the second crash finds the budget spent; preemptions keep theirs
-        assert requeue.used(d, 1) == (0, 1)
+        assert budget.used(read_events(d), "77") == (0, 1)
         again = ClusterEnv(source="slurm", job_id="77", restart_count=1)
         fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=1 PreemptTime=None")
         assert requeue.after_crash(cfg, again, d, 1) is None
@@ -313,7 +315,7 @@ def test_the_sigterm_of_our_own_requeue_waits_until_the_crash_is_recorded(fake_s
     threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
     stops_at_sigterm: list[list[dict]] = []
     old = signal.signal(signal.SIGTERM, lambda *_: stops_at_sigterm.append(
-        [e for e in rundir.events(d) if e["event"] == "stop"]))
+        [e for e in read_events(d) if e["event"] == "stop"]))
     try:
         assert requeue.after_crash(cfg, ENV, d, 1) is True
     finally:
@@ -334,7 +336,7 @@ def test_the_ledger_in_status(tmp_path) -> None:
                                              "next_job_id": "78"})
     rundir.append_jsonl(d / "events.jsonl", {"event": "start", "time": 165.0, "restart": 1,
                                              "job_id": "78", "resumed_step": 9})
-    [(line, took)] = plot.ledger(rundir.events(d))
+    [(line, took)] = plot.ledger(read_events(d))
     assert line == ("preemption at step 9 (job 77), steps lost 1, successor -> job 78, "
                     "resumed step 9 after 45 s")
     assert took == ""  # a run from before the phases were recorded: none is guessed
@@ -356,7 +358,7 @@ def test_the_recovery_phases_from_the_events(tmp_path) -> None:
         {"event": "first_step", "time": 141.75, "step": 10, "job_id": "77", "restart": 1},
     ]:
         rundir.append_jsonl(d / "events.jsonl", rec)
-    events = rundir.events(d)
+    events = read_events(d)
     i = next(n for n, e in enumerate(events) if e["event"] == "stop")
     assert phases.recovery(events, i) == {"stop vote": 0.25, "save": 1.75, "exit": 0.5, "requeue": 11.0,
                                           "start-up": 6.25, "load": 1.25, "first step": 0.75}
@@ -398,7 +400,7 @@ def test_no_crash_decision_when_slurm_requeued_the_job_itself(fake_slurm, tmp_pa
     cfg, d = run_dir(tmp_path, max_failures=0)
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=PENDING Restarts=1 PreemptTime=None")
     assert requeue.after_crash(cfg, ENV, d, 137) is None
-    assert [e for e in rundir.events(d) if e["event"] == "stop"] == []
+    assert [e for e in read_events(d) if e["event"] == "stop"] == []
     # not requeued by SLURM (Restarts still this attempt's): a crash, the budget spent
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
     assert requeue.after_crash(cfg, ENV, d, 137) is None
@@ -431,25 +433,25 @@ def test_a_node_failure_nobody_saw_is_recorded_at_the_next_start(fake_slurm, tmp
                                f"RUNNING|{sacct_time(t + 80)}|Unknown\n")
     again = ClusterEnv(source="slurm", job_id="77", restart_count=1)
     restart, why = requeue.check_start(cfg, again, d)
-    stops = [e for e in rundir.events(d) if e["event"] == "stop"]
+    stops = [e for e in read_events(d) if e["event"] == "stop"]
     failure = stops[0]
     assert (failure["reason"], failure["job_id"], failure["restart"]) == ("node_failure", "77", 0)
     assert (failure["step"], failure["steps_lost"], failure["requeued_by"]) == (10, 3, "slurm")
     assert "sacct says NODE_FAIL" in failure["note"] and failure["signal_time"] == t + 60
-    assert restart == 1 and requeue.used(d, 1) == (0, 1)  # a failure, not a requeue
+    assert restart == 1 and budget.used(read_events(d), "77") == (0, 1)  # a failure, not a requeue
     if max_failures:
         assert why is None and len(stops) == 1
     else:
         assert why == "1 failure(s) retried, more than slurm.max_failures = 0", why
         assert (stops[-1]["reason"], stops[-1]["restart"]) == ("budget", 1)
-        assert plot.ledger(rundir.events(d))[1] == (
+        assert plot.ledger(read_events(d))[1] == (
             "start refused (job 77): 1 failure(s) retried, more than slurm.max_failures = 0", "")
         # the batch shell's crash check after the refusal decides nothing more
         assert requeue.after_crash(cfg, again, d, 1) is None
     calls = len(fake_slurm.calls)
     requeue.check_start(cfg, again, d)  # recorded once: the next start asks nothing
     assert len(fake_slurm.calls) == calls
-    events = rundir.events(d) + [{"event": "start", "time": t + 100, "restart": 1, "job_id": "77",
+    events = read_events(d) + [{"event": "start", "time": t + 100, "restart": 1, "job_id": "77",
                                   "resumed_step": 10}]
     assert plot.ledger(events)[0][0] == ("node_failure at step 10 (job 77), steps lost 3, slurm, "
                                          "resumed step 10 after 40 s")
@@ -464,11 +466,11 @@ def test_an_unseen_end_without_sacct_or_in_another_job(fake_slurm, tmp_path) -> 
     fake_slurm.answer("sacct -X -D -n -P -o State,Start,End -j 77", rc=1,
                       stderr="Slurm accounting storage is disabled")
     restart, why = requeue.check_start(cfg, ClusterEnv(source="slurm", job_id="77", restart_count=1), d)
-    old, mine = [e for e in rundir.events(d) if e["event"] == "stop"]
+    old, mine = [e for e in read_events(d) if e["event"] == "stop"]
     assert (old["reason"], old["requeued"]) == ("crash", False)  # not retried by anyone: free
     assert (mine["reason"], mine["requeued_by"]) == ("killed", "slurm")
     assert "sacct did not answer (sacct -X -D failed: Slurm accounting storage is disabled)" in mine["note"]
-    assert (restart, why) == (1, None) and requeue.used(d, 1) == (1, 0)
+    assert (restart, why) == (1, None) and budget.used(read_events(d), "77") == (1, 0)
 
 
 def test_a_node_failure_seen_by_the_living_ranks_is_recorded_at_their_stop(fake_slurm, tmp_path) -> None:
@@ -481,7 +483,7 @@ def test_a_node_failure_seen_by_the_living_ranks_is_recorded_at_their_stop(fake_
     assert requeue.after_stop(cfg, ENV, d, preemption.PREEMPTED, 28, signal_step=27, signal_time=t) is True
     stop = last_stop(d)
     assert (stop["reason"], stop["requeued_by"], stop["steps_lost"]) == ("node_failure", "slurm", 0), stop
-    assert requeue.used(d, 1) == (0, 1)
+    assert budget.used(read_events(d), "77") == (0, 1)
     assert not fake_slurm.called("scontrol requeue")  # SLURM brought it back already
     # a scancel leaves Restarts alone: sacct is not even asked
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=CANCELLED Restarts=0 PreemptTime=None")
@@ -497,6 +499,7 @@ def test_budgets_count_the_job_chain_so_a_new_submission_starts_fresh(fake_slurm
                  "next_job_id": "71", "job_id": "70", "restart": 1},
                 {"event": "stop", "reason": "crash", "requeued": True, "job_id": "71", "restart": 2}):
         rundir.append_jsonl(d / "events.jsonl", rec)
-    assert requeue.used(d, 3, "71") == (1, 2)  # 71 succeeds 70: one chain
-    assert requeue.used(d, 0, "90") == (0, 0)  # `ddpjob resume` submitted 90: fresh budgets
-    assert requeue.check_start(cfg, ClusterEnv(source="local", job_id="90", restart_count=0), d) == (0, None)
+    assert budget.used(read_events(d), "71") == (1, 2)  # 71 succeeds 70: one chain
+    assert budget.used(read_events(d), "90") == (0, 0)  # `ddpjob resume` submitted 90: fresh budgets
+    # its attempt goes on from the run's: 3, not 0 again (ledger/attempts.py)
+    assert requeue.check_start(cfg, ClusterEnv(source="local", job_id="90", restart_count=0), d) == (3, None)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import rundir
+from ddpjob.ledger import budget, events, policy
 
 # Two failures on one host by default ([slurm] exclude_after): once may be the job's bad luck,
 # twice is the host (NVRx and Llama 3's operators exclude on repeats too). Preemptions, time limits and the job's own exceptions never
@@ -89,7 +90,7 @@ def with_rank_error(culprit: Culprit | None, evs: Sequence[dict[str, Any]], job_
     """The culprit, told in the rank's own words where it recorded its error (runner.py writes
     one for an exception, OOM included): the first such record of this attempt is the root cause.
     Without srun's line (a custom template, the local backend) that record names the rank."""
-    errors = [e for e in evs if e.get("event") == "stop" and "rank" in e and isinstance(e.get("error"), str)
+    errors = [e for e in evs if events.is_rank_crash(e) and isinstance(e.get("error"), str)
               and str(e.get("job_id")) == str(job_id) and e.get("restart") == restart]
     if culprit is not None and culprit.rank is not None:
         mine = [e for e in errors if e.get("rank") == culprit.rank]
@@ -104,6 +105,81 @@ def with_rank_error(culprit: Culprit | None, evs: Sequence[dict[str, Any]], job_
     return culprit
 
 
+# srun's words for a task a signal ended, and the signal
+_SRUN_SIGNALS = {"Killed": "SIGKILL", "Out Of Memory": "SIGKILL", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Aborted": "SIGABRT",
+                 "Terminated": "SIGTERM", "Floating point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
+
+
+def signal_of(culprit: Culprit | None) -> str | None:
+    """The signal that ended the culprit ("SIGKILL"), where one did."""
+    if culprit is None or not culprit.host_fault:
+        return None
+    if m := re.search(r"\bSIG[A-Z0-9]+\b", culprit.how):
+        return m.group(0)
+    return next((sig for words, sig in _SRUN_SIGNALS.items() if culprit.how.startswith(words)), None)
+
+
+def _rank_class(e: dict[str, Any]) -> str:
+    """A rank's crash record's class (runner.py writes `error_class`; a record of an older
+    ddpjob is told by its words)."""
+    cls = e.get("error_class")
+    if cls in policy.CLASSES:
+        return str(cls)
+    return policy.USER if "your code raised" in str(e.get("error")) else policy.INFRASTRUCTURE
+
+
+def classify(culprit: Culprit | None, evs: Sequence[dict[str, Any]], job_id: Any, restart: int
+             ) -> tuple[str, str, str | None]:
+    """(the crash's class, what failed in words, the user's file:line where known). An exception
+    a rank raised in its own code (or inside ddpjob) is the root cause whichever rank ended
+    first: its peers' failed collectives follow from it. Without one, a death by a signal, a
+    lost node, a peer gone or a stall the hang watch ended: what the cluster broke."""
+    records = [e for e in evs if events.is_rank_crash(e) and events.of_attempt(e, job_id, restart)]
+    for e in records:
+        cls = _rank_class(e)
+        if cls in (policy.USER, policy.INTERNAL, policy.TRANSIENT):
+            where = e.get("where") if isinstance(e.get("where"), str) else None
+            exc = e.get("exception") if isinstance(e.get("exception"), str) else None
+            step = e.get("step") if isinstance(e.get("step"), int) else None
+            what = (f"{exc} at {where}" if exc and where else exc or _short(str(e.get("error"))))
+            rank = e.get("rank") if isinstance(e.get("rank"), int) else "?"
+            return cls, f"rank {rank}'s {what}" + ("" if step is None else f" at step {step}"), where
+    if culprit is not None:
+        return policy.INFRASTRUCTURE, culprit.describe(), None
+    return policy.INFRASTRUCTURE, "a rank ended without a record", None
+
+
+def facts(evs: Sequence[dict[str, Any]], job_id: Any, restart: int, culprit: Culprit | None, *,
+          resume_at: int, steps_lost: int | None, from_snapshot: bool, here: bool, hosts_left: bool = True,
+          lost_hosts: Sequence[str] = (), run: str = "RUN", stop_requested: bool = False,
+          exclude_after: int = 0) -> policy.Facts:
+    """What the policy needs to know about a crash of attempt (job_id, restart), from the run's
+    ledger and what the decider saw (the culprit, the resume point, the hosts left; with
+    `exclude_after`, the decider can leave a failing host out of the restart)."""
+    chain = budget.job_chain(evs, job_id)
+    requeues, failures = budget.used(evs, job_id)
+    if lost_hosts:
+        cls, what, where = policy.INFRASTRUCTURE, f"node(s) {','.join(lost_hosts)} left the allocation", None
+    else:
+        cls, what, where = classify(culprit, evs, job_id, restart)
+    streak, _ = no_progress(evs, chain, (job_id, restart, resume_at))
+    # the same failure as the crash before, at the same step, with nothing gained in between
+    prev = [e for e in _crashes(evs, chain) if not events.of_attempt(e, job_id, restart)]
+    same = (where or (culprit.how if culprit else None))
+    died = None if steps_lost is None else resume_at + steps_lost
+    before = prev[-1] if prev else {}
+    before_died = (before["step"] + before["steps_lost"] if isinstance(before.get("step"), int)
+                   and isinstance(before.get("steps_lost"), int) else None)
+    again = (streak >= 1 and bool(prev) and before.get("verdict") == cls and same is not None
+             and (before.get("where") or before.get("failed_how")) == same
+             and (died is None or before_died is None or died == before_died))
+    same_host = culprit is not None and culprit.host is not None and before.get("failed_host") == culprit.host
+    return policy.Facts("node_failure" if lost_hosts else "crash", cls, what, stop_requested, requeues, failures,
+                        streak, again, here, hosts_left, resume_at, steps_lost, from_snapshot, run,
+                        signal_of(culprit) if not lost_hosts else None, where,
+                        quarantine=again and same_host and exclude_after > 0)
+
+
 def _short(error: str) -> str:
     """The rank's one line without what the culprit says already (ddpjob's prefix, "rank N on
     HOST:", the hint)."""
@@ -113,7 +189,7 @@ def _short(error: str) -> str:
 
 def _crashes(evs: Iterable[dict[str, Any]], chain: set[str] | None) -> list[dict[str, Any]]:
     # a node lost inside the allocation (on_node_loss = "continue") is the decision's record too
-    return [e for e in evs if e.get("event") == "stop" and "rank" not in e
+    return [e for e in evs if events.is_decision(e)
             and e.get("reason") in ("crash", "node_failure")
             and (chain is None or str(e.get("job_id")) in chain)]
 
@@ -146,7 +222,7 @@ def no_progress(evs: Sequence[dict[str, Any]], chain: set[str] | None, now: tupl
               for e in evs if e.get("event") == "start"}
     stops: list[tuple[str, Any, Any, Any]] = [
         (str(e.get("job_id")), e.get("restart"), e.get("reason"), e.get("step"))
-        for e in evs if e.get("event") == "stop" and "rank" not in e
+        for e in evs if events.is_decision(e)
         and (chain is None or str(e.get("job_id")) in chain)]
     if now is not None:
         stops.append((str(now[0]), now[1], "crash", now[2]))
@@ -170,14 +246,3 @@ def resume_point(run_dir: Path, saved: int | None) -> tuple[int, int | None]:
     trained = [int(r["step"]) for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
                if isinstance(r.get("step"), int)]
     return resume_at, (max(0, max(trained) - resume_at) if trained else None)
-
-
-def crash_loop(limit: int, streak: int, resume_at: int, lost: int | None, culprit: Culprit | None) -> str | None:
-    """The one line that ends a crash loop (slurm.max_no_progress = `limit` attempts in a row
-    got nowhere): where it keeps dying and who. None: not a loop (yet)."""
-    if streak < limit:
-        return None
-    died = "" if lost is None else f", the last after step {resume_at + lost}"
-    who = f" ({culprit.describe()})" if culprit else ""
-    return (f"crash loop: {streak} attempts in a row crashed without getting past the checkpoint at "
-            f"step {resume_at}{died}{who}; not retrying (slurm.max_no_progress = {limit})")

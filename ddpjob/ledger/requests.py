@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddpjob import rundir
+from ddpjob.ledger import events
 
 STOP = "stop_request"
 
 
 def ask_stop(run_dir: Path, job_id: str, restart: int) -> None:
-    rundir.record_event(run_dir, STOP, by="user", job_id=job_id, restart=restart)
+    events.record(run_dir, STOP, by="user", job_id=job_id, restart=restart)
 
 
 def stop_requested(run_dir: Path, job_id: str | None) -> bool:
@@ -22,12 +22,12 @@ def stop_requested(run_dir: Path, job_id: str | None) -> bool:
     if not job_id:
         return False
     asked = False
-    for e in rundir.events(run_dir):
+    for e in events.read(run_dir):
         if str(e.get("job_id")) != str(job_id):
             continue
         if e.get("event") == STOP:
             asked = True
-        elif e.get("event") in ("stop", "local_end") and "rank" not in e:
+        elif events.is_decision(e) or e.get("event") == "local_end":
             asked = False
     return asked
 
@@ -35,6 +35,6 @@ def stop_requested(run_dir: Path, job_id: str | None) -> bool:
 def answered_stop(run_dir: Path, job_id: str | None) -> bool:
     """Whether this job's ranks, at their newest stop, stopped for `ddpjob stop` (rank 0 records
     it as reason "user_stop"): the local supervisor then ends the job instead of restarting it."""
-    stops = [e for e in rundir.events(run_dir) if e.get("event") == "stop" and "rank" not in e
+    stops = [e for e in events.read(run_dir) if events.is_decision(e)
              and str(e.get("job_id")) == str(job_id)]
     return bool(stops) and stops[-1].get("reason") == "user_stop"

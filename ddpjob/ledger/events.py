@@ -1,0 +1,125 @@
+"""Every record kind of RUN_DIR/events.jsonl, its fields, the schema version, and the one writer
+and reader of the file (docs/events.md is the same list in words).
+
+A record is one JSON object per line: `event` (its kind), `time`, `v` (the schema version that
+wrote it; absent: written before versions, read as 1), and, for everything an attempt does,
+`job_id` and `restart` (the attempt's number within the run: attempts.py). Readers never crash
+on what they meet: a line that breaks the field types is skipped (rundir.read_jsonl), a kind this
+ddpjob does not know or a record of a newer schema is kept for the views that can use it and
+said once (notes()).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddpjob import rundir
+
+SCHEMA = 1  # fields are only ever added; a new meaning of a field is a new version
+COMMON = ("event", "time", "v", "job_id", "restart")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One record kind: who writes it, when, and the fields it may carry beyond COMMON."""
+
+    name: str
+    doc: str
+    fields: tuple[str, ...]
+    extra: bool = False  # may carry the loop's own fields (job.steps(**info))
+
+
+_STOP_FIELDS = (
+    # what stopped and where
+    "reason", "step", "steps_lost", "status", "note", "source", "unseen", "accuracy",
+    # SLURM's restart count of the job when the decision was made: which start of a requeued
+    # job (same id) it decided for (rank/requeue.after_crash)
+    "incarnation",
+    # a recovery's timestamps (launch/phases.py)
+    "signal_time", "decided_time", "saved_time",
+    # the decision: requeued (True / False / None: not asked), by whom, the successor
+    "requeued", "requeued_by", "next_job_id",
+    # a crash: the culprit (crashes.Culprit.fields), the verdict (policy.Verdict.fields), loops
+    "failed_rank", "failed_host", "failed_how", "host_fault", "no_progress", "lost_hosts",
+    "verdict", "action", "line", "where",
+    # a rank's own crash record (carries `rank`): its error line and what kind of error
+    "rank", "host", "error", "error_class", "exception",
+)
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind("start", "rank 0: an attempt's loop is about to begin (Job.steps)",
+         ("world_size", "source", "host", "resumed_step", "launched_time", "load_s", "warm"), extra=True),
+    Kind("first_step", "rank 0: the attempt's first step is done", ("step", "graphs")),
+    Kind("checkpoint", "rank 0: a periodic checkpoint was saved; its hold on the loop",
+         ("step", "block_s", "snapshot_s")),
+    Kind("signal", "a rank (or the local supervisor) received a stop signal",
+         ("rank", "signal", "at_step", "stop_step", "signal_time", "source")),
+    Kind("stop", "an attempt ended: the decision (no `rank`) or a rank's own crash record (`rank`)",
+         _STOP_FIELDS),
+    Kind("exit", "rank 0: the process group is torn down after a stop", ("step",)),
+    Kind("noop", "rank 0: a requeued run that had completed did nothing", ("reason",)),
+    Kind("local_start", "the local supervisor started an attempt's ranks",
+         ("source", "world_size", "master_port")),
+    Kind("local_requeue", "the local supervisor restarts the ranks after they stopped for a requeue",
+         ("source", "reason", "note")),
+    Kind("local_end", "the local supervisor ended the run", ("source", "state", "reason")),
+    Kind("stop_request", "`ddpjob stop` asked the job to checkpoint and end", ("by",)),
+    Kind("cancel", "`ddpjob cancel` cancelled the job", ("by",)),
+    Kind("straggler", "rank 0's straggler watch named a slow rank",
+         ("rank", "host", "cause", "busy_ms", "median_ms", "data_ms", "step", "first_step")),
+    Kind("checkpoint_rejected", "a checkpoint that verified but holds code was skipped", ("step", "reason")),
+)}
+
+
+def record(run_dir: str | Path, kind: str, **fields: Any) -> dict[str, Any]:
+    """Append one record of `kind` (time and schema version added) and return it. A kind or a
+    field this module does not declare is ddpjob's own bug: refused before anything is written."""
+    k = KINDS.get(kind)
+    if k is None:
+        raise ValueError(f"unknown event kind {kind!r}")
+    unknown = set(fields) - set(COMMON) - set(k.fields)
+    if unknown and not k.extra:
+        raise ValueError(f"event {kind!r} has no field(s) {sorted(unknown)}")
+    rec = {"time": time.time(), "event": kind, "v": SCHEMA, **fields}
+    rundir.append_jsonl(Path(run_dir) / rundir.EVENTS, rec)
+    return rec
+
+
+def read(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every readable record, in the order written."""
+    return rundir.read_jsonl(Path(run_dir) / rundir.EVENTS)
+
+
+def notes(evs: Iterable[Mapping[str, Any]]) -> str:
+    """One line for what this ddpjob read only in part ('' when nothing): kinds it does not know
+    and records of a newer schema (a newer ddpjob wrote into this run dir)."""
+    newer = sum(1 for e in evs if isinstance(e.get("v"), int) and e["v"] > SCHEMA)
+    unknown = sorted({str(e.get("event")) for e in evs if e.get("event") not in KINDS})
+    parts = ([f"{newer} record(s) of a newer schema, read as schema {SCHEMA}"] if newer else []) + \
+        ([f"unknown kind(s) {', '.join(unknown)[:120]} skipped"] if unknown else [])
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------ what a record is
+def is_decision(e: Mapping[str, Any]) -> bool:
+    """The attempt's stop as decided for the whole job (rank 0, the batch shell's decision, the
+    local supervisor, or the next start for an end nobody saw): a stop without `rank`."""
+    return e.get("event") == "stop" and "rank" not in e
+
+
+def is_rank_crash(e: Mapping[str, Any]) -> bool:
+    """A rank's own record of the error that ended it (rank/runner.py): a stop with `rank`."""
+    return e.get("event") == "stop" and "rank" in e
+
+
+def of_attempt(e: Mapping[str, Any], job_id: Any, restart: Any) -> bool:
+    return str(e.get("job_id")) == str(job_id) and e.get("restart") == restart
+
+
+def decisions(evs: Iterable[Mapping[str, Any]], job_ids: set[str] | None = None) -> list[Mapping[str, Any]]:
+    """The decisions, of the jobs in `job_ids` only when given."""
+    return [e for e in evs if is_decision(e) and (job_ids is None or str(e.get("job_id")) in job_ids)]

@@ -1,0 +1,168 @@
+"""ddpjob/ledger/policy.py: every combination of the facts of an attempt's end -> one verdict,
+as a table; then the same crashes carried through both deciders that gather the facts (the SLURM
+batch shell's, rank/requeue.after_crash, and the local supervisor's, launch/local.py), which must
+take the same action. Pure and in-process: the real paths run in tests/ranks and tests/cluster."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+from pathlib import Path
+
+import pytest
+
+import fake_checkpoint
+
+from ddpjob import jobfile, rundir
+from ddpjob.launch import local
+from ddpjob.ledger import budget, crashes, policy
+from ddpjob.ledger.events import read as read_events
+from ddpjob.node.cluster import ClusterEnv
+from ddpjob.rank import requeue
+
+P, R, E = policy.REQUEUE, policy.RESTART, policy.END
+LIMITS = policy.Limits(requeue=True, max_requeues=2, max_failures=2, max_no_progress=3, retry_user_errors=False)
+
+
+def verdict(reason: str, **facts: object) -> str:
+    return policy.decide(policy.Facts(reason, **facts), LIMITS).action  # type: ignore[arg-type]
+
+
+# (reason, facts) -> action. A preemption or time limit spends max_requeues only; what the
+# cluster breaks is retried (here, or by a requeue where the decider holds no allocation) while
+# max_failures lasts; the user's exception and ddpjob's own are not retried; loops end.
+TABLE = [
+    ("preemption", {}, P),
+    ("time_limit", {}, P),
+    ("time_limit", {"requeues": 2}, E),  # max_requeues spent
+    ("preemption", {"failures": 2}, P),  # failures never spend the requeue budget
+    ("preemption", {"stop_requested": True}, E),
+    ("user_stop", {}, E),
+    ("signal", {}, E),  # scancel / ddpjob cancel: not SLURM's
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True}, R),
+    ("crash", {"crash": policy.INFRASTRUCTURE}, P),  # no allocation held: a requeue
+    ("node_failure", {"crash": policy.INFRASTRUCTURE, "here": True}, R),
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True, "failures": 2}, E),  # max_failures spent
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True, "requeues": 2}, R),  # requeues don't count
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True, "stop_requested": True}, E),
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True, "hosts_left": False}, E),  # all quarantined
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True, "streak": 3}, E),  # crash loop
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True, "streak": 2}, R),
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True, "streak": 1, "again": True, "signal": "SIGKILL"}, E),
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True, "streak": 1, "again": True, "signal": "SIGSEGV"}, R),
+    ("crash", {"crash": policy.USER, "here": True}, E),
+    ("crash", {"crash": policy.INTERNAL, "here": True}, E),
+    ("crash", {"crash": policy.TRANSIENT, "here": True}, R),  # once
+    ("crash", {"crash": policy.TRANSIENT, "here": True, "again": True, "streak": 1}, E),  # twice at one place
+]
+
+
+@pytest.mark.parametrize("reason,facts,action", TABLE, ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(TABLE)])
+def test_the_policy_table(reason: str, facts: dict, action: str) -> None:
+    assert verdict(reason, **facts) == action
+
+
+def test_every_combination_gets_exactly_one_verdict_and_its_line() -> None:
+    """The whole product of the facts: one verdict each, a line that says what happens next, and
+    the rules that hold whatever else is true."""
+    reasons = ("preemption", "time_limit", "signal", "user_stop", "crash", "node_failure")
+    for reason, cls, here, spent, streak, again, asked, hosts in itertools.product(
+            reasons, (*policy.CLASSES, None), (True, False), (0, 2), (0, 1, 3), (False, True), (False, True),
+            (True, False)):
+        f = policy.Facts(reason, cls if reason in policy.FAILURES else None, "rank 1 on n2: killed by SIGKILL",
+                         stop_requested=asked, requeues=spent, failures=spent, streak=streak, again=again,
+                         here=here, hosts_left=hosts, signal="SIGKILL", run="runs/x")
+        v = policy.decide(f, LIMITS)
+        assert v.action in (P, R, E) and v.line and "\n" not in v.line
+        if asked or reason in ("signal", "user_stop"):
+            assert v.action == E
+        if v.action == R:
+            assert here and reason in policy.FAILURES and "restarting in place" in v.line
+        if reason in policy.FAILURES and cls in (policy.USER, policy.INTERNAL) and not asked:
+            assert v.action == E and "not retried" in v.line
+        if reason in policy.STOPS and not asked and spent < LIMITS.max_requeues:
+            assert v.action == P  # a preemption is never held against the failure budget
+    assert not policy.decide(policy.Facts("crash", policy.USER), policy.Limits(retry_user_errors=True,
+                                                                              max_failures=1)).action == E
+
+
+def test_the_lines_say_what_happens_next() -> None:
+    restart = policy.decide(policy.Facts("crash", policy.INFRASTRUCTURE, "rank 1 on n2: killed by SIGKILL",
+                                         here=True, resume_at=238, steps_lost=11, from_snapshot=True), LIMITS)
+    assert restart.line == ("restarting in place from the snapshot of step 238 (11 steps lost); "
+                            "failure 1 of max_failures = 2")
+    user = policy.decide(policy.Facts("crash", policy.USER, "rank 0's RuntimeError at train.py:291 at step 100",
+                                      here=True, run="runs/gpt"), LIMITS)
+    assert user.line == ("not retried: rank 0's RuntimeError at train.py:291 at step 100 is the code's own; fix "
+                         "it, then `ddpjob resume runs/gpt` (slurm.retry_user_errors = true retries it)")
+    oom = policy.decide(policy.Facts("crash", policy.INFRASTRUCTURE, "rank 1 on n2: killed by SIGKILL", here=True,
+                                     streak=1, again=True, signal="SIGKILL"), LIMITS)
+    assert oom.error and oom.line.startswith("crash loop: rank 1 on n2: killed by SIGKILL again at the same "
+                                             "step: likely the kernel's OOM killer")
+    internal = policy.decide(policy.Facts("crash", policy.INTERNAL, "rank 0's AttributeError", here=True), LIMITS)
+    assert "internal error of ddpjob" in internal.line
+    assert internal.fields() == {"action": E, "verdict": "internal", "line": internal.line}
+
+
+# ------------------------------------------------------------------ both deciders agree
+def _run(tmp_path: Path, name: str) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    cfg = jobfile.from_dict({"name": "t", "slurm": {"nodes": 1, "tasks_per_node": 2, "max_failures": 2,
+                                                   "exclude_after": 0}})
+    rundir.write_text_atomic(d / "config.json", cfg.to_json())
+    fake_checkpoint.committed(d, 10)
+    return d
+
+
+def _rank_error(d: Path, job_id: str, error_class: str) -> None:
+    rundir.append_jsonl(d / "events.jsonl", {
+        "event": "stop", "reason": "crash", "rank": 1, "host": "n1", "job_id": job_id, "restart": 0,
+        "error": "ddpjob: error: rank 1: your code raised RuntimeError: boom at train.py:9", "step": 12,
+        "error_class": error_class, "exception": "RuntimeError", "where": "train.py:9"})
+
+
+# How the rank ended: (srun's line for it, the local supervisor's Popen returncode, its own record)
+ENDINGS = {
+    "kill -9": ("Killed", -signal.SIGKILL, None),
+    "segfault": ("Segmentation fault", -signal.SIGSEGV, None),
+    "user's exception": ("Exited with exit code 1", 1, policy.USER),
+    "ddpjob's exception": ("Exited with exit code 1", 1, policy.INTERNAL),
+    "a peer gone": ("Exited with exit code 1", 1, policy.INFRASTRUCTURE),
+}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_the_slurm_and_local_deciders_agree(ending: str, fake_slurm, tmp_path: Path) -> None:
+    srun_says, code, error_class = ENDINGS[ending]
+    # SLURM: the batch shell's decision after srun failed, inside the allocation
+    slurm_dir = _run(tmp_path, "slurm")
+    rundir.append_jsonl(slurm_dir / "events.jsonl", {"event": "start", "job_id": "77", "restart": 0,
+                                                    "time": 1.0, "source": "slurm"})
+    if error_class:
+        _rank_error(slurm_dir, "77", error_class)
+    (slurm_dir / "logs").mkdir()
+    (slurm_dir / "logs" / "batch-77.out").write_text(f"ddpjob: attempt 0: ranks on 1 node(s)\n"
+                                                     f"srun: error: n1: task 1: {srun_says}\n")
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
+    env = ClusterEnv(source="slurm", job_id="77", restart_count=0, hosts=("n1",), num_nodes=1)
+    cfg = jobfile.read_run_config(slurm_dir)
+    requeue.after_crash(cfg, env, slurm_dir, 1 if code > 0 else 128 - code, in_place=True)
+    # local: the supervisor saw rank 1 end with `code`
+    local_dir = _run(tmp_path, "local")
+    sup = local.Supervisor(local_dir, "local-1")
+    rundir.append_jsonl(local_dir / "events.jsonl", {"event": "start", "job_id": "local-1", "restart": 0,
+                                                    "time": 1.0, "source": "local"})
+    if error_class:
+        _rank_error(local_dir, "local-1", error_class)
+    sup.first_bad = (1, code)
+    sup.retry_crash([-signal.SIGKILL, code])
+    slurm_stop, local_stop = (next(e for e in reversed(read_events(d)) if e["event"] == "stop" and "rank" not in e)
+                              for d in (slurm_dir, local_dir))
+    assert slurm_stop["action"] == local_stop["action"], (slurm_stop, local_stop)
+    assert slurm_stop.get("verdict") == local_stop.get("verdict") == (error_class or policy.INFRASTRUCTURE)
+    retried = error_class in (None, policy.INFRASTRUCTURE)
+    assert slurm_stop["action"] == (policy.RESTART if retried else policy.END)
+    assert budget.used(read_events(slurm_dir), "77") == budget.used(read_events(local_dir), "local-1") == (
+        (0, 1) if retried else (0, 0))
+    assert crashes.HOST.fullmatch(str(slurm_stop["failed_host"]))
