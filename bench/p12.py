@@ -18,24 +18,28 @@ def phase_text(phases: dict[str, float]) -> str:
 
 
 def rows_of(measured: list[dict[str, Any]], size: killstorm.KillSize, same: bool, same_text: str,
-            ratio: tuple[float, float, float], shm: dict[str, Any], details: dict[str, Any]) -> list[Row]:
+            ratio: tuple[float, float, float], shm: dict[str, Any], details: dict[str, Any],
+            intervals: list[int]) -> list[Row]:
+    """`intervals`: the snapshot interval "auto" chose in each attempt (the default settings)."""
     kills = [m for m in measured if m["failure"].startswith("kill")]
     node = [m for m in measured if not m["failure"].startswith("kill")]
-    lost_ok = sum(1 for m in measured if m["steps_lost"] <= size.snapshot_every)
+    every = max(intervals, default=0)
+    lost_ok = sum(1 for m in measured if m["steps_lost"] <= every)
     med = statistics.median([m["total_s"] for m in kills]) if kills else 0.0
     where = (f"{len(kills)} kill -9 of a random rank at random steps{' + 1 node down' if node else ''}, "
-             f"2 nodes x 1 task{' + 1 spare' if size.node_down else ''}, snapshots every {size.snapshot_every} "
-             f"steps, {size.steps} steps")
+             f"2 nodes x 1 task{' + 1 spare' if size.node_down else ''}, default failure settings (max_failures, "
+             f"snapshot_every = \"auto\"), {size.steps} steps")
     lost_text = (f"within the snapshot interval in {lost_ok} of {len(measured)} failures (the kills: "
-                 f"{', '.join(str(m['steps_lost']) for m in kills)})")
+                 f"{', '.join(str(m['steps_lost']) for m in kills)}; \"auto\" chose "
+                 f"{', '.join(map(str, intervals)) or 'none'})")
     if node:
         lost_text += (f"; the node loss: {node[0]['steps_lost']} (resumed at step {node[0]['resumed_step']}; the "
                       f"spare's rank got its RNG file from the survivor's snapshot)")
     return [
         Row("P12", f"hard-kill storm ({where}): final state vs the uninterrupted run", "bit-identical",
             same_text, same, details),
-        Row("P12", "steps lost per failure", f"<= {size.snapshot_every} in every failure", lost_text,
-            lost_ok == len(measured)),
+        Row("P12", "steps lost per failure", "<= the snapshot interval in every failure", lost_text,
+            bool(intervals) and lost_ok == len(measured)),
         Row("P12", "the same job id throughout (restarts inside the allocation, never requeued)", "yes",
             "yes" if all(m["same_job"] for m in measured) and details.get("requeued") == 0 else "NO",
             all(m["same_job"] for m in measured) and details.get("requeued") == 0),
@@ -83,5 +87,7 @@ def p12(b: Bench) -> list[Row]:
         b.log(f"  P12: {m['failure']}: last step {m['last_step']}, resumed {m['resumed_step']}, "
               f"{phase_text(m['phases'])}; total {m['total_s']:.2f} s")
     ratio = killstorm.loop_ratio(events, records)
+    logs = "".join(p.read_text(errors="replace") for p in sorted((run / "logs").glob("rank-0*")))
     return rows_of(measured, size, same, same_text, ratio,
-                   {"max_per_rank": shm.max_per_rank, "max_bytes": shm.max_bytes, "left": shm.left()}, details)
+                   {"max_per_rank": shm.max_per_rank, "max_bytes": shm.max_bytes, "left": shm.left()}, details,
+                   killstorm.auto_intervals(logs))

@@ -163,14 +163,17 @@ def test_kill_storm_rows_fail_on_a_lost_interval_a_slow_recovery_or_memory_left(
     measured = killstorm.measure([fail], events, records, "9")
     shm = {"max_per_rank": 2, "max_bytes": 2 << 20, "left": []}
     rows = p12_rows.rows_of(measured, killstorm.TINY, True, "bit-identical", (10.0, 30.0, 1 / 3), shm,
-                            {"requeued": 0})
+                            {"requeued": 0}, [5, 7])
     assert [r.id for r in rows] == ["P12"] * 6
     assert [r.passed for r in rows] == [True, True, True, False, None, True]  # 8.1 s > 5 s
-    assert "in 1 of 1 failures (the kills: 3)" in rows[1].measured and "total 8.10 (median)" in rows[3].measured
-    measured[0]["steps_lost"] = killstorm.TINY.snapshot_every + 1
+    assert "in 1 of 1 failures (the kills: 3; \"auto\" chose 5, 7)" in rows[1].measured
+    assert "total 8.10 (median)" in rows[3].measured
+    measured[0]["steps_lost"] = 8
     again = p12_rows.rows_of(measured, killstorm.TINY, True, "", (10.0, 30.0, 1 / 3),
-                             {**shm, "left": ["/dev/shm/ddpjob-0/9-abc"]}, {"requeued": 1})
+                             {**shm, "left": ["/dev/shm/ddpjob-0/9-abc"]}, {"requeued": 1}, [5, 7])
     assert again[1].passed is False and again[2].passed is False and again[5].passed is False
+    log = 'in-memory snapshots every 72 steps (snapshot_every = "auto"): one costs 20.3 ms\nother\n'
+    assert killstorm.auto_intervals(log * 2) == [72, 72] and killstorm.auto_intervals("") == []
 
 
 # ------------------------------------------------------------------ P15: the machinery at 2-32 ranks
