@@ -41,13 +41,7 @@ def decisions(run: Path) -> list[dict[str, Any]]:
     return [e for e in events(run, "stop") if "rank" not in e]
 
 
-@pytest.mark.cluster
-@pytest.mark.slow
-@pytest.mark.parametrize("via,how,srun_says", [("sbatch", "kill", "Killed"), ("submit", "kill", "Killed"),
-                                                ("sbatch", "segv", "Segmentation fault")])
-def test_what_the_cluster_breaks_restarts_in_place_by_default(slurm_cluster: Any, tmp_path: Path,
-                                                              reference: Reference, via: str, how: str,
-                                                              srun_says: str) -> None:
+def restarted_in_place(tmp_path: Path, reference: Reference, via: str, how: str, srun_says: str) -> None:
     """Rank 2 (on n2) dies by a signal in step 24 (its 47th forward call) once every rank holds
     the probe snapshot of step 21: the same job restarts its ranks inside the allocation."""
     import slurmtools
@@ -66,6 +60,20 @@ def test_what_the_cluster_breaks_restarts_in_place_by_default(slurm_cluster: Any
     line = (f"ddpjob: crash verdict: infrastructure (rank 2 on n2: {srun_says}): restarting in place from the "
             "snapshot of step 21 (2 steps lost); failure 1 of max_failures = 20")
     assert line in (run / "logs" / log).read_text()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.parametrize("via", ["sbatch", "submit"])
+def test_kill_9_restarts_in_place_by_default(slurm_cluster: Any, tmp_path: Path, reference: Reference,
+                                             via: str) -> None:
+    restarted_in_place(tmp_path, reference, via, "kill", "Killed")
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_segfault_restarts_in_place_by_default(slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
+    restarted_in_place(tmp_path, reference, "sbatch", "segv", "Segmentation fault")
 
 
 @pytest.mark.cluster

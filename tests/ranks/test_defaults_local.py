@@ -48,10 +48,7 @@ def supervisor_log(run_dir: Path) -> str:
     return (run_dir / "logs" / "supervisor.log").read_text()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how,died", [("kill", "killed by SIGKILL"), ("segv", "killed by SIGSEGV")])
-def test_what_the_cluster_breaks_restarts_in_place_by_default(tmp_path: Path, reference: Path,  # noqa: F811
-                                                              how: str, died: str) -> None:
+def restarted_in_place(tmp_path: Path, reference: Path, how: str, died: str) -> None:  # noqa: F811
     """Rank 1 dies by a signal in step 24 (its 47th forward call), once every rank holds the probe
     snapshot of step 21: the supervisor restarts the ranks (no setting asked for it), they resume
     from the snapshot, 2 steps are lost, and the run ends bit-equal to the uninterrupted one."""
@@ -69,6 +66,16 @@ def test_what_the_cluster_breaks_restarts_in_place_by_default(tmp_path: Path, re
     assert line in supervisor_log(run_dir), supervisor_log(run_dir)
     status = ddpjob("status", str(run_dir), cwd=tmp_path).stdout
     assert "COMPLETED" in status and f"rank 1 on {socket.gethostname()}" in status, status
+
+
+@pytest.mark.slow
+def test_kill_9_restarts_in_place_by_default(tmp_path: Path, reference: Path) -> None:  # noqa: F811
+    restarted_in_place(tmp_path, reference, "kill", "killed by SIGKILL")
+
+
+@pytest.mark.slow
+def test_segfault_restarts_in_place_by_default(tmp_path: Path, reference: Path) -> None:  # noqa: F811
+    restarted_in_place(tmp_path, reference, "segv", "killed by SIGSEGV")
 
 
 @pytest.mark.slow
