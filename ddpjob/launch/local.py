@@ -241,7 +241,7 @@ class Supervisor:
                 state, reason = "FAILED", self.gave_up or f"exit codes {codes}"
             self.stop_warm()
             self.write(state, reason=reason, exit_codes=codes)
-            memsnap.remove_job(self.run_dir, self.job_id)  # the ranks' in-memory snapshots
+            memsnap.remove_job(self.run_dir, self.job_id, memsnap.base_of(self.cfg))  # the ranks' in-memory snapshots
             rundir.record_event(self.run_dir, "local_end", source="local-supervisor", job_id=self.job_id,
                                 restart=self.restarts, state=state, reason=reason)
             log(f"{state}: {reason}")
@@ -258,7 +258,7 @@ class Supervisor:
             ((r, c) for r, c in enumerate(codes) if c not in (0, exitcodes.REQUEUE)), (0, max(codes)))
         culprit = crashes.with_rank_error(crashes.from_returncode(rank, socket.gethostname(), code),
                                           evs, self.job_id, self.restarts)
-        resume_at, lost = crashes.resume_point(self.run_dir, memsnap.newest_saved(self.run_dir, self.job_id))
+        resume_at, lost = crashes.resume_point(self.run_dir, memsnap.newest_saved(self.run_dir, self.job_id, memsnap.base_of(self.cfg)))
         streak, _ = crashes.no_progress(evs, {self.job_id}, (self.job_id, self.restarts, resume_at))
         loop = crashes.crash_loop(self.cfg.slurm.max_no_progress, streak, resume_at, lost, culprit)
         retry = failures < self.cfg.slurm.max_failures and loop is None

@@ -209,7 +209,7 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
         # in place the job's snapshots count too (the restart resumes from them; a spare's new
         # ranks get theirs from the survivors, store/peers.py): the newest all folders left hold
         resume_at, steps_lost = crashes.resume_point(
-            run_dir, memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None))
+            run_dir, memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None, memsnap.base_of(cfg)))
         streak, _ = crashes.no_progress(evs, chain, (env.job_id, restart, resume_at))
         loop = crashes.crash_loop(cfg.slurm.max_no_progress, streak, resume_at, steps_lost, culprit)
         reason = "node_failure" if lost else "crash"
@@ -373,14 +373,14 @@ def main(argv: list[str]) -> int:
     cfg, env = jobfile.read_run_config(run_dir), ClusterEnv.batch_shell()
     # in place, a retry is never a requeue: brought back means "run the ranks again here"
     if not after_crash(cfg, env, run_dir, status, in_place=True):
-        memsnap.remove_job(run_dir, env.job_id)  # the job ends here: its snapshots with it
+        memsnap.remove_job(run_dir, env.job_id, memsnap.base_of(cfg))  # the job ends here: its snapshots with it
         return status
     layout = restart_layout(run_dir, env, cfg)
     if layout is None:
         print(f"ddpjob: error: every node of allocation {env.job_id} is excluded after failing "
               f"{cfg.slurm.exclude_after} times, expected one left to restart on. Hint: `ddpjob resume "
               f"{run_dir}` submits the run again on other nodes", file=sys.stderr, flush=True)
-        memsnap.remove_job(run_dir, env.job_id)
+        memsnap.remove_job(run_dir, env.job_id, memsnap.base_of(cfg))
         return status
     nodes, out = layout
     if out:
