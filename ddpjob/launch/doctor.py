@@ -348,10 +348,6 @@ RNG_BYTES = 64 << 10  # a rank's RNG file and the plain values, rounded up
 IMAGE_BYTES = 3 * 32 * 32  # a CIFAR-format image as uint8, on the device
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**20:.2f} MiB"
-
-
 def _slurm_mem(text: str) -> int | None:
     """A SLURM memory size ("4000" MB, "32G", "4000M", "UNLIMITED", "0") in bytes, or None."""
     m = re.fullmatch(r"(\d+)([KMGT]?)B?", text.strip().upper())
@@ -410,22 +406,22 @@ def snapshot_room_check(cfg: JobConfig, state: tuple[int | None, str], room: int
         return Check("snapshot room", PASS, f"no in-memory snapshots ({why}): nothing is kept in {folder}")
     size, how = state
     if size is None:
-        return Check("snapshot room", PASS, f"snapshot size {how}; {_mib(room or 0)} free in {folder} {where}")
+        return Check("snapshot room", PASS, f"snapshot size {how}; {memsnap.size_text(room or 0)} free in {folder} {where}")
     ranks = cfg.slurm.tasks_per_node
     full = memsnap.need(size, ranks)
-    sums = f"{ranks} rank(s) x {memsnap.KEEP + 1} x {_mib(size)} = {_mib(full)} ({how})"
+    sums = f"{ranks} rank(s) x {memsnap.KEEP + 1} x {memsnap.size_text(size)} = {memsnap.size_text(full)} ({how})"
     if room is None:
         return Check("snapshot room", WARN, f"{sums}; {folder} could not be measured {where}",
                      "check that checkpoint.snapshot_dir exists on the nodes (df)")
     keep = memsnap.keep_for(size, ranks, room, None)
     if keep == memsnap.KEEP:
-        return Check("snapshot room", PASS, f"{sums} fits: {_mib(room)} free in {folder} {where}")
+        return Check("snapshot room", PASS, f"{sums} fits: {memsnap.size_text(room)} free in {folder} {where}")
     hint = (f"free room in {folder}, or point checkpoint.snapshot_dir at a larger node-local tmpfs, "
             "or fewer tasks_per_node")
     if keep:
-        return Check("snapshot room", WARN, f"{sums}, {_mib(room)} free in {folder} {where}: the ranks "
+        return Check("snapshot room", WARN, f"{sums}, {memsnap.size_text(room)} free in {folder} {where}: the ranks "
                      "will keep 1 snapshot instead of 2", hint)
-    return Check("snapshot room", FAIL, f"{sums}, only {_mib(room)} free in {folder} {where}: the "
+    return Check("snapshot room", FAIL, f"{sums}, only {memsnap.size_text(room)} free in {folder} {where}: the "
                  "ranks will take no snapshots, a restart in place resumes from the last checkpoint", hint)
 
 
@@ -462,7 +458,7 @@ def memory_limit(cfg: JobConfig, part: dict[str, str], config: dict[str, str],
             src = f"DefMemPerCPU={rec['DefMemPerCPU']} x {cpus} CPU(s)"
     cap = next((_slurm_mem(r["MaxMemPerNode"]) for r in (part, config) if _slurm_mem(r.get("MaxMemPerNode", ""))), None)
     if cap is not None and (limit is None or cap < limit):
-        limit, src = cap, f"MaxMemPerNode={_mib(cap)}"
+        limit, src = cap, f"MaxMemPerNode={memsnap.size_text(cap)}"
     if limit is not None:
         return limit, src
     tracked = "MEMORY" in config.get("SelectTypeParameters", "").upper()
@@ -483,18 +479,18 @@ def memory_check(cfg: JobConfig, state: int | None, limit: tuple[int | None, str
     ranks = s.tasks_per_node
     use = ranks * rank_use(cfg, state)
     snaps = 0 if memsnap.interval(cfg) == 0 or state is None else ranks * state + memsnap.need(state, ranks)
-    sums = f"{ranks} rank(s) ~ {_mib(use)}" + (f" + snapshots {_mib(snaps)}" if snaps else "")
+    sums = f"{ranks} rank(s) ~ {memsnap.size_text(use)}" + (f" + snapshots {memsnap.size_text(snaps)}" if snaps else "")
     if mem is None:
         return Check("memory limit", WARN, f"{sums}; {src}", "set slurm.mem (e.g. \"16G\")")
     if use > mem:
-        return Check("memory limit", FAIL, f"{sums} per node, above the limit {_mib(mem)} ({src}): "
+        return Check("memory limit", FAIL, f"{sums} per node, above the limit {memsnap.size_text(mem)} ({src}): "
                      "the ranks would be killed for memory", "raise slurm.mem, or fewer tasks_per_node")
     if use + snaps > mem:
         keep = memsnap.keep_for(state or 0, ranks, None, mem - use - ranks * (state or 0))
-        return Check("memory limit", WARN, f"{sums} per node, above the limit {_mib(mem)} ({src}): the "
+        return Check("memory limit", WARN, f"{sums} per node, above the limit {memsnap.size_text(mem)} ({src}): the "
                      f"ranks will keep {'1 snapshot instead of 2' if keep else 'no snapshots'}",
                      "raise slurm.mem to restart in place from a snapshot")
-    return Check("memory limit", PASS, f"{sums} per node, within {_mib(mem)} ({src})")
+    return Check("memory limit", PASS, f"{sums} per node, within {memsnap.size_text(mem)} ({src})")
 
 
 def restart_checks(cfg: JobConfig, runs_root: Path, node_room: tuple[int | None, str] | None = None) -> list[Check]:

@@ -73,6 +73,11 @@ def need(state: int, ranks: int, keep: int = KEEP) -> int:
     return ranks * (keep + 1) * state if keep > 0 else 0
 
 
+def size_text(n: int) -> str:
+    """Bytes for a line: MiB, or KiB below one MiB (a small model's snapshot)."""
+    return f"{n / 2**20:.0f} MiB" if n >= 10 * 2**20 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
 def keep_for(state: int, ranks: int, room: int | None, mem_left: int | None) -> int:
     """How many snapshots each rank keeps: KEEP, else 1, else 0 (none) - the most whose need()
     fits both the folder's free `room` and the memory cgroup's `mem_left` (None: no limit)."""
@@ -404,12 +409,11 @@ class Snapshots:
         if self.keep == KEEP:
             return True
         full = need(size, self._ranks)
-        short = [f"{self._room >> 20} MiB free in {self._base}"] if self._room is not None and full > self._room else []
-        short += [f"{left >> 20} MiB left under the job's memory limit"] if left is not None and full > left else []
+        short = [f"{size_text(self._room)} free in {self._base}"] if self._room is not None and full > self._room else []
+        short += [f"{size_text(left)} left under the job's memory limit"] if left is not None and full > left else []
         what = "kept 1 deep instead of 2" if self.keep else "off"
         line = (f"in-memory snapshots {what}{f' on {self.host}' if self.host else ''}: {self._ranks} "
-                f"rank(s) x {KEEP + 1} x {size / 2**20:.1f} MiB = {full / 2**20:.1f} MiB needed, "
-                f"{' and '.join(short)}")
+                f"rank(s) x {KEEP + 1} x {size_text(size)} = {size_text(full)} needed, {' and '.join(short)}")
         if self._node_lead:
             console.info(f"ddpjob: warning: {line}")
         if self.keep == 0:
