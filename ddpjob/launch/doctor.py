@@ -26,7 +26,7 @@ from ddpjob.jobfile import resolve
 from ddpjob.validate import parse_time_s
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.node import cluster
-from ddpjob.store import memsnap
+from ddpjob.store import manifest, memsnap
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 MIN_LEAD_S = 30  # below this, a checkpoint of anything but a tiny model may not finish in time
@@ -364,8 +364,6 @@ def state_estimate(cfg: JobConfig, runs_root: Path) -> tuple[int | None, str]:
     manifests = sorted(runs_root.glob(f"{cfg.name}-*/checkpoints/step-*/manifest.json"),
                        key=lambda p: p.stat().st_mtime)
     for m in reversed(manifests[-5:]):
-        from ddpjob.store import manifest
-
         files = manifest.read(m.parent).get("files", {})
         sizes = {n: int(f.get("size", 0)) for n, f in files.items() if isinstance(f, dict)}
         ranks = [v for n, v in sizes.items() if re.fullmatch(r"rank-\d+\.pt", n)]
@@ -394,15 +392,19 @@ def rank_use(cfg: JobConfig, state: int | None) -> int:
     return RANK_BASE["cpu"] + (state or 0) + params * 4 + images * IMAGE_BYTES
 
 
+def _snapshots_on(cfg: JobConfig) -> bool:  # as the ranks decide (memsnap.for_rank, StateStore)
+    return memsnap.interval(cfg) != 0 and cfg.train.strategy != "fsdp"
+
+
 def snapshot_room_check(cfg: JobConfig, state: tuple[int | None, str], room: int | None,
                         where: str) -> Check:
     """The folder's free `room` (measured `where`) against the node's ranks x kept snapshots x
     state: memsnap.keep_for, the rule the ranks apply at their first snapshot."""
-    every = memsnap.interval(cfg)
     folder = cfg.checkpoint.snapshot_dir
-    if every == 0:
-        why = "snapshot_every = 0" if cfg.checkpoint.snapshot_every != "auto" else \
-            "snapshot_every = \"auto\" with slurm.max_failures = 0: no restart in place"
+    if not _snapshots_on(cfg):
+        why = ("strategy = \"fsdp\"" if cfg.train.strategy == "fsdp" else "snapshot_every = 0"
+               if cfg.checkpoint.snapshot_every != "auto" else
+               "snapshot_every = \"auto\" with slurm.max_failures = 0: no restart in place")
         return Check("snapshot room", PASS, f"no in-memory snapshots ({why}): nothing is kept in {folder}")
     size, how = state
     if size is None:
@@ -432,10 +434,8 @@ def shm_privacy_check(config_text: str, folder: str) -> Check:
     if not m:
         return Check("private /dev/shm", WARN, "JobContainerType not found in `scontrol show config`",
                      "check `scontrol show config | grep JobContainerType`")
-    kind = m.group(1)
-    private = kind.endswith("/tmpfs") and folder.rstrip("/") in ("/dev/shm", "/tmp") or \
-        kind.endswith("/tmpfs") and folder.startswith(("/dev/shm/", "/tmp/"))
-    if private:
+    kind, where = m.group(1), folder.rstrip("/") + "/"
+    if kind.endswith("/tmpfs") and where.startswith(("/dev/shm/", "/tmp/")):  # what the plugin mounts
         return Check("private /dev/shm", PASS, f"{folder} is private to each job ({kind}): a snapshot "
                      "lives as long as the job, so it serves a restart inside the allocation, never a requeue")
     return Check("private /dev/shm", PASS, f"{folder} is shared by the node's jobs (JobContainerType="
@@ -478,7 +478,7 @@ def memory_check(cfg: JobConfig, state: int | None, limit: tuple[int | None, str
     s = cfg.slurm
     ranks = s.tasks_per_node
     use = ranks * rank_use(cfg, state)
-    snaps = 0 if memsnap.interval(cfg) == 0 or state is None else ranks * state + memsnap.need(state, ranks)
+    snaps = 0 if not _snapshots_on(cfg) or state is None else ranks * state + memsnap.need(state, ranks)
     sums = f"{ranks} rank(s) ~ {memsnap.size_text(use)}" + (f" + snapshots {memsnap.size_text(snaps)}" if snaps else "")
     if mem is None:
         return Check("memory limit", WARN, f"{sums}; {src}", "set slurm.mem (e.g. \"16G\")")

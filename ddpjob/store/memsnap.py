@@ -129,8 +129,15 @@ def room(base: Path, job_tree: Path | None = None) -> int | None:
     except OSError:
         return None
     if job_tree is not None and job_tree.is_dir() and refuse(job_tree, base) is None:
-        free += sum(f.stat().st_size for f in job_tree.rglob("*") if f.is_file() and not f.is_symlink())
+        free += _bytes_under(job_tree)
     return free
+
+
+def _bytes_under(folder: Path) -> int:
+    try:
+        return sum(f.lstat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+    except OSError:  # a prune removing files meanwhile
+        return 0
 
 
 @dataclass(frozen=True)
@@ -381,10 +388,13 @@ class Snapshots:
         self.why_not = refuse(self.store.root, self._base)  # made by us, not found made by another
         if self.why_not is not None:
             return False
-        free = shutil.disk_usage(self.store.root).free
-        if need > free:
+        # beyond what this rank's folder holds already (its older ones go once the new one is in)
+        more, free = max(size, need - _bytes_under(self.store.root)), shutil.disk_usage(self.store.root).free
+        if more > free:  # the folder filled up since the start: stop before a write fails
             self.skipped += 1
-            self.why_not = f"{need >> 20} MiB needed for {self.keep + 1} snapshots, {free >> 20} MiB free in {self.store.root}"
+            self.why_not = (f"in-memory snapshots off from step {step}: {size_text(more)} more needed, "
+                            f"{size_text(free)} free in {self.store.root}")
+            console.info(f"ddpjob: warning: {self.why_not}")
             return False
         auto = self.auto if self.every is None else None
 

@@ -102,6 +102,8 @@ def test_snapshot_room_passes_warns_at_one_and_fails_at_none() -> None:
     assert c.status == doctor.FAIL and "take no snapshots" in c.detail and "snapshot_dir" in c.hint
     off = doctor.snapshot_room_check(_cfg("slurm.max_failures=0"), state, 0, "on n1")
     assert off.status == doctor.PASS and "max_failures = 0" in off.detail
+    fsdp = doctor.snapshot_room_check(_cfg("train.strategy=fsdp"), state, 0, "on n1")
+    assert fsdp.status == doctor.PASS and 'no in-memory snapshots (strategy = "fsdp")' in fsdp.detail
 
 
 def test_private_shm_from_the_job_container_plugin() -> None:

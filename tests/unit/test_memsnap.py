@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from ddpjob.store import memsnap
@@ -236,3 +237,26 @@ def test_a_node_short_of_room_keeps_one_snapshot_or_none_with_one_line(
     assert not none.take(4, files(4), {"step": 4}) and none.held() == {}
     assert "off on n1" in str(none.why_not) and f"free in {tmp_path}" in str(none.why_not)
     assert capsys.readouterr().out == ""  # not the node's first rank
+
+
+def test_a_folder_that_fills_up_mid_run_stops_the_snapshots_before_a_write_fails(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first snapshot only the new one needs room (the older ones go once it is in); when
+    even that is not free any more (another job filled the folder), they stop, in one line."""
+    import shutil
+    from collections import namedtuple
+
+    s = snaps(tmp_path)
+    size = memsnap._nbytes(files(0))
+    assert s.take(2, files(2), {"step": 2})
+    s.close()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, size))  # exactly one more
+    assert s.take(4, files(4), {"step": 4})
+    s.close()
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, size - 1))
+    assert not s.take(6, files(6), {"step": 6}) and [i.step for i in s.store.list()] == [4, 2]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"ddpjob: warning: in-memory snapshots off from step 6: {memsnap.size_text(size)} more "
+                   f"needed, {memsnap.size_text(size - 1)} free in {s.store.root}"], out
+    assert not s.take(8, files(8), {"step": 8})  # and stay off
