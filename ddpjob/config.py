@@ -186,6 +186,9 @@ class CheckpointConfig:
     # "auto": for a job that may restart (slurm.max_failures > 0), every as many steps as keep a
     # snapshot within 1% of the step time, measured at each start (memsnap.AUTO); 0: never
     snapshot_every: Free[int | str] = "auto"
+    # where they go: a node-local memory file system (tmpfs) for speed; each rank keeps at most
+    # 2 there, fewer (or none) when its node's ranks would not fit in it or in the job's memory
+    snapshot_dir: Free[str] = "/dev/shm"
     resume: Free[bool] = True
     # A fresh run (nothing to resume) starts from another run's checkpoint: "RUN_DIR" (its newest
     # valid one), "RUN_DIR/checkpoints/step-N", or a weights file ("model.pt": a state_dict).

@@ -215,6 +215,10 @@ def _train_data(cfg: JobConfig) -> None:
     for key, v in (("train.pretrained", t.pretrained), ("data.root", d.root),
                    ("checkpoint.init_from", cfg.checkpoint.init_from)):
         scriptsafe.path_text(v, key, f"set {key} to a plain path")
+    snap_dir = cfg.checkpoint.snapshot_dir
+    _check(snap_dir.startswith("/"), f"checkpoint.snapshot_dir is {snap_dir!r}, expected an absolute "
+           "path on the nodes", 'e.g. snapshot_dir = "/dev/shm" (node-local memory)')
+    scriptsafe.path_text(snap_dir, "checkpoint.snapshot_dir", 'e.g. snapshot_dir = "/dev/shm"')
     keys = cfg.checkpoint.init_keys
     _check(0 < len(keys) <= 100 and all(bool(_STATE_KEY.fullmatch(k)) for k in keys),
            f"checkpoint.init_keys is {list(keys)!r}, expected 1..100 state keys (letters, digits, _)",

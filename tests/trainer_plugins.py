@@ -17,6 +17,7 @@ on the ranks' PYTHONPATH.
   DDPJOB_TEST_SNAP_WAIT=STEP: before HOW = "kill", wait until every rank's in-memory snapshot
   of STEP is committed (/dev/shm/ddpjob-<uid>/...; they are written in the background), so the
   restart's choice of snapshot is caused by the test, not by how fast a thread wrote.
+  DDPJOB_TEST_SNAP_DIR: where to look instead of /dev/shm (checkpoint.snapshot_dir).
   DDPJOB_TEST_SLOW="SECONDS[:RESTART]" sleeps that long in every training forward call (of that
   incarnation only): stretches wall time without changing a single number.
 - Stragglers, DDPJOB_TEST_STRAGGLE="RANK:CALL:HOW:SECONDS": from training forward call CALL on,
@@ -131,7 +132,7 @@ def _wait_for_snapshots(timeout: float = 120) -> None:
     job = os.environ.get("DDPJOB_JOB_ID") or os.environ.get("SLURM_JOB_ID") or "nojob"
     pattern = f"ddpjob-{os.getuid()}/{job}-*/*/rank-*/step-{int(step):09d}/manifest.json"
     deadline = time.monotonic() + timeout
-    while len(list(Path("/dev/shm").glob(pattern))) < world:
+    while len(list(Path(os.environ.get("DDPJOB_TEST_SNAP_DIR") or "/dev/shm").glob(pattern))) < world:
         if time.monotonic() > deadline:
             raise RuntimeError(f"trainer_plugins: no snapshot of step {step} on all {world} ranks in {timeout} s")
         time.sleep(0.02)

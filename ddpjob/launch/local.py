@@ -245,7 +245,7 @@ class Supervisor:
                 state, reason = "FAILED", self.gave_up or f"exit codes {codes}"
             self.stop_warm()
             self.write(state, reason=reason, exit_codes=codes)
-            memsnap.remove_job(self.run_dir, self.job_id)  # the ranks' in-memory snapshots
+            memsnap.remove_job(self.run_dir, self.job_id, memsnap.base_of(self.cfg))  # the ranks' in-memory snapshots
             events.record(self.run_dir, "local_end", source="local-supervisor", job_id=self.job_id,
                           restart=self.attempt, state=state, reason=reason)
             log(f"{state}: {reason}")
@@ -273,7 +273,7 @@ class Supervisor:
             ((r, c) for r, c in enumerate(codes) if c not in (0, exitcodes.REQUEUE)), (0, max(codes)))
         culprit = crashes.with_rank_error(crashes.from_returncode(rank, socket.gethostname(), code),
                                           evs, self.job_id, self.attempt)
-        saved, from_snapshot = memsnap.newest_saved(self.run_dir, self.job_id)
+        saved, from_snapshot = memsnap.newest_saved(self.run_dir, self.job_id, memsnap.base_of(self.cfg))
         resume_at, lost = crashes.resume_point(self.run_dir, saved)
         facts = crashes.facts(evs, self.job_id, self.attempt, culprit, resume_at=resume_at, steps_lost=lost,
                               from_snapshot=from_snapshot, here=True, run=str(self.run_dir),

@@ -418,7 +418,7 @@ class Job:
             # barrier every rank of this node is done with them
             from ddpjob.store import memsnap
 
-            memsnap.remove_job(self.run_dir, self.job_id)
+            memsnap.remove_job(self.run_dir, self.job_id, memsnap.base_of(self.config))
         if self.is_rank0 and self.stopped_at is not None:  # the end of the recovery's exit phase
             events.record(self.run_dir, "exit", step=self.stopped_at, job_id=self.job_id,
                                 restart=self.restart)

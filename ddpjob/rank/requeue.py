@@ -208,7 +208,8 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
     with _term_held():
         # in place the job's snapshots count too (the restart resumes from them; a spare's new
         # ranks get theirs from the survivors, store/peers.py): the newest all folders left hold
-        saved, from_snapshot = memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None)
+        saved, from_snapshot = memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None,
+                                                   memsnap.base_of(cfg))
         resume_at, steps_lost = crashes.resume_point(run_dir, saved)
         facts = crashes.facts(evs, env.job_id, restart, culprit, resume_at=resume_at, steps_lost=steps_lost,
                               from_snapshot=from_snapshot,
@@ -395,7 +396,7 @@ def main(argv: list[str]) -> int:
     cfg, env = jobfile.read_run_config(run_dir), ClusterEnv.batch_shell()
     # in place, a retry is never a requeue: brought back means "run the ranks again here"
     if not after_crash(cfg, env, run_dir, status, in_place=True):
-        memsnap.remove_job(run_dir, env.job_id)  # the job ends here: its snapshots with it
+        memsnap.remove_job(run_dir, env.job_id, memsnap.base_of(cfg))  # the job ends here: its snapshots with it
         return status
     layout = restart_layout(run_dir, env, cfg)
     # the verdict counted the hosts left (the crash just recorded included): a restart has one

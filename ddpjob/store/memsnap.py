@@ -10,7 +10,13 @@ of its own, so it has a checkpoint's manifest and digests and loads with weights
 
     /dev/shm/ddpjob-<uid>/<job id>-<run dir digest>/<host>/rank-<N>/step-<S>/
 
-KEEP of them per rank, and none is taken when the memory they would need is not free.
+KEEP of them per rank, and none is taken when the memory they would need is not free. The base
+folder is `checkpoint.snapshot_dir` (/dev/shm by default). At its first snapshot each rank fits
+them to its node (fit()): its node's ranks x (KEEP + the one being written) x the state's size
+must fit in the folder's free room (measured at the start, before this start's first snapshot)
+and under the job's memory cgroup (tmpfs pages count against it); a shortfall keeps 1, or none,
+with one line from the node's first rank, never an OOM kill or a failed write mid-run.
+`ddpjob doctor` checks the same arithmetic (need()) before the job is submitted.
 
 A lost node takes its ranks' folders with it. What only those ranks held is their RNG streams
 (the replicas and the samplers' global position are on every node), so each snapshot also holds
@@ -46,7 +52,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ddpjob import console, rundir
 from ddpjob.store import manifest
@@ -56,6 +62,82 @@ if TYPE_CHECKING:  # torch: imported by a rank only (the crash decision reads th
 
 SHM = Path("/dev/shm")
 KEEP = 2  # the newest is being written while the one before stays whole
+CGROUP = Path("/sys/fs/cgroup")
+MEM_MARGIN = 0.05  # of a memory limit kept free for what a snapshot does not account for
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def need(state: int, ranks: int, keep: int = KEEP) -> int:
+    """Bytes the snapshots of `ranks` ranks on one node hold at most: each rank's `keep` kept ones
+    plus the one being written (pruning follows the commit)."""
+    return ranks * (keep + 1) * state if keep > 0 else 0
+
+
+def size_text(n: int) -> str:
+    """Bytes for a line: MiB, or KiB below one MiB (a small model's snapshot)."""
+    return f"{n / 2**20:.0f} MiB" if n >= 10 * 2**20 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def keep_for(state: int, ranks: int, room: int | None, mem_left: int | None) -> int:
+    """How many snapshots each rank keeps: KEEP, else 1, else 0 (none) - the most whose need()
+    fits both the folder's free `room` and the memory cgroup's `mem_left` (None: no limit)."""
+    for keep in range(KEEP, 0, -1):
+        if all(limit is None or need(state, ranks, keep) <= limit for limit in (room, mem_left)):
+            return keep
+    return 0
+
+
+def memory_left(proc_cgroup: str, root: Path = CGROUP) -> int | None:
+    """What this process's memory cgroup lets it still use: the least of limit - usage - margin
+    over its cgroup and every parent that has a limit (v2 memory.max / memory.current, v1
+    memory.limit_in_bytes / memory.usage_in_bytes); None without a limit. `proc_cgroup`: the text
+    of /proc/self/cgroup."""
+    found: list[int] = []
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            here, files = root / parts[2].lstrip("/"), ("memory.max", "memory.current")
+        elif "memory" in parts[1].split(","):
+            here, files = root / "memory" / parts[2].lstrip("/"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        for folder in [here, *here.parents]:
+            if folder != root and root not in folder.parents:
+                break
+            try:
+                limit_text = (folder / files[0]).read_text().strip()
+                used = int((folder / files[1]).read_text().strip())
+            except (OSError, ValueError):
+                continue
+            if limit_text.isdigit() and int(limit_text) < UNLIMITED:
+                limit = int(limit_text)
+                found.append(limit - used - int(limit * MEM_MARGIN))
+    return max(0, min(found)) if found else None
+
+
+def room(base: Path, job_tree: Path | None = None) -> int | None:
+    """Free bytes for the job's snapshots under `base` at a start: the file system's free space
+    plus what the job's own older snapshots there take (`job_tree`; the new ones replace them);
+    None when the folder's file system cannot be asked."""
+    probe = base
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return None
+    if job_tree is not None and job_tree.is_dir() and refuse(job_tree, base) is None:
+        free += _bytes_under(job_tree)
+    return free
+
+
+def _bytes_under(folder: Path) -> int:
+    try:
+        return sum(f.lstat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+    except OSError:  # a prune removing files meanwhile
+        return 0
 
 
 @dataclass(frozen=True)
@@ -163,12 +245,12 @@ def newest_common(run_dir: Path, job_id: str | None, base: Path = SHM) -> int | 
     return max(steps, default=None) if steps else None
 
 
-def newest_saved(run_dir: Path, job_id: str | None) -> tuple[int | None, bool]:
+def newest_saved(run_dir: Path, job_id: str | None, base: Path = SHM) -> tuple[int | None, bool]:
     """(the step a restart of the job on this machine would resume from: the newest valid
     checkpoint, or with `job_id` the newest snapshot all its ranks hold when newer; whether that
     is a snapshot's)."""
     found = manifest.newest_valid(Path(run_dir) / rundir.CHECKPOINTS)
-    snap = newest_common(run_dir, job_id) if job_id else None
+    snap = newest_common(run_dir, job_id, base) if job_id else None
     if snap is not None and (found is None or snap > found[0]):
         return snap, True
     return (found[0] if found else None), False
@@ -179,6 +261,11 @@ def remove_job(run_dir: Path, job_id: str | None, base: Path = SHM) -> None:
     root = job_root(run_dir, job_id, base)
     if root.is_dir() and refuse(root, base) is None:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def base_of(cfg: Any) -> Path:
+    """The folder the job's snapshot trees go under (`cfg`: a JobConfig)."""
+    return Path(cfg.checkpoint.snapshot_dir)
 
 
 def interval(cfg: Any) -> int | None:
@@ -196,8 +283,15 @@ def for_rank(cfg: Any, env: Any, run_dir: Path) -> Snapshots | None:
     every = interval(cfg)
     if every == 0:
         return None
-    root = rank_root(run_dir, env.job_id, env.hostname, env.rank)
-    snaps = Snapshots(root, every=every, config_hash=cfg.hash(), host=env.hostname)
+    base = base_of(cfg)
+    root = rank_root(run_dir, env.job_id, env.hostname, env.rank, base)
+    try:
+        cgroups = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        cgroups = ""
+    snaps = Snapshots(root, every=every, config_hash=cfg.hash(), base=base, host=env.hostname,
+                      ranks=env.local_world_size, node_lead=env.local_rank == 0,
+                      memory=lambda: memory_left(cgroups))
     if snaps.why_not is not None:
         console.print0(f"ddpjob: warning: no in-memory snapshots: {snaps.why_not}")
     return snaps
@@ -207,7 +301,8 @@ class Snapshots:
     """One rank's snapshots: take() every `every` steps, newest()/load() at a restart."""
 
     def __init__(self, root: Path, *, every: int | None, config_hash: str, base: Path = SHM,
-                 rule: AutoRule = AUTO, host: str = "") -> None:
+                 rule: AutoRule = AUTO, host: str = "", ranks: int = 1, node_lead: bool = True,
+                 memory: Callable[[], int | None] = lambda: None) -> None:
         from ddpjob.store.commit import CheckpointStore
         from ddpjob.store.snapshot import AsyncWrite
 
@@ -223,6 +318,11 @@ class Snapshots:
         self._pending: Any = None  # AsyncWrite
         self.taken = self.skipped = 0
         self.why_not: str | None = refuse(root, base)
+        # fit(): this node's `ranks` share the folder's room, measured now (before any of this
+        # start's snapshots); `memory`: what the memory cgroup has left, asked at the first one
+        self.keep, self._ranks, self._node_lead, self._memory = KEEP, ranks, node_lead, memory
+        self._room: int | None = room(base, root.parent.parent) if self.why_not is None else None
+        self._fitted = False
 
     def due(self, step: int, saved: bool = False) -> bool:
         """Whether a snapshot is due at `step`; `saved`: a checkpoint was just written at it
@@ -283,15 +383,21 @@ class Snapshots:
                 self.why_not = f"the last snapshot could not be written ({' '.join(str(exc).split())[:160]})"
                 return False
         snap = {name: self.store.snapshot(obj) for name, obj in files.items()}
-        need = (KEEP + 1) * _nbytes(snap)
+        size = _nbytes(snap)
+        if not self._fitted and not self.fit(size):
+            return False
+        need = (self.keep + 1) * size
         make(self.store.root)
         self.why_not = refuse(self.store.root, self._base)  # made by us, not found made by another
         if self.why_not is not None:
             return False
-        free = shutil.disk_usage(self.store.root).free
-        if need > free:
+        # beyond what this rank's folder holds already (its older ones go once the new one is in)
+        more, free = max(size, need - _bytes_under(self.store.root)), shutil.disk_usage(self.store.root).free
+        if more > free:  # the folder filled up since the start: stop before a write fails
             self.skipped += 1
-            self.why_not = f"{need >> 20} MiB needed for {KEEP + 1} snapshots, {free >> 20} MiB free in {self.store.root}"
+            self.why_not = (f"in-memory snapshots off from step {step}: {size_text(more)} more needed, "
+                            f"{size_text(free)} free in {self.store.root}")
+            console.info(f"ddpjob: warning: {self.why_not}")
             return False
         auto = self.auto if self.every is None else None
 
@@ -305,6 +411,28 @@ class Snapshots:
         self.taken += 1
         if auto is not None:
             auto.block_s = time.perf_counter() - started
+        return True
+
+    def fit(self, size: int) -> bool:
+        """At the first snapshot, when its `size` is known: keep KEEP, 1 or none (keep_for), said
+        in one line by the node's first rank when fewer than KEEP. False: none."""
+        self._fitted = True
+        left = self._memory()
+        self.keep = keep_for(size, self._ranks, self._room, left)
+        if self.keep == KEEP:
+            return True
+        full = need(size, self._ranks)
+        short = [f"{size_text(self._room)} free in {self._base}"] if self._room is not None and full > self._room else []
+        short += [f"{size_text(left)} left under the job's memory limit"] if left is not None and full > left else []
+        what = "kept 1 deep instead of 2" if self.keep else "off"
+        line = (f"in-memory snapshots {what}{f' on {self.host}' if self.host else ''}: {self._ranks} "
+                f"rank(s) x {KEEP + 1} x {size_text(size)} = {size_text(full)} needed, {' and '.join(short)}")
+        if self._node_lead:
+            console.info(f"ddpjob: warning: {line}")
+        if self.keep == 0:
+            self.why_not = line
+            return False
+        self.store.keep_last = self.keep
         return True
 
     def held(self) -> dict[int, dict[str, Any]]:

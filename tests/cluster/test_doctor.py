@@ -5,6 +5,9 @@ failed checks with hints, and the command exits 1. Pure parsing is tested withou
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,14 +59,15 @@ def test_good_job_passes_every_check(job: Path, capsys: pytest.CaptureFixture[st
     assert not failed(result), failed(result)
     assert {"job file", "slurm commands", "controller", "accounting", "requeue policy", "run dir",
             "dataset", "tasks per gpu", "partition", "nodes", "time limit", "cpus", "preemption",
-            "signal routing", "signal lead", "port window", "entry"} <= set(result)
+            "signal routing", "signal lead", "port window", "entry", "snapshot room",
+            "private /dev/shm", "memory limit"} <= set(result)
     assert all(c.status == doctor.PASS for c in result.values()), result
     assert "GraceTime 20" in result["preemption"].detail
     assert "--signal=USR2@120" in result["signal routing"].detail
 
     code = main(["doctor", str(job)])
     out = capsys.readouterr().out
-    assert code == 0 and "17 passed, 0 warning(s), 0 failed" in out
+    assert code == 0 and "20 passed, 0 warning(s), 0 failed" in out
 
 
 @pytest.mark.cluster
@@ -176,3 +180,97 @@ def test_srun_sees_run_dir_and_data_from_a_compute_node(job: Path, tmp_path: Pat
                           timeout_s=400)
     assert c.status == doctor.FAIL and "/nonexistent/ddpjob-data" in c.detail
     assert "shared" in c.hint
+
+
+# ------------------------------------------------------------------ what a restart in place needs
+RESTARTS = ("--set", "slurm.max_failures=2")  # snapshot_every = "auto" is then on
+
+
+def row(out: str, name: str) -> str:
+    """The one table line of check `name`."""
+    rows = [x for x in out.splitlines() if x.startswith(name + " ")]
+    assert len(rows) == 1, out
+    return rows[0]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: this machine's nodes all see it (one machine), nobody else uses it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    folder = tmp_path / "tiny-shm"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(folder)], check=True)
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.mark.cluster
+def test_restart_in_place_checks_pass_on_the_test_cluster(job: Path) -> None:
+    """ResNet-18 (the default model) + SGD momentum, 2 ranks: 2 x 3 x 89 MiB in /dev/shm; no
+    job container; SLURM tracks no memory here, so the nodes' free memory is the limit."""
+    result = checks(str(job), *RESTARTS)
+    assert not failed(result), failed(result)
+    room = result["snapshot room"]
+    assert room.status == doctor.PASS and "2 rank(s) x 3 x 89 MiB = 535 MiB (estimated: resnet18 has " \
+        "11.69 M parameters" in room.detail and "free in /dev/shm here" in room.detail, room
+    shm = result["private /dev/shm"]
+    assert shm.status == doctor.PASS and "shared by the node's jobs (JobContainerType=job_container/none)" in shm.detail
+    mem = result["memory limit"]
+    assert mem.status == doctor.PASS and "+ snapshots" in mem.detail and "FreeMem" in mem.detail, mem
+
+
+@pytest.mark.cluster
+def test_a_tiny_snapshot_folder_fails_the_room_check(job: Path, tiny_tmpfs: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    result = checks(str(job), *RESTARTS, "--set", f"checkpoint.snapshot_dir={tiny_tmpfs}")
+    assert set(failed(result)) == {"snapshot room"}
+    c = result["snapshot room"]
+    assert f"only 1.0 MiB free in {tiny_tmpfs} here" in c.detail and "take no snapshots" in c.detail
+    assert "checkpoint.snapshot_dir" in c.hint
+
+    assert main(["doctor", str(job), *RESTARTS, "--set", f"checkpoint.snapshot_dir={tiny_tmpfs}"]) == 1
+    out = capsys.readouterr().out
+    assert " fail " in row(out, "snapshot room") and out.rstrip().endswith("1 failed")
+
+
+@pytest.mark.cluster
+def test_a_small_mem_fails_the_memory_check(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = checks(str(job), *RESTARTS, "--set", "slurm.mem=300M")
+    assert set(failed(result)) == {"memory limit"}
+    c = result["memory limit"]
+    assert "above the limit 300 MiB (slurm.mem = 300M)" in c.detail and "killed for memory" in c.detail
+    assert main(["doctor", str(job), *RESTARTS, "--set", "slurm.mem=300M"]) == 1
+    assert " fail " in row(capsys.readouterr().out, "memory limit")
+
+
+@pytest.mark.cluster
+def test_a_job_private_shm_is_said(job: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster with job_container/tmpfs: an `scontrol` earlier on PATH answers `show config`
+    as such a cluster would (everything else is the real one's answer)."""
+    real = shutil.which("scontrol")
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!/bin/sh
+if [ "$1 $2" = "show config" ]; then
+  "{real}" "$@" | sed 's#^JobContainerType .*#JobContainerType        = job_container/tmpfs#'
+else exec "{real}" "$@"; fi
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    c = checks(str(job), *RESTARTS)["private /dev/shm"]
+    assert c.status == doctor.PASS and "/dev/shm is private to each job (job_container/tmpfs)" in c.detail
+    assert "serves a restart inside the allocation, never a requeue" in c.detail
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_srun_measures_the_snapshot_room_on_a_node(job: Path, tiny_tmpfs: Path) -> None:
+    """--srun: the room is what a compute node sees (here every node is this machine)."""
+    result = checks(str(job), "--srun", *RESTARTS)
+    assert result["compute node"].status == doctor.PASS, result["compute node"]
+    c = result["snapshot room"]
+    assert c.status == doctor.PASS and "free in /dev/shm on n" in c.detail, c
+    result = checks(str(job), "--srun", *RESTARTS, "--set", f"checkpoint.snapshot_dir={tiny_tmpfs}")
+    c = result["snapshot room"]
+    assert c.status == doctor.FAIL and f"only 1.0 MiB free in {tiny_tmpfs} on n" in c.detail, c

@@ -124,6 +124,7 @@ BAD = [
      "checkpoint.snapshot_every is 'often', expected a number of steps (0: never) or \"auto\""),
     (dict(checkpoint__snapshot_every=-2), "checkpoint.snapshot_every is -2, expected >= 0"),
     (dict(checkpoint__snapshot_every=True), "checkpoint.snapshot_every is True (bool), expected an integer or a string"),
+    (dict(checkpoint__snapshot_dir="shm"), "checkpoint.snapshot_dir is 'shm', expected an absolute path on the nodes"),
 ]
 
 

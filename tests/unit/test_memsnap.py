@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from ddpjob.store import memsnap
@@ -169,3 +170,93 @@ def test_a_restart_plans_the_newest_snapshot_every_rank_can_have_whole() -> None
     assert plan_restore([n1, n1b, spare, spare], needs, durable=6) is None  # the checkpoint is as new
     assert plan_restore([n1, n1b], needs[:2], durable=None) == Restore(8, [])  # the survivors alone
     assert plan_restore([{}, {}], needs[:2], durable=None) is None
+
+
+# ------------------------------------------------------------------ fitting them to the node
+def test_keep_two_one_or_none_by_the_room_and_the_memory_left() -> None:
+    """need() = ranks x (kept + the one being written) x state; keep_for: the most that fit."""
+    mib = 1 << 20
+    assert memsnap.need(100 * mib, 4) == 1200 * mib and memsnap.need(100 * mib, 4, 1) == 800 * mib
+    assert memsnap.need(100 * mib, 4, 0) == 0
+    assert memsnap.keep_for(100 * mib, 4, room=1200 * mib, mem_left=None) == 2
+    assert memsnap.keep_for(100 * mib, 4, room=1199 * mib, mem_left=None) == 1
+    assert memsnap.keep_for(100 * mib, 4, room=None, mem_left=800 * mib) == 1
+    assert memsnap.keep_for(100 * mib, 4, room=5000 * mib, mem_left=799 * mib) == 0
+    assert memsnap.keep_for(100 * mib, 4, room=None, mem_left=None) == 2
+
+
+def test_memory_left_reads_the_cgroup_and_its_limited_parents(tmp_path: Path) -> None:
+    """cgroup v2 (memory.max / memory.current) and v1 (memory.limit_in_bytes / usage): the
+    tightest level with a limit, less MEM_MARGIN of it; "max" or v1's huge number: no limit."""
+    job = tmp_path / "slurm" / "job_7"
+    step = job / "step_0"
+    step.mkdir(parents=True)
+    (step / "memory.max").write_text("max\n")
+    (step / "memory.current").write_text("100\n")
+    (job / "memory.max").write_text("1000000\n")
+    (job / "memory.current").write_text("400000\n")
+    left = memsnap.memory_left("0::/slurm/job_7/step_0\n", tmp_path)
+    assert left == 1000000 - 400000 - int(1000000 * memsnap.MEM_MARGIN)
+    assert memsnap.memory_left("0::/slurm\n", tmp_path) is None  # no limit on the way up
+    v1 = tmp_path / "memory" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory.usage_in_bytes").write_text("5\n")
+    assert memsnap.memory_left("4:memory:/job\n3:cpu:/\n", tmp_path) is None
+    (v1 / "memory.limit_in_bytes").write_text("2000\n")
+    assert memsnap.memory_left("4:memory:/job\n", tmp_path) == 2000 - 5 - 100
+    assert memsnap.memory_left("", tmp_path) is None
+
+
+def test_a_node_short_of_room_keeps_one_snapshot_or_none_with_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """fit() at the first snapshot: the room measured at the start and the memory cgroup's
+    headroom decide; the node's first rank says so in one line, the others keep quiet."""
+    size = memsnap._nbytes(files(0))  # what take() counts: the tensors' bytes, 64 per plain value
+    roomy = snaps(tmp_path / "a")
+    roomy._room = memsnap.need(size, 1)
+    assert roomy.take(2, files(2), {"step": 2}) and roomy.keep == 2
+    roomy.close()
+    assert capsys.readouterr().out == ""
+
+    one = memsnap.Snapshots(memsnap.rank_root(tmp_path / "run", "77", "n1", 0, tmp_path), every=2,
+                            config_hash="abc", base=tmp_path, host="n1", ranks=2,
+                            memory=lambda: memsnap.need(size, 2, 1))
+    for step in (2, 4, 6):
+        assert one.take(step, files(step), {"step": step})
+        one.close()
+    assert one.keep == 1 and sorted(one.held()) == [6]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("ddpjob: warning: in-memory snapshots kept 1 deep instead of 2 on n1: 2 rank(s) x 3 x"), out
+    assert "left under the job's memory limit" in out[0] and "free in" not in out[0]
+
+    none = memsnap.Snapshots(memsnap.rank_root(tmp_path / "run", "78", "n1", 1, tmp_path), every=2,
+                             config_hash="abc", base=tmp_path, host="n1", ranks=2, node_lead=False)
+    none._room = size
+    assert not none.take(2, files(2), {"step": 2}) and none.keep == 0
+    assert not none.take(4, files(4), {"step": 4}) and none.held() == {}
+    assert "off on n1" in str(none.why_not) and f"free in {tmp_path}" in str(none.why_not)
+    assert capsys.readouterr().out == ""  # not the node's first rank
+
+
+def test_a_folder_that_fills_up_mid_run_stops_the_snapshots_before_a_write_fails(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first snapshot only the new one needs room (the older ones go once it is in); when
+    even that is not free any more (another job filled the folder), they stop, in one line."""
+    import shutil
+    from collections import namedtuple
+
+    s = snaps(tmp_path)
+    size = memsnap._nbytes(files(0))
+    assert s.take(2, files(2), {"step": 2})
+    s.close()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, size))  # exactly one more
+    assert s.take(4, files(4), {"step": 4})
+    s.close()
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, size - 1))
+    assert not s.take(6, files(6), {"step": 6}) and [i.step for i in s.store.list()] == [4, 2]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"ddpjob: warning: in-memory snapshots off from step 6: {memsnap.size_text(size)} more "
+                   f"needed, {memsnap.size_text(size - 1)} free in {s.store.root}"], out
+    assert not s.take(8, files(8), {"step": 8})  # and stay off

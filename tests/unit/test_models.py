@@ -40,6 +40,24 @@ def test_non_resnet_torchvision_model_and_its_head():
     assert model(X).shape == (2, 3) and head_name(model) == "classifier"
 
 
+def test_parameter_counts_known_without_torch_match_the_builders():
+    """modelnames.PARAMS (doctor's snapshot estimate): every buildable name, the built-ins as
+    built for 10 classes, torchvision's from its weights' metadata (no model is built)."""
+    import torchvision.models
+
+    from ddpjob import modelnames
+
+    assert set(modelnames.PARAMS) == {*modelnames.BUILTIN_NAMES, *modelnames.TORCHVISION_NAMES}
+    for name in modelnames.BUILTIN_NAMES:
+        assert modelnames.PARAMS[name] == sum(p.numel() for p in build_model(name).parameters()), name
+    for name in modelnames.TORCHVISION_NAMES:
+        meta = torchvision.models.get_model_weights(name).DEFAULT.meta
+        assert modelnames.PARAMS[name] == meta["num_params"], name
+    # for CIFAR's 10 classes and stem the table is an upper bound, within a few per cent for ResNet-18
+    built = sum(p.numel() for p in build_model("resnet18").parameters())
+    assert built <= modelnames.PARAMS["resnet18"] <= 1.05 * built
+
+
 def test_unknown_name_is_a_usage_error_with_suggestions():
     with pytest.raises(UsageError) as err:
         build_model("resnet19")
