@@ -215,6 +215,11 @@ def _train_data(cfg: JobConfig) -> None:
     for key, v in (("train.pretrained", t.pretrained), ("data.root", d.root),
                    ("checkpoint.init_from", cfg.checkpoint.init_from)):
         scriptsafe.path_text(v, key, f"set {key} to a plain path")
+    unknown = [k for k in t.user_free if k not in cfg.user]
+    _check(len(t.user_free) <= 100 and not unknown,
+           f"train.user_free names {unknown or list(t.user_free)[:3]}, expected at most 100 keys of the "
+           f"[user] table (it has: {', '.join(sorted(cfg.user)[:20]) or 'nothing'})",
+           "list the [user] keys that may change at a resume, e.g. user_free = [\"max_iters\"]")
     keys = cfg.checkpoint.init_keys
     _check(0 < len(keys) <= 100 and all(bool(_STATE_KEY.fullmatch(k)) for k in keys),
            f"checkpoint.init_keys is {list(keys)!r}, expected 1..100 state keys (letters, digits, _)",
