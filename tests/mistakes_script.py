@@ -6,11 +6,15 @@ mistake: "" (none), "scaler" (an enabled GradScaler left out of state), "twice" 
 of train values at one step), "master_log" (an averaged job.log on rank 0 only), "raw_generator"
 (a torch.Generator in state as it is), "shared_generator" (the per-rank generator in state through
 state_dict()/load_state_dict(), saved from rank 0 only), "per_rank" (the same generator through
-ddpjob.PerRank: correct). Other [user] keys: steps, learning_rate (what `leraning_rate` misses).
+ddpjob.PerRank: correct). Other [user] keys: steps, learning_rate (what `leraning_rate` misses), stop_at (rank 0 sends itself SIGUSR2
+during that step).
+Rank 0 prints "step N: K checkpoint(s)" as each step begins.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import torch
@@ -36,6 +40,7 @@ def main() -> None:
     job = ddpjob.init(sys.argv[1] if len(sys.argv) > 1 else None)
     mistake = str(job.user.get("mistake", ""))
     steps, lr = int(job.user.get("steps", 6)), float(job.user.get("learning_rate", 0.01))
+    stop_at = int(job.user.get("stop_at", -1))
     torch.manual_seed(0)
     data = torch.randn(512, 8)
     model = job.wrap(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)))
@@ -52,6 +57,10 @@ def main() -> None:
         state["offsets"] = ddpjob.PerRank(offsets)
     job.resume(state)
     for step in job.steps(state, steps):
+        if job.is_rank0:  # the test reads where each line fell against the checkpoints
+            print(f"step {step}: {len(list(job.run_dir.glob('checkpoints/step-*')))} checkpoint(s)", flush=True)
+        if step == stop_at and job.rank == 0:  # a stop caused at this step (as a preemption's signal)
+            os.kill(os.getpid(), signal.SIGUSR2)
         for _ in range(2):  # gradient accumulation
             at = int(torch.randint(0, 500, (1,), generator=offsets.gen))
             x = data[at:at + 8]

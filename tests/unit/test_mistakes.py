@@ -169,3 +169,30 @@ def test_another_job_in_a_run_dir_names_each_key_that_differs(tmp_path: Path) ->
     assert "holds another job (config hash" in err.value.line()
     assert ": train.lr 0.1 -> 0.2; user.max_iters 100 -> 200), expected the same" in err.value.line()
     assert "train.user_free" in err.value.line()
+
+
+def _store(root: Path, cfg: config.JobConfig) -> object:
+    from types import SimpleNamespace
+
+    from ddpjob.node import dist
+    from ddpjob.store.state import StateStore
+
+    control = dist.Control(SimpleNamespace(initialized=False, timeout_s=300.0))  # type: ignore[arg-type]
+    return StateStore(root, keep_last=3, config_hash=cfg.hash(), async_save=False, rank=0, world_size=1,
+                      restart=0, job_id=None, control=control, identity=cfg.identity())
+
+
+def test_a_checkpoint_of_another_config_names_each_key_that_differs(tmp_path: Path) -> None:
+    old = _cfg(max_iters=100)
+    state = {"model": torch.nn.Linear(2, 2), "gen": ddpjob.PerRank(torch.Generator().manual_seed(3))}
+    _store(tmp_path, old).save(1, state, blocking=True)  # type: ignore[attr-defined]
+    new = dataclasses.replace(old, train=dataclasses.replace(old.train, lr=0.2))
+    with pytest.raises(DDPJobError) as err:
+        _store(tmp_path, new).resume(state, enabled=True, seed=0)  # type: ignore[attr-defined]
+    assert (f"step-000000001: checkpoint was written by a different job config (config hash '{old.hash()}', "
+            f"this job has '{new.hash()}'): train.lr 0.1 -> 0.2)") in err.value.line(), err.value.line()
+    # the same config resumes it, with the generator's per-rank state
+    expected = torch.Generator().manual_seed(3).get_state()
+    state["gen"].obj.manual_seed(9)
+    assert _store(tmp_path, old).resume(state, enabled=True, seed=0) == 1  # type: ignore[attr-defined]
+    assert torch.equal(state["gen"].obj.get_state(), expected)
