@@ -248,7 +248,9 @@ class Watch:
             self._store.set(self._key(f"peek/{self.rank}"), json.dumps({"asked": asked, **self._report(inside).__dict__}))
         if inside is None or step is None or waited < MISMATCH_S or self._asked == since:
             return
-        self._asked = since  # once per collective entered
+        self._asked = since  # once per collective entered, and by one of the ranks waiting in it
+        if self._store.add(self._key(f"asking/{step}/{inside}"), 1) != 1:
+            return
         asked = self._answered = self._store.add(self._peek_key, 1)
         answers = self._gather_peeks(asked)
         answers[self.rank] = self._report(inside)
@@ -264,12 +266,12 @@ class Watch:
         out: dict[int, Report] = {}
         deadline = time.monotonic() + REPORT_S
         while len(out) < len(keys) and time.monotonic() < deadline:
+            time.sleep(POLL_S / 2)  # each waiting rank answers at its next poll: few sweeps
             for r, key in keys.items():
                 if r not in out and self._store.check([key]):
                     got = json.loads(self._store.get(key))
                     if got.pop("asked") >= asked:
                         out[r] = Report(**got)
-            time.sleep(0.25)
         return out
 
 

@@ -149,5 +149,5 @@ def unread_user_keys(keys: Iterable[str], read: set[str]) -> str | None:
         near = difflib.get_close_matches(key, sorted(read), n=1, cutoff=0.75)
         said.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
     return (f"[user] {', '.join(said)} {'was' if len(unread) == 1 else 'were'} never read by the script "
-            "before its first checkpoint, so the job file's value changes nothing. Hint: correct the "
-            "name in the job file, or read it with job.user[...] (or drop it)")
+            "before its first checkpoint: a typo trains at the script's default. Hint: correct the name "
+            "in the job file or drop it; a key used only later (after training): read it before the loop")

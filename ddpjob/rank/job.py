@@ -233,7 +233,8 @@ class Job:
             from ddpjob.node import dist
 
             # the user's own objects as built: one that differs between the ranks is per rank
-            every = dist.all_gather_object(checks.own_digests(state), what="job.resume()'s look at the state")
+            every = dist.all_gather_object(checks.own_digests(state), what="job.resume()'s look at the state",
+                                           group=self._control.group)
             if self.is_rank0:
                 for gap in checks.state_gaps(state) + checks.differing(every):
                     console.warn(gap)

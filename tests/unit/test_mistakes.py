@@ -29,8 +29,9 @@ def test_user_keys_never_read_are_named_with_the_key_they_miss() -> None:
     assert table.get("learning_rate", 3e-4) == 3e-4 and table["steps"] == 5
     line = checks.unread_user_keys(dict.keys(table), table.read)
     assert line == ("[user] 'leraning_rate' (did you mean 'learning_rate'?), 'note' were never read by the "
-                    "script before its first checkpoint, so the job file's value changes nothing. Hint: "
-                    "correct the name in the job file, or read it with job.user[...] (or drop it)")
+                    "script before its first checkpoint: a typo trains at the script's default. Hint: correct "
+                    "the name in the job file or drop it; a key used only later (after training): read it "
+                    "before the loop")
     assert "note" in table and checks.unread_user_keys(["note"], table.read) is None  # `in` is a read
 
 
