@@ -197,3 +197,60 @@ def test_a_checkpoint_of_another_config_names_each_key_that_differs(tmp_path: Pa
     state["gen"].obj.manual_seed(9)
     assert _store(tmp_path, old).resume(state, enabled=True, seed=0) == 1  # type: ignore[attr-defined]
     assert torch.equal(state["gen"].obj.get_state(), expected)
+
+
+class _Store:
+    """A TCPStore's four requests over a dict, shared by the watches of one test."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, object] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.d[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.d[key]  # type: ignore[return-value]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.d for k in keys)
+
+    def add(self, key: str, n: int) -> int:
+        self.d[key] = int(self.d.get(key, 0)) + n  # type: ignore[call-overload]
+        return int(self.d[key])  # type: ignore[call-overload]
+
+
+def _watch(store: _Store, rank: int, step: int, inside: str | None, waited_s: float) -> hang.Watch:
+    from types import SimpleNamespace
+
+    w = object.__new__(hang.Watch)
+    w.rank, w.world_size, w.host, w._main, w._store = rank, 2, f"n{rank + 1}", None, store
+    w.steps, w.inside, w.since = SimpleNamespace(current_step=step), inside, hang.time.monotonic() - waited_s
+    w._prefix = "ddpjob/hang/0/"
+    w._alarm_key, w._peek_key, w._answered, w._asked = w._key("alarm"), w._key("peek"), 0, -1.0
+    return w
+
+
+@pytest.mark.parametrize("peer_step, named", [(6, True), (5, False)])
+def test_a_rank_past_the_call_is_named_by_the_rank_waiting_in_it(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  peer_step: int, named: bool) -> None:
+    """The peek protocol in-process: rank 0 has waited in job.log's average at step 5 for 12 s;
+    rank 1 waits at step 6 (it went past the call: named, the alarm set, exit 1) or at step 5
+    (a slow peer: nothing said). Rank 1's watch answers during rank 0's wait (its poll)."""
+    store = _Store()
+    asker = _watch(store, 0, 5, "job.log()'s average", 12.0)
+    peer = _watch(store, 1, peer_step, None, 3.0)
+    monkeypatch.setattr(hang.time, "sleep", lambda s: peer._peek())
+    monkeypatch.setattr(hang.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    if named:
+        with pytest.raises(SystemExit, match="1"):
+            asker._peek()
+        assert capsys.readouterr().err.startswith(
+            "ddpjob: error: job.log()'s average at step 5 was called on rank 0 but not on every rank "
+            "(rank 1 (n2) went on to step 6 (?)), expected every rank to make each collective call.")
+        assert store.check([asker._alarm_key])
+    else:
+        asker._peek()
+        assert capsys.readouterr().err == "" and not store.check([asker._alarm_key])
+    asker._peek()  # asked once per collective entered: no second round
+    assert store.add(asker._peek_key, 0) == 1
