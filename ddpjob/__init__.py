@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
-__all__ = ["Job", "StepSampler", "init"]
+__all__ = ["Job", "PerRank", "StepSampler", "init"]
 
 if TYPE_CHECKING:
     from ddpjob.api import Job, init
     from ddpjob.node.sampler import StepSampler
+    from ddpjob.store.perrank import PerRank
 
 
 def __getattr__(name: str) -> Any:
@@ -31,4 +32,8 @@ def __getattr__(name: str) -> Any:
         from ddpjob.node.sampler import StepSampler
 
         return StepSampler
+    if name == "PerRank":  # a value of `state` that each rank keeps its own of
+        from ddpjob.store.perrank import PerRank
+
+        return PerRank
     raise AttributeError(f"module 'ddpjob' has no attribute {name!r}")

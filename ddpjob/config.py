@@ -159,6 +159,10 @@ class TrainConfig:
     log_sample_ids: Free[bool] = False  # each rank logs its samples per step to RUN_DIR/samples/ (tests)
     entry: Match[str] = ""  # "" = the built-in trainer; "path/to/script.py" or "package.module:function"
     args: Match[tuple[str, ...]] = ()  # sys.argv[1:] of the entry
+    # [user] keys that may change at a resume, as max_steps may for the trainer (a script's own
+    # step budget, its log interval): left out of the hash. The list itself is part of the run's
+    # identity once set (declared at submission); at its default () the hash is what runs had
+    user_free: MatchIfSet[tuple[str, ...]] = ()
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,37 @@ class JobConfig:
     def hash(self) -> str:
         """What must match for a checkpoint to be resumed: the Match fields (resources may change:
         elastic resume). A section declared Match contributes its own fields' declarations."""
-        return hashlib.sha256(json.dumps(_identity(self), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def identity(self) -> dict[str, Any]:
+        """What hash() is taken of: the Match fields, less the [user] keys train.user_free names."""
+        out = _identity(self)
+        if self.train.user_free:
+            out["user"] = {k: v for k, v in out["user"].items() if k not in self.train.user_free}
+        return out
+
+
+def differences(old: JobConfig, new: JobConfig) -> list[str]:
+    """Each key of the resume identity whose value differs, "train.lr 0.1 -> 0.2" (a key one
+    side lacks shows as "(unset)"), for the lines that refuse another job's run dir or checkpoint."""
+    return identity_differences(old.identity(), new.identity())
+
+
+def identity_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """differences() of two identity() trees (a checkpoint's manifest keeps its run's)."""
+    def flat(tree: Mapping[str, Any], at: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            if isinstance(v, Mapping) and v:
+                out.update(flat(v, f"{at}{k}."))
+            else:
+                out[f"{at}{k}"] = v
+        return out
+
+    a, b = flat(old), flat(new)
+    unset = "(unset)"
+    return [f"{k} {json.dumps(a.get(k, unset))} -> {json.dumps(b.get(k, unset))}"
+            for k in sorted(set(a) | set(b)) if a.get(k, unset) != b.get(k, unset)]
 
 
 @functools.cache  # a class's annotations do not change; hash() is taken at every save

@@ -250,9 +250,13 @@ def check_reuse(path: Path, cfg: JobConfig) -> str:
                          "or empty folder or a run dir of this job", "choose a new --run-dir")
     old = jobfile.read_run_config(path)
     if old.hash() != cfg.hash():
+        from ddpjob.config import differences
+
         raise UsageError(f"run directory '{path}' holds another job (config hash {old.hash()}, this "
-                         f"job has {cfg.hash()}), expected the same model, data and optimizer",
-                         "use a new --run-dir, or the job file that made this one")
+                         f"job has {cfg.hash()}: {'; '.join(differences(old, cfg))[:600]}), expected the "
+                         "same model, data and optimizer",
+                         "use a new --run-dir, or the job file that made this one; a [user] key that may "
+                         "change at a resume is listed in train.user_free when the run is submitted")
     return SAME if old.to_json() == cfg.to_json() else RESIZED
 
 

@@ -219,6 +219,11 @@ def _train_data(cfg: JobConfig) -> None:
     _check(snap_dir.startswith("/"), f"checkpoint.snapshot_dir is {snap_dir!r}, expected an absolute "
            "path on the nodes", 'e.g. snapshot_dir = "/dev/shm" (node-local memory)')
     scriptsafe.path_text(snap_dir, "checkpoint.snapshot_dir", 'e.g. snapshot_dir = "/dev/shm"')
+    unknown = [k for k in t.user_free if k not in cfg.user]
+    _check(len(t.user_free) <= 100 and not unknown,
+           f"train.user_free names {unknown or list(t.user_free)[:3]}, expected at most 100 keys of the "
+           f"[user] table (it has: {', '.join(sorted(cfg.user)[:20]) or 'nothing'})",
+           "list the [user] keys that may change at a resume, e.g. user_free = [\"max_iters\"]")
     keys = cfg.checkpoint.init_keys
     _check(0 < len(keys) <= 100 and all(bool(_STATE_KEY.fullmatch(k)) for k in keys),
            f"checkpoint.init_keys is {list(keys)!r}, expected 1..100 state keys (letters, digits, _)",

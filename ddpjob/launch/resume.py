@@ -5,7 +5,9 @@ overrides, through the backend that ran it: the submitit path or the local super
 (submit.launch), or, for a run made by `ddpjob sbatch`, the re-rendered template submitted with
 sbatch. The run dir policy is the one of submit/sbatch/run (rundir.check_reuse): other resources
 or length are fine (elastic resume), another training is refused. A queued or running job is
-refused (two jobs must never train in one run dir), and so is a completed run.
+refused (two jobs must never train in one run dir), and so is a completed run. When the code
+on disk has changed since the freeze, one line says that the frozen code runs and how to run
+the new code (--allow-code-change).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
         accepts = tuple(str(h) for h in [*(old.get("accepts") or []), old.get("hash")] if h)
         rec = freeze.freeze(cfg, run, accepts=accepts)
         console.info(f"{run}: code frozen again ({rec['hash']}), resuming checkpoints of {', '.join(accepts) or '-'}")
+    elif runs.code_state(run).get("changed_on_disk"):  # said where it matters, not only in `status`
+        console.info(f"ddpjob: the code on disk has changed since {run} was submitted: this resume runs "
+                     f"the frozen code ({freeze.record(run).get('hash')}); to run the code on disk instead: "
+                     f"ddpjob resume {run} --allow-code-change")
     job = runs.job_record(run)
     backend = choose.of_record(job) or choose.for_request("auto")
     command = ["ddpjob", "resume", str(run), *jobfile.cli_flag_words(args)]  # for job.json: what was run

@@ -268,6 +268,8 @@ class Control:
         self.active = ctx.initialized
         self.group: Any = None
         self._io: Any = None
+        self._means: Any = None  # mean()'s group, made at its first call
+        self._timeout = timedelta(seconds=ctx.timeout_s)
         if ctx.initialized:
             self.group = dist.new_group(backend="gloo")
             ctx.hold(self)
@@ -281,6 +283,21 @@ class Control:
             with guard("the creation of the checkpoint group"):
                 self._io = dist.new_group(backend="gloo")
         return self._io
+
+    def mean(self, values: list[float], what: str) -> list[float]:
+        """The mean over the ranks of a few numbers (job.log's average), on a gloo group of its
+        own, made at the first call (every rank calls it together). Why not the default group:
+        a call that one rank makes and another does not met DDP's gradient all-reduce there,
+        and gloo aborted the process on the size mismatch; here it waits, and the hang watch
+        names the call and the ranks that went past it (hang.py, MISMATCH_S)."""
+        if not self.active:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        with guard(what):
+            if self._means is None:
+                self._means = dist.new_group(backend="gloo", timeout=self._timeout)
+            dist.all_reduce(t, group=self._means)
+        return (t / dist.get_world_size()).tolist()
 
     def agree(self, values: list[int], what: str = "the stop vote") -> list[int]:
         """Element-wise MAX of small integers over all ranks: one all-reduce of a few int64s,
@@ -309,7 +326,7 @@ class Control:
 
     def release(self) -> None:
         """Let go of the groups (after a clean destroy: DistContext._release)."""
-        self.active, self.group, self._io = False, None, None
+        self.active, self.group, self._io, self._means = False, None, None, None
 
 
 def all_reduce_(t: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -> torch.Tensor:

@@ -12,6 +12,11 @@ reports where its main thread is (which collective, which step, the innermost fr
 all stacks with faulthandler into the rank log and, if its main thread has not ended on its own
 within EXIT_AFTER_S (a rank stuck in its own code never will), ends the process. So the whole
 job ends within dist_timeout_s + REPORT_S + EXIT_AFTER_S + one poll, well under +60 s.
+
+A collective one rank issues and another does not (an averaged `job.log` inside `if rank == 0`)
+is told sooner, and by name: a rank inside one of ddpjob's collectives for MISMATCH_S asks the
+others where they are (a "peek" key they answer only while they wait themselves); one already
+at a later step passed that step without the call, which is a certain deadlock, not a slow peer.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from ddpjob.errors import ClusterFailure, DDPJobError
 POLL_S = 2.0  # how often each rank looks for the alarm: one tiny store request
 REPORT_S = 10.0  # how long the failing rank waits for the others' reports
 EXIT_AFTER_S = 20.0  # then a rank whose main thread is still running is ended
+# a rank inside one collective this long asks where the others are (_peek): none is ever this
+# long in a collective a peer went past; a healthy one ends within milliseconds of the last arrival
+MISMATCH_S = 10.0
 BACKWARD = "DDP's gradient all-reduce (in the backward pass)"
 
 # What gloo, NCCL and the TCPStore say when a peer is late or gone (torch.distributed.DistError
@@ -93,6 +101,7 @@ class Watch:
         # rounds (a round that crashed before all its ranks joined would shift a count).
         self._prefix = f"ddpjob/hang/{0 if agent_round is None else agent_round}/"
         self._alarm_key, self._reported_key = self._key("alarm"), self._key("reported")
+        self._peek_key, self._answered, self._asked = self._key("peek"), 0, -1.0
         self._store.set(self._key(f"host/{rank}"), host)  # named even if it never reports
         self._closed = threading.Event()
         _enable_faulthandler()
@@ -206,6 +215,7 @@ class Watch:
         while not self._closed.wait(POLL_S):
             try:
                 if not self._store.check([self._alarm_key]):
+                    self._peek()
                     continue
                 who = self._store.get(self._alarm_key).decode()
                 if who != str(self.rank):
@@ -222,6 +232,61 @@ class Watch:
                   f"{self._report(self.inside).frame}), expected it to end with the job. Hint: its "
                   "stack is above; ending this process", file=sys.stderr, flush=True)
             os._exit(1)
+
+
+    def _peek(self) -> None:
+        """The watch thread, between alarms: while the main thread waits (the same place for
+        POLL_S), answer a rank that asks where everyone is; inside one of ddpjob's collectives for
+        MISMATCH_S, ask. Ranks that do not wait add no request."""
+        inside, since, step = self.inside, self.since, self.step
+        waited = time.monotonic() - since
+        if waited < POLL_S:
+            return
+        asked = self._store.add(self._peek_key, 0)
+        if asked != self._answered:
+            self._answered = asked
+            self._store.set(self._key(f"peek/{self.rank}"), json.dumps({"asked": asked, **self._report(inside).__dict__}))
+        if inside is None or step is None or waited < MISMATCH_S or self._asked == since:
+            return
+        self._asked = since  # once per collective entered, and by one of the ranks waiting in it
+        if self._store.add(self._key(f"asking/{step}/{inside}"), 1) != 1:
+            return
+        asked = self._answered = self._store.add(self._peek_key, 1)
+        answers = self._gather_peeks(asked)
+        answers[self.rank] = self._report(inside)
+        ahead = {r: rep for r, rep in answers.items() if rep.step is not None and rep.step > step}
+        if ahead and self.inside == inside and self.since == since:  # still in that very call
+            print(mismatch(inside, step, answers, ahead).line(), file=sys.stderr, flush=True)
+            self._store.set(self._alarm_key, str(self.rank))  # the peers dump their stacks and end
+            os._exit(1)  # the main thread waits inside gloo, which no Python exception reaches
+
+    def _gather_peeks(self, asked: int) -> dict[int, Report]:
+        """The reports of the ranks that answered peek number `asked` within REPORT_S."""
+        keys = {r: self._key(f"peek/{r}") for r in range(self.world_size) if r != self.rank}
+        out: dict[int, Report] = {}
+        deadline = time.monotonic() + REPORT_S
+        while len(out) < len(keys) and time.monotonic() < deadline:
+            time.sleep(POLL_S / 2)  # each waiting rank answers at its next poll: few sweeps
+            for r, key in keys.items():
+                if r not in out and self._store.check([key]):
+                    got = json.loads(self._store.get(key))
+                    if got.pop("asked") >= asked:
+                        out[r] = Report(**got)
+        return out
+
+
+def mismatch(what: str, step: int, answers: dict[int, Report], ahead: dict[int, Report]) -> DDPJobError:
+    """The line for a collective that some ranks issued at `step` and the ranks `ahead` went past."""
+    called = sorted(r for r, rep in answers.items() if rep.inside == what and rep.step == step)
+    where = "; ".join(f"rank {r} ({rep.host}) went on to step {rep.step}"
+                      + (f" and waits in {rep.inside}" if rep.inside else
+                         " and waits in DDP's gradient all-reduce" if rep.backward else f" ({rep.frame})")
+                      for r, rep in sorted(ahead.items()))
+    ranks = ", ".join(map(str, called)) or "?"
+    return DDPJobError(f"{what} at step {step} was called on rank{'s' if len(called) > 1 else ''} {ranks} "
+                       f"but not on every rank ({where}), expected every rank to make each collective call",
+                       "a collective (job.log(..., average=...), job.all_reduce, job.finish) runs on every "
+                       "rank: move it out of `if rank == 0:` (job.log without average may stay inside)")
 
 
 class _LockedStore:

@@ -38,7 +38,52 @@ class MissingUserKey(KeyError):
 
 
 class UserTable(dict):
-    """job.user, the job file's [user] table: a key that is not there names the ones that are."""
+    """job.user, the job file's [user] table: a key that is not there names the ones that are.
+    It records the keys the script asked for (`read`, present or not; a whole-table read such as
+    `**job.user` reads them all), for the first checkpoint's line on keys never read."""
+
+    def __init__(self, table: Any) -> None:
+        super().__init__(table)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(str(key))
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(str(key))
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self.read.add(str(key))
+        return super().setdefault(key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self.read.add(str(key))
+        return super().pop(key, *default)
+
+    def _all(self) -> None:
+        self.read.update(map(str, dict.keys(self)))
+
+    def __iter__(self) -> Iterator[Any]:
+        self._all()
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        self._all()
+        return super().keys()
+
+    def items(self) -> Any:
+        self._all()
+        return super().items()
+
+    def values(self) -> Any:
+        self._all()
+        return super().values()
 
     def __missing__(self, key: Any) -> Any:
         raise MissingUserKey(f"{key!r} is not in the job file's [user] table, which has: "
@@ -68,7 +113,8 @@ class Job:
         self.config, self.env, self._ctx, self.run_dir, self._stop = cfg, ctx.env, ctx, run_dir, stop
         self.rank, self.local_rank = ctx.env.rank, ctx.env.local_rank
         self.world_size, self.device, self.is_rank0 = ctx.env.world_size, ctx.device, ctx.env.is_rank0
-        self.user: dict[str, Any] = UserTable(cfg.user)
+        self.user = UserTable(cfg.user)
+        self._checked_user = False  # the [user] keys never read: said once, before the first checkpoint
         self.restart, self.job_id = restart, ctx.env.job_id  # restart: within the run (rundir.run_restart)
         self.finished = False
         self.stopped_at: int | None = None
@@ -82,7 +128,7 @@ class Job:
                                  init_from=c.init_from, init_keys=c.init_keys,
                                  code=code, allow_code_change=allow_code_change, from_scratch=from_scratch,
                                  sharded=cfg.train.strategy == "fsdp",
-                                 snapshots=memsnap.for_rank(cfg, ctx.env, run_dir))
+                                 snapshots=memsnap.for_rank(cfg, ctx.env, run_dir), identity=cfg.identity())
         self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
         self._deadline = preemption.DeadlineWatch(end_time)
         self._step: int | None = None  # set by resume()
@@ -189,9 +235,15 @@ class Job:
         from ddpjob.node.sampler import StepSampler
         from ddpjob.rank import checks
 
-        if self._step is None and self.is_rank0:  # the first call: what would make a resume differ
-            for gap in checks.state_gaps(state):
-                console.warn(gap)
+        if self._step is None:  # the first call: what would make a resume differ
+            from ddpjob.node import dist
+
+            # the user's own objects as built: one that differs between the ranks is per rank
+            every = dist.all_gather_object(checks.own_digests(state), what="job.resume()'s look at the state",
+                                           group=self._control.group)
+            if self.is_rank0:
+                for gap in checks.state_gaps(state) + checks.differing(every):
+                    console.warn(gap)
         seed = self.config.train.seed if seed is None else int(seed)
         t0 = time.monotonic()
         step = self._store.resume(state, enabled=self.config.checkpoint.resume, seed=seed)
@@ -262,6 +314,7 @@ class Job:
                 if now.save:
                     for s in samplers:
                         s.set_step(step)
+                    self._before_checkpoint()
                     t0, decided = time.monotonic(), time.time()
                     self._store.save(step, state, blocking=bool(now.stop))
                     if self._metrics is not None:
@@ -284,9 +337,22 @@ class Job:
         decider.close()  # every rank reads the last vote: the groups stay in step
         for s in samplers:
             s.set_step(step)
+        self._before_checkpoint()
         t0 = time.monotonic()
         self._store.save(step, state, blocking=True)
         self._record_checkpoint(step, time.monotonic() - t0)
+
+    def _before_checkpoint(self) -> None:
+        """Rank 0, before the first checkpoint: the [user] keys the script has not read by now
+        change nothing (a typo trains at the script's default), said while there is time to stop."""
+        if self._checked_user or not self.is_rank0:
+            return
+        self._checked_user = True
+        from ddpjob.rank import checks
+
+        line = checks.unread_user_keys(dict.keys(self.user), self.user.read)
+        if line:
+            console.warn(line)
 
     def _record_checkpoint(self, step: int, block_s: float) -> None:
         """Rank 0, after a save: how long it held the loop, and the in-memory snapshots' hold
@@ -349,16 +415,13 @@ class Job:
         values as logged (tensors read with .item(), which waits for the device)."""
         import torch
 
-        from ddpjob.node import dist
         from ddpjob.rank import checks
 
         checks.scalars(scalars)
         names = list(scalars) if average is True else list(average or ())
         if names:
-            values = torch.stack([torch.as_tensor(scalars[n]).detach().to(self.device, torch.float64)
-                                  for n in names])
-            dist.all_reduce_(values, "mean", what="job.log()'s average")
-            scalars.update(zip(names, values.tolist()))
+            values = [float(torch.as_tensor(scalars[n]).detach().to(torch.float64)) for n in names]
+            scalars.update(zip(names, self._control.mean(values, what="job.log()'s average")))
         record = {name: (v.item() if hasattr(v, "item") else v) for name, v in scalars.items()}
         if self._metrics is not None:
             self._metrics.write(step, record)

@@ -12,7 +12,12 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ddpjob import rundir
+from ddpjob import console, rundir
+
+
+def kind_of(names: list[str]) -> str:
+    """A record's kind: "eval" when every name starts with eval_ (or is epoch), else "train"."""
+    return "eval" if names and all(k.startswith("eval_") or k == "epoch" for k in names) else "train"
 
 
 class MetricLog:
@@ -21,6 +26,8 @@ class MetricLog:
     def __init__(self, run_dir: Path, restart: int) -> None:
         self._run_dir, self._restart = run_dir, restart
         self._tb: Any = None  # node/metrics.TensorBoard
+        self._kinds: tuple[int, set[str]] = (-1, set())  # the kinds written at the latest step
+        self._said_twice = False
 
     def open_tensorboard(self, resumed_step: int) -> None:
         """From the resumed step on: TensorBoard drops what a resume replays (once per process)."""
@@ -33,12 +40,28 @@ class MetricLog:
         """One record of plain values: names starting with eval_ (and epoch) make an eval record."""
         # JSON has no NaN/inf: keep the line parseable, as "nan"/"inf" strings
         line = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        kind = "eval" if line and all(k.startswith("eval_") or k == "epoch" for k in line) else "train"
+        kind = kind_of(list(line))
+        self._check_once_per_step(int(step), kind, list(line))
         rundir.append_jsonl(self._run_dir / rundir.METRICS,
                             {"kind": kind, "time": time.time(), "step": int(step),
                              "restart": self._restart, **line})
         if self._tb is not None:
             self._tb.add(int(step), kind, record)
+
+    def _check_once_per_step(self, step: int, kind: str, names: list[str]) -> None:
+        """A second record of one kind for one step: `plot` and `status` expect one per step and
+        a reader keeping one loses the other's values. Said once, at the first."""
+        at, kinds = self._kinds
+        if at != step:
+            self._kinds = (step, {kind})
+            return
+        if kind in kinds and not self._said_twice:
+            self._said_twice = True
+            console.warn(f"job.log({step}, {', '.join(n + '=...' for n in names)}) writes a second {kind} "
+                         f"record for step {step}: `ddpjob plot` and `status` expect one {kind} record per step. "
+                         "Hint: log a step's values in one call, job.log(step, loss=..., lr=...); "
+                         "name evaluation values eval_* (an eval record)")
+        kinds.add(kind)
 
     def flush(self) -> None:
         """After a checkpoint: what a resume from it keeps is on disk."""

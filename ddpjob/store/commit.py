@@ -118,7 +118,7 @@ class CheckpointStore:
         other ranks may still be writing into it, and the collective that follows every rank's
         writes removes it (state.py); then only this file's partial .tmp goes."""
         _check_name(name)
-        _check_loadable(obj, [name])
+        check_loadable(obj, [name])
         self._write_file(staging, name, obj, abort=not shared)
 
     def write_async(self, staging: Path, files: dict[str, Any],
@@ -132,7 +132,7 @@ class CheckpointStore:
         `make_room`: the step, to call make_room() first (rank 0), in the writer thread."""
         for name, obj in files.items():  # fail in the caller's thread, before anything is written
             _check_name(name)
-            _check_loadable(obj, [name])
+            check_loadable(obj, [name])
 
         def work() -> None:
             error: BaseException | None = None
@@ -378,7 +378,7 @@ _SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None),
                 torch.Tensor, torch.nn.Parameter, torch.Size, torch.device, torch.dtype)
 
 
-def _check_loadable(obj: Any, where: list[Any]) -> None:
+def check_loadable(obj: Any, where: list[Any]) -> None:
     """Refuse at save time what weights_only loading would refuse at resume time (exact types:
     a numpy float64 is a float subclass yet does not load)."""
     kind = type(obj)
@@ -387,13 +387,13 @@ def _check_loadable(obj: Any, where: list[Any]) -> None:
     if kind in (dict, OrderedDict, Counter):
         for key, value in obj.items():
             where.append(key)
-            _check_loadable(key, where)
-            _check_loadable(value, where)
+            check_loadable(key, where)
+            check_loadable(value, where)
             where.pop()
     elif kind in (list, tuple, set):
         for i, value in enumerate(obj):
             where.append(i)
-            _check_loadable(value, where)
+            check_loadable(value, where)
             where.pop()
     elif kind not in torch.serialization.get_safe_globals():
         at = str(where[0]) + "".join(f"[{k!r}]" for k in where[1:])

@@ -28,8 +28,8 @@ from ddpjob.ledger import events
 from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist
-from ddpjob.store import memsnap, rng, sharded
-from ddpjob.store.commit import CheckpointInfo, CheckpointStore
+from ddpjob.store import memsnap, perrank, rng, sharded
+from ddpjob.store.commit import CheckpointInfo, CheckpointStore, check_loadable
 from ddpjob.store.source import Source
 from ddpjob.store.snapshot import AsyncWrite
 
@@ -65,6 +65,15 @@ def check_state(state: Any) -> None:
             raise DDPJobError(f"state key {key!r} is not usable as a checkpoint file name, expected "
                               "letters, digits and _ (not 'values' or 'manifest')",
                               "rename the key, e.g. 'optimizer' or 'lr_scheduler'")
+    # what the first checkpoint would refuse, refused now (at resume(), not steps later)
+    for key, value in state.items():
+        if isinstance(value, torch.Generator):
+            raise DDPJobError(f"state[{key!r}] is a torch.Generator, which a checkpoint cannot hold as it is, "
+                              "expected an object with state_dict()/load_state_dict() or a plain value",
+                              f"each rank's own generator: state[{key!r}] = ddpjob.PerRank(generator) "
+                              "(saved and resumed per rank, docs/api.md)")
+        if _plain(value):
+            check_loadable(value, [f"state[{key!r}]"])
 
 
 # wrapper class -> the attribute holding the wrapped module (DDP, torch.compile)
@@ -93,6 +102,11 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def _plain(obj: Any) -> bool:
+    """A plain value of the state (values.pt, rank 0's): neither stateful nor per rank."""
+    return not _stateful(obj) and not isinstance(obj, perrank.PerRank)
+
+
 def seed_for(*parts: Any) -> int:
     return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest(), "little")
 
@@ -105,8 +119,11 @@ class StateStore:
                  control: dist.Control, init_from: str = "", init_keys: tuple[str, ...] = ("model",),
                  code: Callable[[], tuple[str, tuple[str, ...]]] | None = None,
                  allow_code_change: bool = False, sharded: bool = False, from_scratch: bool = False,
-                 snapshots: memsnap.Snapshots | None = None) -> None:
+                 snapshots: memsnap.Snapshots | None = None, identity: dict[str, Any] | None = None) -> None:
         self.store = CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
+        # what config_hash is taken of (JobConfig.identity()), in each manifest: a checkpoint of
+        # another config is then refused naming the keys that differ
+        self.identity = identity
         # checkpoint.snapshot_every: this rank's in-memory copies (memsnap.py); not with fsdp
         self.snapshots = None if sharded else snapshots
         self.sharded = sharded  # train.strategy = "fsdp": models and optimizers through DCP
@@ -160,6 +177,13 @@ class StateStore:
         rng_file = f"rank-{self.rank}.pt"
         if rng_file in source.files:
             self._rng = source.read(rng_file)
+        fresh = perrank.restore(state, self._rng, where=source.where)
+        old_world = source.manifest.get("world_size")
+        if perrank.keys(state) and isinstance(old_world, int) and old_world != self.world_size:
+            print0(perrank.resize_line(perrank.keys(state), old_world, self.world_size))
+        elif fresh and self.rank == 0:  # a checkpoint from before the value was per rank
+            print0(f"{', '.join(f'state[{k!r}]' for k in fresh)} (per rank): {source.name} holds none, "
+                   "every rank starts from its object as built")
         self.saved_step = source.step
         self.resumed_meta = dict(source.manifest)
         print0(f"resumed from {source.name} (step {source.step}, restart {self.restart})")
@@ -174,7 +198,7 @@ class StateStore:
 
         assert self.snapshots is not None
         needs = [f"{k}.pt" for k, v in state.items() if _stateful(v)] + [f"rank-{self.rank}.pt"]
-        needs += ["values.pt"] if any(not _stateful(v) for v in state.values()) else []
+        needs += ["values.pt"] if any(_plain(v) for v in state.values()) else []
         return peers.newest(self.snapshots, needs, durable, self.rank, self.control)
 
     def snapshot_due(self, step: int) -> bool:
@@ -216,6 +240,11 @@ class StateStore:
         rejected: list[tuple[CheckpointInfo, str]] = []
         for info in self.store.list():
             reason = self.store.verify(info)
+            written = info.manifest.get("config")
+            if reason and "config hash" in reason and isinstance(written, dict) and self.identity is not None:
+                from ddpjob.config import identity_differences
+
+                reason += f": {'; '.join(identity_differences(written, self.identity))[:400]}"
             if reason is None:
                 files, in_dcp = info.manifest.get("files", {}), info.manifest.get("sharded", [])
                 missing = [f"{k}.pt" for k, v in state.items()
@@ -305,12 +334,13 @@ class StateStore:
     def _files(self, state: State, skip: list[str], whole: bool = False) -> dict[str, Any]:
         """The files this rank writes: its RNG streams, the stateful keys writers() gives it and,
         on rank 0, values.pt; `whole` (a snapshot): every key and the values, from this rank."""
-        files: dict[str, Any] = {f"rank-{self.rank}.pt": rng.capture_rng_state()}
+        # the rank's RNG streams and its per-rank values: both resume by rank number
+        files: dict[str, Any] = {f"rank-{self.rank}.pt": {**rng.capture_rng_state(), **perrank.capture(state)}}
         for key, rank in self.writers(state, skip).items():
             if whole or rank == self.rank:
                 files[f"{key}.pt"] = _target(state[key]).state_dict()
         if whole or self.rank == 0:
-            values = {k: v for k, v in state.items() if k not in skip and not _stateful(v)}
+            values = {k: v for k, v in state.items() if k not in skip and _plain(v)}
             if values:
                 files["values.pt"] = values
         return files
@@ -339,7 +369,8 @@ class StateStore:
     def _meta(self, step: int, extra: dict[str, Any]) -> dict[str, Any]:
         code = self.code_hash() if self.rank == 0 else None  # rank 0 writes the manifest
         return {"step": step, "world_size": self.world_size, "restart": self.restart,
-                "job_id": self.job_id, **({"code_hash": code[0]} if code else {}), **extra}
+                "job_id": self.job_id, **({"code_hash": code[0]} if code else {}),
+                **({"config": self.identity} if self.identity is not None and self.rank == 0 else {}), **extra}
 
     def save(self, step: int, state: State, *, blocking: bool, meta: dict[str, Any] | None = None,
              before: Callable[[], None] | None = None) -> None:

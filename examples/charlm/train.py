@@ -64,13 +64,16 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg
 # ---- the data order: the global batch of step g is a function of (seed, g) at any world size
 sampler = ddpjob.StepSampler(len(dataset), cfg["batch_size"], cfg["seed"])
 total = cfg["max_steps"] or cfg["epochs"] * sampler.steps_per_epoch
+# [user] keys used only late (cosine's warmup, the final sample) are read here: ddpjob names the
+# keys a script has not read by its first checkpoint (a typo trains at a default without a word)
+warmup, sample_chars = cfg["warmup_steps"], cfg["sample_chars"]
 
 
 # ---- the LR schedule, chosen in [user]: onecycle, or cosine with a linear warmup
 def warmup_cosine(step: int) -> float:
-    if step < cfg["warmup_steps"]:
-        return (step + 1) / cfg["warmup_steps"]
-    progress = (step - cfg["warmup_steps"]) / max(1, total - cfg["warmup_steps"])
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
@@ -121,7 +124,7 @@ def generate(prompt: str, n: int) -> str:
     return "".join(vocab[i] for i in x[0].tolist())
 
 
-sample = generate("The ", cfg["sample_chars"])  # every rank: with strategy fsdp a forward is a collective
+sample = generate("The ", sample_chars)  # every rank: with strategy fsdp a forward is a collective
 if job.is_rank0:
     print("sample:", sample, flush=True)
 job.finish(raw, loss=logged.get("loss"))  # RUN_DIR/final/model.pt and the COMPLETED marker

@@ -72,6 +72,9 @@ def test_a_plugin_edited_after_submission(tmp_path: Path) -> None:
     assert "the code on disk has changed since" in status, status
     done = _cli("resume", str(run), "--wait", cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+    # said by plain `resume` too, not only by `status`: one line, before it runs
+    (said,) = [ln for ln in done.stdout.splitlines() if "the code on disk has changed" in ln]
+    assert "this resume runs the frozen code" in said and f"ddpjob resume {run} --allow-code-change" in said, said
     starts = [e for e in read_events(run) if e.get("event") == "start"]
     assert [s.get("resumed_step") for s in starts] == [None, 6 + LAG], starts
     import torch
