@@ -44,7 +44,10 @@ def format_status(i: RunInfo) -> str:
     from ddpjob.launch.plot import summary
 
     try:
-        lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts", "attempt",
+        # a quarantined host is excluded now only by the next restart of a live SLURM job
+        backend = choose.of_record(job_record(i.run_dir))
+        live = i.job_id if backend is not None and backend.on_slurm and not i.finished and i.job_id else None
+        lines += [ln for ln in summary(i.run_dir, live) if ln.split()[0] in ("progress", "best", "restarts", "attempt",
                                                                        "recovery", "hosts", "straggler")
                   and not ln.startswith("restarts    0")]
     except (ValueError, OSError) as exc:  # a damaged record (rundir.RecordError, ...): said, not raised
@@ -128,12 +131,25 @@ def _check_rank(run_dir: Path, rank: int) -> None:
                          f"pass --rank between 0 and {world - 1}")
 
 
+def log_offsets(run_dir: Path, rank: int = 0) -> dict[Path, int]:
+    """The sizes of the rank's logs now: where a job submitted next begins in them (every
+    attempt appends to the same files), so `--wait` shows only its lines."""
+    out: dict[Path, int] = {}
+    for f in log_files(run_dir, rank):
+        try:
+            out[f] = f.stat().st_size
+        except OSError:
+            continue
+    return out
+
+
 def follow(run_dir: Path, rank: int = 0, poll_s: float = 0.5, state_every_s: float = 2.0,
-           out: Any = None) -> RunInfo:
+           out: Any = None, since: dict[Path, int] | None = None) -> RunInfo:
     """Print the rank's logs as they grow, across requeues (appended or new files), until the
-    job is finished; then a last read. Returns the final RunInfo."""
+    job is finished; then a last read. `since`: where to begin in each file (log_offsets before
+    the submission; else from the start). Returns the final RunInfo."""
     out = out or sys.stdout
-    offsets: dict[Path, int] = {}
+    offsets: dict[Path, int] = dict(since or {})
     next_check, info = 0.0, run_info(run_dir)
 
     def drain() -> None:
@@ -165,6 +181,52 @@ def follow(run_dir: Path, rank: int = 0, poll_s: float = 0.5, state_every_s: flo
         time.sleep(poll_s)
 
 
+def attempt_marks(events: list[dict[str, Any]]) -> list[tuple[tuple[str, int], str]]:
+    """((job id, restart), mark) for each start record, in order: the line `ddpjob logs` shows in
+    place of a rank's own `ddpjob: attempt N starts: ...` line, numbered by the run's starts and
+    saying how the attempt came about (the stop before it, and who brought the run back)."""
+    from ddpjob.launch.plot import came_back
+
+    out: list[tuple[tuple[str, int], str]] = []
+    prev: int | None = None
+    for n, e in enumerate(events):
+        if e.get("event") != "start":
+            continue
+        job = str(e.get("job_id") or "-")
+        why = "first start"
+        if prev is not None:
+            stops = [i for i in range(prev + 1, n) if events[i].get("event") == "stop"]
+            at_stop = next((i for i in reversed(stops) if "rank" not in events[i]), stops[-1] if stops else None)
+            if at_stop is None:
+                why = "after the previous attempt was killed (no stop recorded)"
+            else:
+                stop = events[at_stop]
+                how = came_back(stop, events[at_stop + 1:])
+                if how == "not requeued":  # brought back by hand (`ddpjob resume`) or torchrun's agent
+                    how = "resumed" if str(events[prev].get("job_id") or "-") != job else "restarted"
+                at = f" at step {stop['step']}" if isinstance(stop.get("step"), int) else ""
+                why = f"{how} after {stop.get('reason') or 'a stop'}{at}"
+        restart = e.get("restart")
+        out.append(((job, restart if isinstance(restart, int) else -1), f"==> attempt {len(out)} (job {job}, {why}) <=="))
+        prev = n
+    return out
+
+
+def _with_marks(text: str, marks: list[tuple[tuple[str, int], str]], used: list[int]) -> str:
+    """The log with each rank's attempt line replaced by its mark (the next unused start record
+    of that job and restart; a line without one stays as the rank wrote it)."""
+    lines = text.splitlines(keepends=True)
+    for n, line in enumerate(lines):
+        found = console.ATTEMPT_LINE.fullmatch(line.rstrip("\n"))
+        if found is None:
+            continue
+        key = (found.group(2), int(found.group(1)))
+        k = next((k for k in range(used[0], len(marks)) if marks[k][0] == key), None)
+        if k is not None:
+            lines[n], used[0] = marks[k][1] + "\n", k + 1
+    return "".join(lines)
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     path, is_sweep = resolve(args.run)
     if is_sweep:
@@ -179,10 +241,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
         info = run_info(path)
         raise DDPJobError(f"no log for rank {args.rank} in {path} yet (state {info.state})",
                           "it appears when the job starts; `ddpjob logs --follow` waits for it")
+    marks, used = attempt_marks(rundir.events(path)), [0]
     for f in files:
         if len(files) > 1 and f.stat().st_size:
             console.info(f"==> {f} <==")
-        sys.stdout.write(f.read_text(errors="replace"))
+        sys.stdout.write(_with_marks(f.read_text(errors="replace"), marks, used))
     sys.stdout.flush()
     if not any(f.stat().st_size for f in files):
         print(f"ddpjob: the log of rank {args.rank} is empty so far (ranks other than 0 print "

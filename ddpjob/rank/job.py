@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, exitcodes, rundir, runlock
+from ddpjob import console, exitcodes, requests, rundir, runlock
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.rank.records import MetricLog, SampleLog
@@ -298,7 +298,11 @@ class Job:
         self.stopped_at = step
         self._record_signal(step)
         mine = f"; this rank got {self._stop.describe()}" if self._stop.signum is not None else ""
-        console.print0(f"stopping at step {step} ({preemption.REASONS[code]}{mine}): checkpoint written")
+        if self.is_rank0 and code == preemption.REQUEUE and requests.stop_requested(self.run_dir, self.job_id):
+            # the checkpoint signal came from `ddpjob stop`: no requeue follows (requeue.after_stop)
+            console.print0(f"stopping at step {step} (`ddpjob stop`{mine}): checkpoint written, not requeued")
+        else:
+            console.print0(f"stopping at step {step} ({preemption.REASONS[code]}{mine}): checkpoint written")
         if self.is_rank0:
             requeue.after_stop(self.config, self.env, self.run_dir, code, step, restart=self.restart,
                                signal_step=self._stop.signal_step, signal_time=self._stop.time,
