@@ -275,3 +275,31 @@ def test_a_stopped_run_finished_by_ddpjob_run_is_completed(tmp_path):
         "COMPLETED", "at step 20, after job local-1 ended STOPPED", True)
     text = control.format_status(info)
     assert "state       COMPLETED (at step 20, after job local-1 ended STOPPED)" in text and "STOPPED (" not in text
+
+
+def test_a_torchrun_run_s_state_comes_from_its_records_and_its_agent(tmp_path):
+    """No scheduler knows a torchrun run: RUNNING while the agent recorded in job.json lives (its
+    command line names torchrun: a reused pid does not count), else how the records end."""
+    import socket
+    import subprocess
+    import sys
+
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "torchrun"])
+    try:
+        job = {"backend": "torchrun", "job_id": "torchrun-x", "pid": agent.pid, "host": socket.gethostname()}
+        started = [{"event": "start", "job_id": "torchrun-x", "restart": 0, "time": 1.0}]
+        run = _run_with(tmp_path, started, job=job)
+        assert (runs.run_info(run).state, runs.run_info(run).backend) == ("RUNNING", "torchrun")
+    finally:
+        agent.kill()
+        agent.wait()
+    info = runs.run_info(run)
+    assert (info.state, info.reason) == ("FAILED", "torchrun ended without a stop recorded (killed?); see its output")
+    rundir.append_jsonl(run / "events.jsonl", {"event": "stop", "reason": "time_limit", "step": 8,
+                                               "job_id": "torchrun-x", "restart": 0})
+    assert (runs.run_info(run).state, runs.run_info(run).reason) == ("STOPPED", "time_limit at step 8, checkpoint written")
+    rundir.write_json_atomic(run / "job.json", {**job, "host": "elsewhere"})
+    rundir.append_jsonl(run / "events.jsonl", {"event": "start", "job_id": "torchrun-x", "restart": 1, "time": 2.0})
+    info = runs.run_info(run)
+    assert (info.state, info.reason, info.restarts) == (
+        "UNKNOWN", "torchrun runs on elsewhere: `ddpjob status` there tells", 1)
