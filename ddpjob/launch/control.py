@@ -212,19 +212,26 @@ def attempt_marks(events: list[dict[str, Any]]) -> list[tuple[tuple[str, int], s
     return out
 
 
-def _with_marks(text: str, marks: list[tuple[tuple[str, int], str]], used: list[int]) -> str:
-    """The log with each rank's attempt line replaced by its mark (the next unused start record
-    of that job and restart; a line without one stays as the rank wrote it)."""
-    lines = text.splitlines(keepends=True)
-    for n, line in enumerate(lines):
+class Marks:
+    """Puts each rank's attempt line of a log (read in order, across its files) in the form of its
+    mark: the next start record of that job and restart not used yet. A line no record matches
+    (a start refused before rank 0 recorded it) stays as the rank wrote it. Not for --follow: a
+    rank writes its line before rank 0 records the start, so the mark would depend on timing."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.used, self.marks = 0, attempt_marks(rundir.events(run_dir))
+
+    def text(self, text: str) -> str:
+        return "".join(self.line(line) for line in text.splitlines(keepends=True))
+
+    def line(self, line: str) -> str:
         found = console.ATTEMPT_LINE.fullmatch(line.rstrip("\n"))
-        if found is None:
-            continue
-        key = (found.group(2), int(found.group(1)))
-        k = next((k for k in range(used[0], len(marks)) if marks[k][0] == key), None)
-        if k is not None:
-            lines[n], used[0] = marks[k][1] + "\n", k + 1
-    return "".join(lines)
+        key = (found.group(2), int(found.group(1))) if found else None
+        k = next((k for k in range(self.used, len(self.marks)) if self.marks[k][0] == key), None)
+        if k is None:
+            return line
+        self.used = k + 1
+        return self.marks[k][1] + "\n"
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -241,11 +248,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
         info = run_info(path)
         raise DDPJobError(f"no log for rank {args.rank} in {path} yet (state {info.state})",
                           "it appears when the job starts; `ddpjob logs --follow` waits for it")
-    marks, used = attempt_marks(rundir.events(path)), [0]
+    marks = Marks(path)
     for f in files:
         if len(files) > 1 and f.stat().st_size:
             console.info(f"==> {f} <==")
-        sys.stdout.write(_with_marks(f.read_text(errors="replace"), marks, used))
+        sys.stdout.write(marks.text(f.read_text(errors="replace")))
     sys.stdout.flush()
     if not any(f.stat().st_size for f in files):
         print(f"ddpjob: the log of rank {args.rank} is empty so far (ranks other than 0 print "

@@ -303,3 +303,9 @@ def test_a_torchrun_run_s_state_comes_from_its_records_and_its_agent(tmp_path):
     info = runs.run_info(run)
     assert (info.state, info.reason, info.restarts) == (
         "UNKNOWN", "torchrun runs on elsewhere: `ddpjob status` there tells", 1)
+    # ddpjob cannot start torchrun's agent again: `resume` says so, and writes nothing
+    before = sorted(p.name for p in run.iterdir())
+    out = ddpjob("resume", str(run), cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.startswith(f"ddpjob: error: '{run}' was started by torchrun"), out.stderr
+    assert "Hint: run it under torchrun again: `torchrun ... -m ddpjob run RUN_DIR`" in out.stderr
+    assert sorted(p.name for p in run.iterdir()) == before

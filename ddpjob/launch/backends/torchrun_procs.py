@@ -21,7 +21,7 @@ from ddpjob.launch.backends.local_procs import pid_alive
 from ddpjob.slurm import Incarnation
 
 AGENTS = ("torchrun", "torch.distributed.run")  # the agent's command line, `torchrun` or `python -m`
-_HINT = "start it again with torchrun and `ddpjob run RUN_DIR` (it resumes from its newest checkpoint)"
+_HINT = "run it under torchrun again: `torchrun ... -m ddpjob run RUN_DIR` resumes from its newest checkpoint"
 
 
 def _agent_alive(job: dict[str, Any]) -> bool:
@@ -48,14 +48,17 @@ class TorchrunBackend:
     on_slurm = False
 
     def preflight(self, cfg: JobConfig, root: Path) -> None:
-        return None
+        """`ddpjob resume` of such a run: refused before anything is written."""
+        raise DDPJobError(f"'{root}' was started by torchrun, which ddpjob cannot start again, "
+                          "expected a run of the local or slurm backend", _HINT)
 
     def dry_run(self, cfg: JobConfig, job: str, root: Path, run_dirs: list[Path]) -> None:
-        raise DDPJobError("a torchrun run is started by torchrun, expected --backend local or slurm", _HINT)
+        self.preflight(cfg, root)
 
     def submit(self, cfgs: list[JobConfig], run_dirs: list[Path], log_dir: Path,
                command: list[str]) -> list[dict[str, Any]]:
-        raise DDPJobError(f"{run_dirs[0]} was started by torchrun, which ddpjob cannot start again", _HINT)
+        self.preflight(cfgs[0], run_dirs[0])
+        return []
 
     def states(self, job_ids: list[str]) -> dict[str, dict[str, Any]]:
         return {}  # each run's records say it
