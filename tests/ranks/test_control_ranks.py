@@ -196,3 +196,5 @@ def test_a_torchrun_run_with_a_killed_rank_is_shown_completed_with_its_two_attem
                          f"==> attempt 1 (job {job_id}, restarted after crash) <=="], logs
     logs = ddpjob("logs", str(run), cwd=tmp_path).stdout
     assert "resumed from step-000000010" in logs and "finished: step 30" in logs, logs
+    plot = ddpjob("plot", str(run), "-o", str(tmp_path / "curves.png"), cwd=tmp_path).stdout
+    assert "1 restart marker(s)" in plot and f"{run.name}: step 10  restart 1: crash" in plot, plot

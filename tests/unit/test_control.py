@@ -309,3 +309,24 @@ def test_a_torchrun_run_s_state_comes_from_its_records_and_its_agent(tmp_path):
     assert out.returncode == 1 and out.stderr.startswith(f"ddpjob: error: '{run}' was started by torchrun"), out.stderr
     assert "Hint: run it under torchrun again: `torchrun ... -m ddpjob run RUN_DIR`" in out.stderr
     assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_a_host_is_excluded_only_by_the_next_restart_of_a_live_slurm_job(tmp_path):
+    """Two host faults on n2: `status` says "excluded" while the SLURM job runs (its next restart
+    inside the allocation leaves n2 out), not once it has ended, and never on the local backend
+    (its restarts run on this machine whatever it did)."""
+    crash = {"event": "stop", "reason": "crash", "step": 10, "job_id": "77", "restart": 0, "failed_rank": 2,
+             "failed_host": "n2", "failed_how": "Killed", "host_fault": True, "requeued": True,
+             "requeued_by": "in_allocation"}
+    run = _run_with(tmp_path, [{"event": "start", "job_id": "77", "restart": 0}, crash,
+                               {"event": "start", "job_id": "77", "restart": 1}, {**crash, "restart": 1}],
+                    job={"backend": "slurm", "job_id": "77"})
+
+    def hosts(state: str) -> str:
+        info = runs.RunInfo(run_dir=run, backend="slurm", job_id="77", state=state)
+        return next(ln for ln in control.format_status(info).splitlines() if ln.startswith("hosts"))
+
+    assert hosts("RUNNING") == "hosts       n2 2 failures (excluded from job 77)"
+    assert hosts("COMPLETED") == hosts("FAILED") == "hosts       n2 2 failures"
+    rundir.write_json_atomic(run / "job.json", {"backend": "local", "job_id": "77", "pid": 0})
+    assert hosts("RUNNING") == "hosts       n2 2 failures"
