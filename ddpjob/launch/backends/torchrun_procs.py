@@ -79,9 +79,10 @@ class TorchrunBackend:
             return JobState("RUNNING", f"torchrun's agent is pid {job.get('pid')}", restarts)
         if last is None:
             return JobState("FAILED", "torchrun ended without a stop recorded (killed?); see its output", restarts)
+        at = f"{last.get('reason')}" + (f" at step {last['step']}" if isinstance(last.get("step"), int) else "")
         if last.get("reason") in ("crash", "budget") or "rank" in last:
-            return JobState("FAILED", f"{last.get('reason')} at step {last.get('step')}", restarts)
-        return JobState("STOPPED", f"{last.get('reason')} at step {last.get('step')}, checkpoint written", restarts)
+            return JobState("FAILED", at, restarts)
+        return JobState("STOPPED", f"{at}, checkpoint written", restarts)
 
     def cancel(self, run_dir: Path, job: dict[str, Any], state: str) -> None:
         if _agent_alive(job):
