@@ -290,6 +290,11 @@ def test_a_torchrun_run_s_state_comes_from_its_records_and_its_agent(tmp_path):
         started = [{"event": "start", "job_id": "torchrun-x", "restart": 0, "time": 1.0}]
         run = _run_with(tmp_path, started, job=job)
         assert (runs.run_info(run).state, runs.run_info(run).backend) == ("RUNNING", "torchrun")
+        # `ddpjob stop` cannot reach torchrun's ranks: one line, and no request left behind
+        out = ddpjob("stop", str(run), cwd=tmp_path)
+        assert out.returncode == 1 and out.stderr.startswith(
+            f"ddpjob: error: '{run}' runs under torchrun, which `ddpjob stop` cannot stop"), out.stderr
+        assert [e["event"] for e in rundir.events(run)] == ["start"]
     finally:
         agent.kill()
         agent.wait()

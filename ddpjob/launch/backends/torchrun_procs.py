@@ -46,6 +46,7 @@ class TorchrunBackend:
 
     name = "torchrun"
     on_slurm = False
+    can_stop = False  # the agent would die of the checkpoint signal, or start the ranks again after it
 
     def preflight(self, cfg: JobConfig, root: Path) -> None:
         """`ddpjob resume` of such a run: refused before anything is written."""
@@ -89,9 +90,7 @@ class TorchrunBackend:
             os.kill(int(job["pid"]), signal.SIGTERM)  # the agent ends its ranks
 
     def stop(self, run_dir: Path, job: dict[str, Any], state: str) -> str:
-        raise DDPJobError(f"{run_dir} runs under torchrun, whose agent would die of the checkpoint "
-                          "signal, expected a run of the local or slurm backend",
-                          f"`ddpjob cancel {run_dir}` ends it (its newest checkpoint stays)")
+        raise AssertionError("`ddpjob stop` refuses a torchrun run before it gets here (can_stop)")
 
     def log_files(self, run_dir: Path, rank: int, job: dict[str, Any]) -> list[Path]:
         return [run_dir / rundir.LOGS / f"rank-{rank}.log"]  # each rank's copy (node/teelog.py)
