@@ -181,6 +181,10 @@ def follow(run_dir: Path, rank: int = 0, poll_s: float = 0.5, state_every_s: flo
         time.sleep(poll_s)
 
 
+# the ledger's short words for who requeued (rank/requeue.py's requeued_by), as a mark says them
+_REQUEUED_BY = {"scontrol": "requeued", "slurm": "requeued by SLURM", "successor": "a successor job"}
+
+
 def attempt_marks(events: list[dict[str, Any]]) -> list[tuple[tuple[str, int], str]]:
     """((job id, restart), mark) for each start record, in order: the line `ddpjob logs` shows in
     place of a rank's own `ddpjob: attempt N starts: ...` line, numbered by the run's starts and
@@ -198,12 +202,13 @@ def attempt_marks(events: list[dict[str, Any]]) -> list[tuple[tuple[str, int], s
             stops = [i for i in range(prev + 1, n) if events[i].get("event") == "stop"]
             at_stop = next((i for i in reversed(stops) if "rank" not in events[i]), stops[-1] if stops else None)
             if at_stop is None:
-                why = "after the previous attempt was killed (no stop recorded)"
+                why = "no stop recorded before it: killed?"
             else:
                 stop = events[at_stop]
                 how = came_back(stop, events[at_stop + 1:])
                 if how == "not requeued":  # brought back by hand (`ddpjob resume`) or torchrun's agent
                     how = "resumed" if str(events[prev].get("job_id") or "-") != job else "restarted"
+                how = _REQUEUED_BY.get(how, how)
                 at = f" at step {stop['step']}" if isinstance(stop.get("step"), int) else ""
                 why = f"{how} after {stop.get('reason') or 'a stop'}{at}"
         restart = e.get("restart")

@@ -312,7 +312,7 @@ def ledger(events: list[dict[str, Any]]) -> list[tuple[str, str]]:
         nxt = next((n for n in events[i + 1:] if n.get("event") == "start"), None)
         back = (f"resumed step {nxt.get('resumed_step') or 0} after {nxt['time'] - t0:.0f} s"
                 if nxt and isinstance(t0, (int, float)) and "time" in nxt else "not resumed")
-        how = came_back(e, events[i + 1:])
+        how = came_back(e, events[i + 1:]) + (f" -> job {e['next_job_id']}" if e.get("next_job_id") else "")
         lost = e.get("steps_lost")
         who = ""
         if "failed_how" in e:  # who died where; how only for a death by a signal (`last event`
@@ -341,8 +341,7 @@ def came_back(stop: dict[str, Any], later: list[dict[str, Any]]) -> str:
                 break
             if e.get("event") == "local_requeue" and str(e.get("job_id")) == str(stop.get("job_id")):
                 by = "requeued by the local supervisor"
-    how = _BY.get(str(by), str(by)) if by else "requeued" if stop.get("requeued") else "not requeued"
-    return how + (f" -> job {stop['next_job_id']}" if stop.get("next_job_id") else "")
+    return _BY.get(str(by), str(by)) if by else "requeued" if stop.get("requeued") else "not requeued"
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -335,3 +335,24 @@ def test_a_host_is_excluded_only_by_the_next_restart_of_a_live_slurm_job(tmp_pat
     assert hosts("COMPLETED") == hosts("FAILED") == "hosts       n2 2 failures"
     rundir.write_json_atomic(run / "job.json", {"backend": "local", "job_id": "77", "pid": 0})
     assert hosts("RUNNING") == "hosts       n2 2 failures"
+
+
+def test_the_marks_of_a_slurm_run_say_who_brought_it_back():
+    history = [
+        {"event": "start", "job_id": "77", "restart": 0},
+        {"event": "stop", "reason": "preemption", "step": 9, "job_id": "77", "restart": 0, "requeued": True,
+         "requeued_by": "scontrol"},
+        {"event": "start", "job_id": "77", "restart": 1},
+        {"event": "stop", "reason": "crash", "step": 20, "job_id": "77", "restart": 1, "requeued": True,
+         "requeued_by": "in_allocation"},
+        {"event": "start", "job_id": "77", "restart": 2},
+        {"event": "stop", "reason": "time_limit", "step": 30, "job_id": "77", "restart": 2, "requeued": True,
+         "requeued_by": "successor", "next_job_id": "78"},
+        {"event": "start", "job_id": "78", "restart": 3},
+        {"event": "start", "job_id": "78", "restart": 4}]
+    assert [mark for _, mark in control.attempt_marks(history)] == [
+        "==> attempt 0 (job 77, first start) <==",
+        "==> attempt 1 (job 77, requeued after preemption at step 9) <==",
+        "==> attempt 2 (job 77, restarted inside the allocation after crash at step 20) <==",
+        "==> attempt 3 (job 78, a successor job after time_limit at step 30) <==",
+        "==> attempt 4 (job 78, no stop recorded before it: killed?) <=="]
