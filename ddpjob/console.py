@@ -6,6 +6,7 @@ Login-node commands print through `table()`/`info()`; on compute nodes only rank
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -29,6 +30,15 @@ def print0(*args: Any, **kwargs: Any) -> None:
     if _rank == 0:
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
+
+
+# The first line of a rank's log at each start (rank/start.py); `ddpjob logs` turns it into a
+# mark between the attempts of a log that every attempt appends to (launch/control.py).
+ATTEMPT_LINE = re.compile(r"ddpjob: attempt (\d+) starts: rank \d+ on \S+, job (\S+)")
+
+
+def attempt_line(restart: int, rank: int, host: str, job_id: str | None) -> str:
+    return f"ddpjob: attempt {restart} starts: rank {rank} on {host}, job {job_id or '-'}"
 
 
 def info(message: str) -> None:

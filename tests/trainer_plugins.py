@@ -7,8 +7,8 @@ on the ranks' PYTHONPATH.
   sends itself SIGUSR2 at a chosen training forward call, so a test can stop a run
   mid-accumulation deterministically.
   DDPJOB_TEST_SIGNAL="RANK:CALL" (1-based count of training-mode forward calls, this process).
-  Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
-  SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
+  Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT,
+  TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
   SLURM path, to every task of the job) and waits in this forward call until the signal has
   reached this process; HOW = "crash" raises instead, HOW = "kill" SIGKILLs this process, "segv" sends it
   SIGSEGV, "internal" breaks ddpjob's per-step decision (an exception raised inside ddpjob); HOW = "pause" prints "paused at call N"
@@ -75,9 +75,9 @@ class SignallingCNN(TinyCNN):
         spec = env.get("DDPJOB_TEST_SIGNAL", "")
         rank, call, restart, self._how = (spec.split(":") + ["", "", "", ""])[:4] if spec else ("",) * 4
         my_rank = env.get("RANK") or env.get("SLURM_PROCID") or "0"
-        # the incarnation: the local supervisor's count, else SLURM's plus the template's runs
-        # inside the allocation after a crash (SLURM's count does not move then)
-        my_restart = env.get("DDPJOB_RESTART_COUNT") or str(
+        # the incarnation: the local supervisor's count, torchrun's round, else SLURM's plus the
+        # template's runs inside the allocation after a crash (SLURM's count does not move then)
+        my_restart = env.get("DDPJOB_RESTART_COUNT") or env.get("TORCHELASTIC_RESTART_COUNT") or str(
             int(env.get("SLURM_RESTART_COUNT") or 0) + int(env.get("DDPJOB_ATTEMPT") or 0))
         self._armed = spec != "" and rank == my_rank and restart in ("", my_restart)
         self._at = int(call) if call else 0

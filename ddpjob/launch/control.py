@@ -18,6 +18,7 @@ from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch.backends import choose
 from ddpjob.launch.runs import (RunInfo, code_state, infos, job_record, resolve, run_info, runs_under,
                                 sweep_points)
+from ddpjob.ledger import events as ledger_events
 
 
 # ------------------------------------------------------------------ commands
@@ -44,7 +45,10 @@ def format_status(i: RunInfo) -> str:
     from ddpjob.launch.plot import summary
 
     try:
-        lines += [ln for ln in summary(i.run_dir) if ln.split()[0] in ("progress", "best", "restarts", "attempt",
+        # a quarantined host is excluded now only by the next restart of a live SLURM job
+        backend = choose.of_record(job_record(i.run_dir))
+        live = i.job_id if backend is not None and backend.on_slurm and not i.finished and i.job_id else None
+        lines += [ln for ln in summary(i.run_dir, live) if ln.split()[0] in ("progress", "best", "restarts", "attempt",
                                                                        "recovery", "hosts", "straggler")
                   and not ln.startswith("restarts    0")]
     except (ValueError, OSError) as exc:  # a damaged record (rundir.RecordError, ...): said, not raised
@@ -53,9 +57,7 @@ def format_status(i: RunInfo) -> str:
         skipped = rundir.damaged_lines(i.run_dir / record)
         if skipped:
             lines.append(f"damaged     {skipped}"[:300])
-    from ddpjob.ledger import events
-
-    partly = events.notes(events.read(i.run_dir))  # records of a newer ddpjob
+    partly = ledger_events.notes(ledger_events.read(i.run_dir))  # records of a newer ddpjob
     if partly:
         lines.append(f"history     {rundir.EVENTS}: {partly}"[:300])
     from ddpjob.launch import goodput
@@ -78,10 +80,8 @@ def format_status(i: RunInfo) -> str:
 
 def _verdict(run_dir: Path) -> str:
     """The newest crash's verdict (ledger/policy.py): who broke it and what happened next."""
-    from ddpjob.ledger import events
-
     try:
-        crashes = [e for e in events.read(run_dir) if events.is_decision(e) and e.get("verdict")]
+        crashes = [e for e in ledger_events.read(run_dir) if ledger_events.is_decision(e) and e.get("verdict")]
     except (ValueError, OSError):
         return ""
     if not crashes:
@@ -150,12 +150,25 @@ def _check_rank(run_dir: Path, rank: int) -> None:
                          f"pass --rank between 0 and {world - 1}")
 
 
+def log_offsets(run_dir: Path, rank: int = 0) -> dict[Path, int]:
+    """The sizes of the rank's logs now: where a job submitted next begins in them (every
+    attempt appends to the same files), so `--wait` shows only its lines."""
+    out: dict[Path, int] = {}
+    for f in log_files(run_dir, rank):
+        try:
+            out[f] = f.stat().st_size
+        except OSError:
+            continue
+    return out
+
+
 def follow(run_dir: Path, rank: int = 0, poll_s: float = 0.5, state_every_s: float = 2.0,
-           out: Any = None) -> RunInfo:
+           out: Any = None, since: dict[Path, int] | None = None) -> RunInfo:
     """Print the rank's logs as they grow, across requeues (appended or new files), until the
-    job is finished; then a last read. Returns the final RunInfo."""
+    job is finished; then a last read. `since`: where to begin in each file (log_offsets before
+    the submission; else from the start). Returns the final RunInfo."""
     out = out or sys.stdout
-    offsets: dict[Path, int] = {}
+    offsets: dict[Path, int] = dict(since or {})
     next_check, info = 0.0, run_info(run_dir)
 
     def drain() -> None:
@@ -187,6 +200,66 @@ def follow(run_dir: Path, rank: int = 0, poll_s: float = 0.5, state_every_s: flo
         time.sleep(poll_s)
 
 
+# the ledger's short words for who requeued (rank/requeue.py's requeued_by), as a mark says them
+_REQUEUED_BY = {"scontrol": "requeued", "slurm": "requeued by SLURM", "successor": "a successor job"}
+
+
+def attempt_marks(events: list[dict[str, Any]]) -> list[tuple[tuple[str, int], str]]:
+    """((job id, restart), mark) for each start record, in order: the line `ddpjob logs` shows in
+    place of a rank's own `ddpjob: attempt N starts: ...` line, numbered by the run's starts and
+    saying how the attempt came about (the stop before it, and who brought the run back)."""
+    from ddpjob.launch.plot import came_back
+
+    out: list[tuple[tuple[str, int], str]] = []
+    prev: int | None = None
+    for n, e in enumerate(events):
+        if e.get("event") != "start":
+            continue
+        job = str(e.get("job_id") or "-")
+        why = "first start"
+        if prev is not None:
+            stops = [i for i in range(prev + 1, n) if events[i].get("event") == "stop"]
+            at_stop = next((i for i in reversed(stops) if ledger_events.is_decision(events[i])),
+                           stops[-1] if stops else None)
+            if at_stop is None:
+                why = "no stop recorded before it: killed?"
+            else:
+                stop = events[at_stop]
+                how = came_back(stop, events[at_stop + 1:])
+                if how == "not requeued":  # brought back by hand (`ddpjob resume`) or torchrun's agent
+                    how = "resumed" if str(events[prev].get("job_id") or "-") != job else "restarted"
+                how = _REQUEUED_BY.get(how, how)
+                at = f" at step {stop['step']}" if isinstance(stop.get("step"), int) else ""
+                why = f"{how} after {stop.get('reason') or 'a stop'}{at}"
+        restart = e.get("restart")
+        number = restart if isinstance(restart, int) else len(out)  # the run's numbering (ledger/attempts.py)
+        out.append(((job, restart if isinstance(restart, int) else -1), f"==> attempt {number} (job {job}, {why}) <=="))
+        prev = n
+    return out
+
+
+class Marks:
+    """Puts each rank's attempt line of a log (read in order, across its files) in the form of its
+    mark: the next start record of that job and restart not used yet. A line no record matches
+    (a start refused before rank 0 recorded it) stays as the rank wrote it. Not for --follow: a
+    rank writes its line before rank 0 records the start, so the mark would depend on timing."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.used, self.marks = 0, attempt_marks(ledger_events.read(run_dir))
+
+    def text(self, text: str) -> str:
+        return "".join(self.line(line) for line in text.splitlines(keepends=True))
+
+    def line(self, line: str) -> str:
+        found = console.ATTEMPT_LINE.fullmatch(line.rstrip("\n"))
+        key = (found.group(2), int(found.group(1))) if found else None
+        k = next((k for k in range(self.used, len(self.marks)) if self.marks[k][0] == key), None)
+        if k is None:
+            return line
+        self.used = k + 1
+        return self.marks[k][1] + "\n"
+
+
 def cmd_logs(args: argparse.Namespace) -> int:
     path, is_sweep = resolve(args.run)
     if is_sweep:
@@ -201,10 +274,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
         info = run_info(path)
         raise DDPJobError(f"no log for rank {args.rank} in {path} yet (state {info.state})",
                           "it appears when the job starts; `ddpjob logs --follow` waits for it")
+    marks = Marks(path)
     for f in files:
         if len(files) > 1 and f.stat().st_size:
             console.info(f"==> {f} <==")
-        sys.stdout.write(f.read_text(errors="replace"))
+        sys.stdout.write(marks.text(f.read_text(errors="replace")))
     sys.stdout.flush()
     if not any(f.stat().st_size for f in files):
         print(f"ddpjob: the log of rank {args.rank} is empty so far (ranks other than 0 print "

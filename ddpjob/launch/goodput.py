@@ -4,8 +4,9 @@ or to now. Login side, never imports torch; built from what the run already reco
 training step pays nothing for it:
 
   sacct (Submit, Start, End per start of each job, through the backend)   queue wait
-  events.jsonl  start (launched_time, load_s, time), signal, stop, exit,  start-up, load,
-                checkpoint (block_s, snapshot_s: rank 0 at each save)     stop and save, checkpoint
+  events.jsonl  start (launched_time, load_s, time), local_start, signal,  start-up, load,
+                stop, exit, checkpoint (block_s, snapshot_s: rank 0 at     stop and save, checkpoint
+                each save)
   metrics.jsonl train records (step, time, data_ms), eval records (eval_s) replayed, data stall, eval
 
 The wall time is painted interval by interval, each second to one category (the highest
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ddpjob import rundir
-from ddpjob.launch import runs
+from ddpjob.launch import phases, runs
 from ddpjob.ledger import events
 from ddpjob.launch.backends import TERMINAL, choose
 from ddpjob.slurm import Incarnation
@@ -160,13 +161,16 @@ def build(evs: list[dict[str, Any]], metrics: list[dict[str, Any]],
         s_time = float(st["time"])
         load = max(0.0, _num(st, "load_s") or 0.0)
         launched = _num(st, "launched_time") or s_time - load
+        started = phases.launched(evs, evs.index(st)) or launched  # a local warm start from its local_start
         rs = st.get("resumed_step")
         resumed: int = rs if isinstance(rs, int) and not isinstance(rs, bool) else 0
         inc = incarnation_of(jid, launched)
         if prev_end is not None and prev_end[0] == jid and (inc is None or inc.start is None or prev_end[1] >= inc.start):
             begin = prev_end[1]  # a restart inside the allocation: from the crash's record on
-        else:
-            begin = inc.start if inc is not None and inc.start is not None else launched
+        elif inc is not None and inc.start is not None:
+            begin = inc.start
+        else:  # no queue known (the local backend): its first attempt starts up from the submission on
+            begin = min(started, submitted) if n == 0 and submitted is not None else started
         spans.append((begin, s_time - load, "start-up"))
         spans.append((s_time - load, s_time, "load"))
 

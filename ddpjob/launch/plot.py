@@ -248,8 +248,10 @@ def _state(run: Path, h: History) -> str:
     return "not started"
 
 
-def summary(run_dir: str | Path) -> list[str]:
-    """A few lines about a run from its run dir alone: state, progress, restarts, the ledger."""
+def summary(run_dir: str | Path, live_job: str | None = None) -> list[str]:
+    """A few lines about a run from its run dir alone: state, progress, restarts, the ledger.
+    `live_job`: the run's SLURM job while it is queued or running, whose next restart inside its
+    allocation leaves quarantined hosts out; None (ended, or the local backend): none is."""
     run = Path(run_dir)
     h = load_history(run)
     lines = [f"state       {_state(run, h)}"]
@@ -265,11 +267,10 @@ def summary(run_dir: str | Path) -> list[str]:
             said.append(f"{_num(r['img_s']):.0f} img/s")
         said += [f"{k} {_num(r[k]):.4g}" for k in custom_metrics([h]) if k in r][:4]
         lines.append("progress    " + ", ".join(said))
-    if h.evals:
-        accs = [(a, r) for r in h.evals if not math.isnan(a := _num(r.get("eval_acc")))]
-        best = max(accs, key=lambda ar: ar[0])[1] if accs else h.evals[-1]
-        lines.append(f"best acc    {_num(best.get('eval_acc')):.4f} at step {best['step']} "
-                     f"(last {_num(h.evals[-1].get('eval_acc')):.4f} at step {h.evals[-1]['step']})")
+    accs = [(a, r["step"]) for r in h.evals if not math.isnan(a := _num(r.get("eval_acc")))]
+    if accs:  # a loop that evaluates no accuracy gets no line (not "nan")
+        best = max(accs, key=lambda a: a[0])
+        lines.append(f"best acc    {best[0]:.4f} at step {best[1]} (last {accs[-1][0]:.4f} at step {accs[-1][1]})")
     if h.markers:
         lines.append(f"restarts    {len(h.markers)}: " + "; ".join(
             f"resumed at step {m.step} after {m.reason}" for m in h.markers))
@@ -285,10 +286,11 @@ def summary(run_dir: str | Path) -> list[str]:
                          f"{e.get('first_step')}-{e.get('step')}: {_num(e.get('busy_ms')):.1f} ms of work per "
                          f"step against {_num(e.get('median_ms')):.1f} ms (job {e.get('job_id')})")
     failures = crashes.host_failures(h.events)
-    if failures:  # the run's host ledger: what a restart inside the allocation leaves out
-        out = set(crashes.excluded(h.events, after=h.exclude_after))
+    if failures:  # the run's host ledger, and what the live job's next restart leaves out
+        out = set(crashes.excluded(h.events, budget.job_chain(h.events, live_job), h.exclude_after)
+                  if live_job else ())
         lines.append("hosts       " + ", ".join(
-            f"{host} {n} failure{'s' * (n != 1)}{' (excluded)' if host in out else ''}"
+            f"{host} {n} failure{'s' * (n != 1)}{f' (excluded from job {live_job})' if host in out else ''}"
             for host, n in sorted(failures.items())))
     return lines
 
@@ -311,10 +313,7 @@ def ledger(evs: list[dict[str, Any]]) -> list[tuple[str, str]]:
         nxt = next((n for n in evs[i + 1:] if n.get("event") == "start"), None)
         back = (f"resumed step {nxt.get('resumed_step') or 0} after {nxt['time'] - t0:.0f} s"
                 if nxt and isinstance(t0, (int, float)) and "time" in nxt else "not resumed")
-        how = e.get("requeued_by") or ("requeued" if e.get("requeued") else "not requeued")
-        how = "restarted inside the allocation" if how == budget.IN_PLACE else how
-        if e.get("next_job_id"):
-            how += f" -> job {e['next_job_id']}"
+        how = came_back(e, evs[i + 1:]) + (f" -> job {e['next_job_id']}" if e.get("next_job_id") else "")
         lost = e.get("steps_lost")
         who = ""
         if "failed_how" in e:  # who died where; how only for a death by a signal (`last event`
@@ -327,6 +326,23 @@ def ledger(evs: list[dict[str, Any]]) -> list[tuple[str, str]]:
                     f"steps lost {'?' if lost is None else lost}, {how}, {back}",
                     phases.describe(phases.recovery(evs, i))))
     return out
+
+
+_BY = {"supervisor": "restarted in place by the local supervisor", budget.IN_PLACE: "restarted inside the allocation"}
+
+
+def came_back(stop: dict[str, Any], later: list[dict[str, Any]]) -> str:
+    """How the run came back after `stop` ("not requeued": it did not): the decision's requeued_by,
+    else the local supervisor's `local_requeue` record before the next start (its ranks' stop
+    records leave the requeue to it). `later`: the records after the stop."""
+    by = stop.get("requeued_by")
+    if by is None:
+        for e in later:
+            if e.get("event") == "start":
+                break
+            if e.get("event") == "local_requeue" and str(e.get("job_id")) == str(stop.get("job_id")):
+                by = "requeued by the local supervisor"
+    return _BY.get(str(by), str(by)) if by else "requeued" if stop.get("requeued") else "not requeued"
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ddpjob import config, console, freeze, jobfile, rundir
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import runs, submit
+from ddpjob.launch import control, runs, submit
 from ddpjob.launch.backends import choose
 from ddpjob.launch.backends.sbatch_slurm import SbatchBackend
 
@@ -55,8 +55,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
         command += ["--set", item]
     if isinstance(backend, SbatchBackend):  # a `ddpjob sbatch` run: its template again, then sbatch
         runs.check_idle(run)
+        since = {run: control.log_offsets(run)}  # --wait: the new job's lines only
         new = backend.resubmit(run, cfg, job, command)
         console.info(f"resumed {run} as job {new} ({cfg.slurm.nodes} node(s) x {cfg.slurm.tasks_per_node} "
                      f"task(s)); it continues from its newest checkpoint")
-        return submit.wait([run]) if args.wait else 0
+        return submit.wait([run], since) if args.wait else 0
     return submit.launch([cfg], [], backend, run, command, f"{run}/{rundir.CONFIG}", wait_for=args.wait)

@@ -100,6 +100,10 @@ def run_info(run_dir: Path, states: dict[str, dict[str, Any]] | None = None) -> 
     if info.state in TERMINAL and stops and stops[-1].get("reason") == "user_stop":
         # the ranks' exit 3 reads as FAILED to SLURM; it was `ddpjob stop`, with a checkpoint
         info.state, info.reason = "STOPPED", f"by `ddpjob stop` at step {stops[-1].get('step')}"
+    done = rundir.completed(run_dir)
+    if done is not None and info.state in TERMINAL and info.state != "COMPLETED":
+        # the job ended otherwise and a start outside it (`ddpjob run RUN_DIR`) finished the training
+        info.state, info.reason = "COMPLETED", f"at step {done.get('step')}, after job {info.job_id} ended {info.state}"
     if evs:
         last = evs[-1]
         why = last.get("error") or last.get("note") or last.get("reason") or ""
@@ -114,7 +118,7 @@ def run_info(run_dir: Path, states: dict[str, dict[str, Any]] | None = None) -> 
         info.extra["last_event"] = f"{last.get('event')}" + (f": {why}" if why else "")
     info.step, info.loss = last_metric(run_dir)
     info.checkpoint = last_checkpoint(run_dir)
-    info.completed = rundir.completed(run_dir) is not None
+    info.completed = done is not None
     return info
 
 

@@ -51,12 +51,16 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     for i in live_runs(args.run, "stop"):
-        requests.ask_stop(i.run_dir, i.job_id, i.restarts)  # before the signal: rank 0 reads it
         job = runs.job_record(i.run_dir)
         backend = choose.of_record(job)
         if backend is None:
             raise DDPJobError(f"'{i.run_dir}' has backend {i.backend!r}, expected slurm or local",
                               f"`ddpjob status {i.run_dir}`")
+        if not backend.can_stop:  # refused before a request is recorded that nothing would answer
+            raise DDPJobError(f"'{i.run_dir}' runs under {backend.name}, which `ddpjob stop` cannot stop, "
+                              "expected a run of the local or slurm backend",
+                              f"`ddpjob cancel {i.run_dir}` ends it (its newest checkpoint stays)")
+        requests.ask_stop(i.run_dir, i.job_id, i.restarts)  # before the signal: rank 0 reads it
         said = backend.stop(i.run_dir, job, i.state)
         console.info(f"stopping {i.job_id} ({i.run_dir}): {said}; `ddpjob resume {i.run_dir}` continues")
     return 0

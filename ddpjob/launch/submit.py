@@ -162,6 +162,7 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, ro
             if not (d / freeze.RECORD).is_file():  # a resubmission keeps the code it was frozen with
                 freeze.freeze(cfg, d)
         log_dir = root / rundir.LOGS
+        since = {d: control.log_offsets(d) for d in run_dirs}  # --wait: this job's lines only
         records = backend.submit(cfgs, run_dirs, log_dir, command)
         if earlier:  # the run's earlier jobs stay in its chain (status --json: job_ids)
             chain = [str(j) for j in (earlier.get("job_ids") or [earlier.get("job_id")]) if j]
@@ -180,7 +181,7 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, ro
         raise
     _print_submitted(cfgs[0], backend, run_dirs, records)
     if wait_for:
-        return wait(run_dirs)
+        return wait(run_dirs, since)
     return 0
 
 
@@ -205,12 +206,13 @@ def _print_submitted(cfg: JobConfig, backend: Backend, run_dirs: list[Path], rec
                   rows)
 
 
-def wait(run_dirs: list[Path]) -> int:
-    """--wait: stream rank 0's log of each run until it ends; 0 only if every run completed."""
+def wait(run_dirs: list[Path], since: dict[Path, dict[Path, int]]) -> int:
+    """--wait: stream rank 0's log of each run, from where it was at submission (`since`:
+    control.log_offsets), until it ends; 0 only if every run completed."""
     ok = True
     for d in run_dirs:
         try:
-            info = control.follow(d, rank=0)
+            info = control.follow(d, rank=0, since=since.get(d))
         except KeyboardInterrupt:
             console.warn(f"stopped waiting; the job goes on (`ddpjob status {d}`, "
                          f"`ddpjob cancel {d}` to stop it)")

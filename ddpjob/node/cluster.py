@@ -142,6 +142,9 @@ class ClusterEnv:
     # (TORCHELASTIC_USE_AGENT_STORE): that store outlives the round, so each round's keys get a
     # prefix of their own (node/dist.py). None: the store is rank 0's, new with every start.
     agent_round: int | None = None
+    # torchrun's agent (the ranks' parent, the same across its restart rounds) outside SLURM and
+    # the local backend: rank 0 records it in job.json, and `ddpjob status` asks whether it lives
+    agent_pid: int | None = field(default=None, compare=False)
     submitit_folder: str | None = None
     ddpjob_vars: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     # cuBLAS's workspace setting as inherited (None: unset); node/determinism.py sets it
@@ -270,7 +273,9 @@ def _from_torchrun(v: _Vars, argv_local_rank: int | None) -> dict:
     node_rank = v.required("GROUP_RANK", default=rank // max(local_world, 1))
     num_nodes = v.required("GROUP_WORLD_SIZE", default=-(-world // max(local_world, 1)))
     local = bool(v.text("DDPJOB_JOB_ID"))
-    job_id = v.text("DDPJOB_JOB_ID") or _slurm_job_id(v) or _elastic_run(v)
+    job_id = v.text("DDPJOB_JOB_ID") or _slurm_job_id(v)
+    elastic = job_id is None and not local and bool(v.text("TORCHELASTIC_RUN_ID"))  # torchrun outside SLURM
+    job_id = job_id or _elastic_run(v)
     if world > 1 and not v.text("MASTER_ADDR"):
         raise DDPJobError(f"WORLD_SIZE={world} but MASTER_ADDR is not set",
                           "launch with torchrun, which sets MASTER_ADDR and MASTER_PORT")
@@ -281,6 +286,7 @@ def _from_torchrun(v: _Vars, argv_local_rank: int | None) -> dict:
                 node_rank=node_rank, num_nodes=num_nodes, job_id=job_id, restart_count=restarts,
                 source="local" if local else "torchrun", slurm_step=bool(v.text("SLURM_STEP_ID")),
                 agent_round=_restart_count(v, "TORCHELASTIC_RESTART_COUNT") if agent else None,
+                agent_pid=os.getppid() if elastic else None,
                 **_master(v, "127.0.0.1", v.text("DDPJOB_JOB_ID", "SLURM_JOB_ID") or job_id))
 
 
@@ -290,8 +296,9 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
 def _elastic_run(v: _Vars) -> str | None:
     """The job, for torchrun outside SLURM: what stays the same across its restarts, so that a
     restarted round finds the run dir (runs/<name>-<job id>) and resumes. --rdzv-id (TORCHELASTIC_
-    RUN_ID) where one was given; torchrun's own default "none" names nothing, and then the agent
-    that restarts the ranks (their parent process) is the job: "torchrun-<its pid>"."""
+    RUN_ID): the one given, or the uuid torchrun makes up for a one-node run; the run id "none"
+    of a static rendezvous (--master-port) names nothing, and then the agent that restarts the
+    ranks (their parent process) is the job: "torchrun-<its pid>"."""
     run = v.text("TORCHELASTIC_RUN_ID")
     if run is None:
         return None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import console, exitcodes, rundir, runlock
-from ddpjob.ledger import events
+from ddpjob.ledger import events, requests
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.rank.records import MetricLog, SampleLog
@@ -115,7 +115,7 @@ class Job:
         self.world_size, self.device, self.is_rank0 = ctx.env.world_size, ctx.device, ctx.env.is_rank0
         self.user = UserTable(cfg.user)
         self._checked_user = False  # the [user] keys never read: said once, before the first checkpoint
-        self.restart, self.job_id = restart, ctx.env.job_id  # restart: within the run (rundir.run_restart)
+        self.restart, self.job_id = restart, ctx.env.job_id  # restart: the attempt's number in the run (ledger/attempts.py)
         self.finished = False
         self.stopped_at: int | None = None
         self._control = dist.Control(ctx)
@@ -370,7 +370,11 @@ class Job:
         self.stopped_at = step
         self._record_signal(step)
         mine = f"; this rank got {self._stop.describe()}" if self._stop.signum is not None else ""
-        console.print0(f"stopping at step {step} ({preemption.REASONS[code]}{mine}): checkpoint written")
+        if self.is_rank0 and code == preemption.REQUEUE and requests.stop_requested(self.run_dir, self.job_id):
+            # the checkpoint signal came from `ddpjob stop`: no requeue follows (requeue.after_stop)
+            console.print0(f"stopping at step {step} (`ddpjob stop`{mine}): checkpoint written, not requeued")
+        else:
+            console.print0(f"stopping at step {step} ({preemption.REASONS[code]}{mine}): checkpoint written")
         if self.is_rank0:
             requeue.after_stop(self.config, self.env, self.run_dir, code, step, restart=self.restart,
                                signal_step=self._stop.signal_step, signal_time=self._stop.time,

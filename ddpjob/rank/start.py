@@ -110,6 +110,14 @@ def init(job: str | Path | JobConfig | None = None, *, overrides: Sequence[str] 
         ctx.destroy()
         raise AlreadyCompleted()
     restart, lock = _check_budget(cfg, env, path, ctx)
+    if env.agent_pid is not None:  # torchrun: no scheduler knows the run, nobody else logs its ranks
+        from ddpjob.node import teelog
+
+        teelog.tee(path / rundir.LOGS / f"rank-{env.rank}.log")
+        if env.is_rank0:
+            _record_torchrun_job(env, path)
+    # every rank, first in its log at each start: `ddpjob logs` marks the attempts there
+    print(console.attempt_line(restart, env.rank, env.hostname, env.job_id), flush=True)
     compilecache.use_run_dir(path, env)  # before any model code: torch.compile reads it when compiling
     _current = Job(cfg, ctx, path, stop, standalone=_launch is None, restart=restart, lock=lock,
                    end_time=_end_time(env), code=lambda: freeze.running_hash(cfg, path),
@@ -164,6 +172,21 @@ def _check_budget(cfg: JobConfig, env: ClusterEnv, path: Path, ctx: Any) -> tupl
                           "raise the budget in [slurm], or find out why the job keeps stopping "
                           "(`ddpjob status RUN_DIR` lists every stop)")
     return int(restart), lock
+
+
+def _record_torchrun_job(env: ClusterEnv, path: Path) -> None:
+    """job.json of a run torchrun started: its backend, its job and the agent whose life is the
+    job's (launch/backends/torchrun_procs.py reads it). A later torchrun given the same run dir
+    adds its job; a run submitted through another backend keeps its own record."""
+    job = rundir.read_record(path / rundir.JOB)
+    if job and job.get("backend") != "torchrun":
+        return
+    if job.get("job_id") == env.job_id and job.get("pid") == env.agent_pid:
+        return  # a restart round of the same agent
+    ids = [str(j) for j in job.get("job_ids") or [] if j != env.job_id]
+    rundir.write_json_atomic(path / rundir.JOB, {"backend": "torchrun", "job_id": env.job_id,
+                                                 "job_ids": [*ids, env.job_id], "pid": env.agent_pid,
+                                                 "host": env.hostname})
 
 
 def current() -> Job | None:

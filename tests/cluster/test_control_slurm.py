@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,11 @@ def test_status_and_logs_of_a_run_started_with_ddpjob_sbatch(slurm_cluster, tmp_
     assert f"job         {job_id} (slurm)" in out.stdout and "state       COMPLETED" in out.stdout
     assert "completed   yes" in out.stdout
     out = ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path)
-    assert out.returncode == 0 and out.stdout == (run / "logs" / "rank-1.log").read_text()
+    # the log as the rank wrote it, its line at the start shown as the attempt's mark
+    log = (run / "logs" / "rank-1.log").read_text()
+    wrote = re.search(rf"^ddpjob: attempt 0 starts: rank 1 on n[12], job {job_id}\n", log, re.M)
+    assert wrote, log
+    assert out.returncode == 0 and out.stdout == log.replace(wrote.group(0), f"==> attempt 0 (job {job_id}, first start) <==\n")
 
 
 @pytest.mark.cluster

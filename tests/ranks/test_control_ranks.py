@@ -1,10 +1,12 @@
 """`ddpjob status / logs / cancel / ls` on local runs (real supervisor, fake ranks), the parsing
-of sacct/squeue output (fake binaries on PATH), and on real SLURM jobs (test cluster)."""
+of sacct/squeue output (fake binaries on PATH), on real SLURM jobs (test cluster), and on a run
+that torchrun started (real ranks)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,3 +152,50 @@ def test_a_completed_run_is_not_submitted_again_with_another_length(tmp_path, ca
         assert len(err) == 1 and err[0].startswith(f"ddpjob: error: run directory '{run}' completed at step 2"), err
         assert "checkpoint.init_from" in err[0]
     assert (run / "config.json").read_text() == before and not (tmp_path / "x.sbatch").exists()
+
+
+def test_a_torchrun_run_with_a_killed_rank_is_shown_completed_with_its_two_attempts(tmp_path):
+    """`torchrun --nproc-per-node 2 --max-restarts 1 -m ddpjob run JOB.toml` as a user types it, rank
+    1 SIGKILLed in its 12th training forward call of the first round (trainer_plugins "kill": at
+    the step, not a timer): the agent starts a second round, which resumes from the checkpoint at
+    step 10 and finishes. ls, status (text and --json) and logs show it as ddpjob knows it."""
+    from ranks import write_job
+
+    job = write_job(tmp_path / "job.toml", slurm={"nodes": 1, "tasks_per_node": 2},
+                    train={"model": "trainer_plugins:signalling_cnn", "batch_size": 16, "max_steps": 30,
+                           "log_every": 1, "eval_every": 0, "threads": 1, "amp": "off", "channels_last": False},
+                    data={"dataset": "synthetic", "synthetic_train": 512, "synthetic_test": 64},
+                    checkpoint={"every_steps": 5})
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
+                          "1", "-m", "ddpjob", "run", str(job)], cwd=tmp_path,
+                         env=base_env({"DDPJOB_TEST_SIGNAL": "1:12:0:kill"}), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    # named after torchrun's run id, the uuid it makes up for a one-node run (docs/api.md)
+    uuid = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+    assert re.fullmatch(f"t-torchrun-{uuid}", run.name), run.name
+    job_id = run.name.removeprefix("t-")
+    starts = [e for e in rundir.events(run) if e["event"] == "start"]
+    assert [(s["job_id"], s["resumed_step"]) for s in starts] == [(job_id, None), (job_id, 10)], starts
+
+    row = next(line.split() for line in ddpjob("ls", cwd=tmp_path).stdout.splitlines() if line.startswith("runs/"))
+    assert row == [f"runs/{run.name}", "torchrun", job_id, "COMPLETED", "30", "1"], row
+    status = ddpjob("status", str(run), cwd=tmp_path).stdout
+    for line in (f"job         {job_id} (torchrun)", "state       COMPLETED", "restarts    1",
+                 "restarts    1: resumed at step 10 after crash", "completed   yes"):
+        assert line in status.splitlines(), status
+    (rec,) = [json.loads(line) for line in ddpjob("status", "--json", str(run), cwd=tmp_path).stdout.splitlines()]
+    assert (rec["backend"], rec["state"], rec["restarts"], rec["job_ids"]) == ("torchrun", "COMPLETED", 1, [job_id])
+    assert len(rec["goodput"]["attempts"]) == 2, rec["goodput"]
+
+    # torchrun printed the ranks' output on its own stdout; each rank also wrote it to its log
+    for rank in (0, 1):
+        logs = ddpjob("logs", str(run), "--rank", str(rank), cwd=tmp_path).stdout.splitlines()
+        marks = [line for line in logs if line.startswith("==> ")]
+        assert marks == [f"==> attempt 0 (job {job_id}, first start) <==",
+                         f"==> attempt 1 (job {job_id}, restarted after crash) <=="], logs
+    logs = ddpjob("logs", str(run), cwd=tmp_path).stdout
+    assert "resumed from step-000000010" in logs and "finished: step 30" in logs, logs
+    plot = ddpjob("plot", str(run), "-o", str(tmp_path / "curves.png"), cwd=tmp_path).stdout
+    assert "1 restart marker(s)" in plot and f"{run.name}: step 10  restart 1: crash" in plot, plot

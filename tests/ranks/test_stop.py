@@ -57,9 +57,22 @@ def test_stop_checkpoints_a_local_run_which_resume_finishes(tmp_path: Path) -> N
     assert [e for e in read_events(run) if e["event"] == "start"][-1]["restart"] == 0  # not restarted
     status = run_cli("status", str(run), cwd=tmp_path, env=env).stdout
     assert "state       STOPPED" in status and f"checkpoint  step-{6 + LAG:09d}" in status, status
+    # rank 0 says why in its own words: `ddpjob stop` is no requeue
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert f"stopping at step {6 + LAG} (`ddpjob stop`; this rank got SIGUSR2" in log, log
+    assert "checkpoint written, not requeued" in log and "(requeue" not in log, log
     again = run_cli("stop", str(run), cwd=tmp_path, env=env)
     assert again.returncode == 1 and "has already finished, nothing to stop" in again.stderr
     done = run_cli("resume", str(run), "--wait", cwd=tmp_path, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     starts = [e for e in read_events(run) if e["event"] == "start"]
     assert starts[-1]["resumed_step"] == 6 + LAG and (run / "COMPLETED").exists()
+    # --wait shows the new attempt's lines only, though the rank log holds both attempts
+    assert f"resumed from step-{6 + LAG:09d}" in done.stdout and "paused at call 6" not in done.stdout, done.stdout
+    assert "paused at call 6" in (run / "logs" / "rank-0.log").read_text()
+    # `ddpjob logs` marks where each attempt begins
+    jobs = [s["job_id"] for s in starts]
+    marks = [line for line in run_cli("logs", str(run), cwd=tmp_path, env=env).stdout.splitlines()
+             if line.startswith("==> ")]
+    assert marks == [f"==> attempt 0 (job {jobs[0]}, first start) <==",
+                     f"==> attempt 1 (job {jobs[1]}, resumed after user_stop at step {6 + LAG}) <=="], marks

@@ -94,6 +94,23 @@ def test_torchrun_inside_slurm_keeps_job_id_and_restarts() -> None:
     assert env.master_port == 29400  # torchrun's own MASTER_PORT, not the derived one
 
 
+def test_torchrun_s_run_names_the_job_and_its_agent_outside_slurm_only() -> None:
+    """runs/<name>-torchrun-<run id> (docs/api.md): --rdzv-id or the uuid torchrun makes up for one
+    node, the agent's pid for a static rendezvous ("none"). The agent (this process's parent) is
+    job.json's pid outside SLURM and the local backend only: there nothing else knows the job."""
+    import os
+
+    uuid = "365330c0-c391-40e8-a49c-c5977625ba37"
+    for run_id, job_id in ((uuid, f"torchrun-{uuid}"), ("exp7", "torchrun-exp7"), ("none", f"torchrun-{os.getppid()}")):
+        env = ClusterEnv.from_environ(dict(TORCHRUN, TORCHELASTIC_RUN_ID=run_id), [])
+        assert (env.job_id, env.agent_pid) == (job_id, os.getppid())
+    assert ClusterEnv.from_environ(TORCHRUN, []).agent_pid is None  # torch.distributed.launch: no agent
+    inside = ClusterEnv.from_environ(dict(TORCHRUN, TORCHELASTIC_RUN_ID=uuid, SLURM_JOB_ID="77"), [])
+    assert (inside.job_id, inside.agent_pid) == ("77", None)
+    local = ClusterEnv.from_environ(dict(TORCHRUN, TORCHELASTIC_RUN_ID=uuid, DDPJOB_JOB_ID="local-5"), [])
+    assert (local.job_id, local.agent_pid) == ("local-5", None)
+
+
 def test_slurm_two_nodes_two_tasks_each() -> None:
     envs = [ClusterEnv.from_environ(slurm_task(r), []) for r in range(4)]
     assert [e.rank for e in envs] == [0, 1, 2, 3]

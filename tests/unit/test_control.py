@@ -178,3 +178,183 @@ def test_resume_waits_a_bounded_time_for_a_job_that_is_completing(tmp_path, fake
     fake_slurm.answer("squeue", "77|COMPLETING|None\n")  # stuck, past the bound
     with pytest.raises(DDPJobError, match="has job 77 still COMPLETING"):
         runs.check_idle(run)
+
+
+# ------------------------------------------------------------------ lines that must be true
+def _run_with(tmp_path: Path, events: list[dict], metrics: list[dict] = (), job: dict | None = None) -> Path:
+    run = tmp_path / "runs" / "r"
+    (run / "logs").mkdir(parents=True)
+    rundir.write_json_atomic(run / "config.json", {})
+    rundir.write_json_atomic(run / "job.json", job or {"backend": "local", "job_id": "local-1", "pid": 0})
+    for rec in events:
+        rundir.append_jsonl(run / "events.jsonl", rec)
+    for rec in metrics:
+        rundir.append_jsonl(run / "metrics.jsonl", rec)
+    return run
+
+
+# a local run: a time limit the supervisor requeued, a crash it restarted in place, `ddpjob stop`,
+# then `ddpjob resume` (a new job) to the end
+LOCAL_HISTORY = [
+    {"event": "local_start", "job_id": "local-1", "restart": 0, "time": 9.0},
+    {"event": "start", "job_id": "local-1", "restart": 0, "time": 10.0, "resumed_step": None},
+    {"event": "stop", "reason": "time_limit", "step": 7, "job_id": "local-1", "restart": 0, "requeued": None,
+     "time": 20.0},
+    {"event": "local_requeue", "job_id": "local-1", "restart": 1, "time": 21.0},
+    {"event": "start", "job_id": "local-1", "restart": 1, "time": 25.0, "resumed_step": 7},
+    {"event": "stop", "reason": "crash", "rank": 1, "job_id": "local-1", "restart": 1, "error": "boom"},
+    {"event": "stop", "reason": "crash", "step": 10, "job_id": "local-1", "restart": 1, "requeued": True,
+     "requeued_by": "supervisor", "source": "local-supervisor", "time": 30.0},
+    {"event": "start", "job_id": "local-1", "restart": 2, "time": 35.0, "resumed_step": 10},
+    {"event": "stop", "reason": "user_stop", "step": 12, "job_id": "local-1", "restart": 2, "requeued": None,
+     "time": 40.0},
+    # `ddpjob resume`: a new job, and the run's attempts go on numbering (ledger/attempts.py)
+    {"event": "start", "job_id": "local-2", "restart": 3, "time": 50.0, "resumed_step": 12},
+    {"event": "stop", "reason": "finished", "step": 20, "job_id": "local-2", "restart": 3, "time": 60.0}]
+
+
+def test_the_ledger_says_who_brought_a_local_run_back(tmp_path):
+    """Not "not requeued" where the local supervisor requeued (its local_requeue record) or
+    restarted the ranks in place (the crash decision's requeued_by "supervisor")."""
+    from ddpjob.launch import plot
+
+    lines = [line for line, _ in plot.ledger(LOCAL_HISTORY)]
+    assert lines == [
+        "time_limit at step 7 (job local-1), steps lost ?, requeued by the local supervisor, resumed step 7 after 5 s",
+        "crash at step 10 (job local-1), steps lost ?, restarted in place by the local supervisor, "
+        "resumed step 10 after 5 s",
+        "user_stop at step 12 (job local-1), steps lost ?, not requeued, resumed step 12 after 10 s"]
+
+
+def test_logs_mark_each_attempt_in_the_appended_rank_log(tmp_path, capsys):
+    """Each rank writes console.attempt_line at each start; `ddpjob logs` shows a mark there, numbered
+    by the run's starts and saying how the attempt came about. A line that no start record
+    matches (say, a start refused before rank 0 recorded it) stays as the rank wrote it."""
+    from ddpjob import console
+    from ddpjob.cli import main
+
+    run = _run_with(tmp_path, LOCAL_HISTORY, job={"backend": "local", "job_id": "local-2", "pid": 0,
+                                                  "job_ids": ["local-1", "local-2"]})
+    text = "".join(f"{console.attempt_line(r, 0, 'vm', j)}\nstep of attempt {n}\n" for n, (j, r) in enumerate(
+        [("local-1", 0), ("local-1", 1), ("local-1", 2), ("local-1", 9), ("local-2", 3)]))
+    (run / "logs" / "rank-0.log").write_text(text)
+    assert main(["logs", str(run)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "==> attempt 0 (job local-1, first start) <==", "step of attempt 0",
+        "==> attempt 1 (job local-1, requeued by the local supervisor after time_limit at step 7) <==",
+        "step of attempt 1",
+        "==> attempt 2 (job local-1, restarted in place by the local supervisor after crash at step 10) <==",
+        "step of attempt 2",
+        "ddpjob: attempt 9 starts: rank 0 on vm, job local-1", "step of attempt 3",
+        "==> attempt 3 (job local-2, resumed after user_stop at step 12) <==", "step of attempt 4"]
+
+
+def test_metrics_a_run_does_not_have_are_not_shown(tmp_path):
+    """A loop that evaluates a loss but no accuracy: no "best acc nan" line, null in --json."""
+    from ddpjob.launch import plot, report
+
+    run = _run_with(tmp_path, LOCAL_HISTORY[:2], [{"kind": "train", "step": 5, "loss": 0.5, "time": 11.0},
+                                                  {"kind": "eval", "step": 5, "eval_loss": 0.7, "time": 12.0}])
+    lines = plot.summary(run)
+    assert not [line for line in lines if line.startswith("best acc")], lines
+    assert "progress    step 5, loss 0.5000" in lines, lines
+    info = runs.run_info(run)
+    assert report.record(info)["best_accuracy"] is None
+
+
+def test_a_stopped_run_finished_by_ddpjob_run_is_completed(tmp_path):
+    """`ddpjob stop` (local.json STOPPED), then `ddpjob run RUN_DIR` alone finished it: COMPLETED, not
+    STOPPED beside "completed yes"."""
+    run = _run_with(tmp_path, [
+        *LOCAL_HISTORY[:2],
+        {"event": "stop", "reason": "user_stop", "step": 7, "job_id": "local-1", "restart": 0, "time": 20.0},
+        {"event": "start", "job_id": None, "restart": 0, "time": 30.0, "resumed_step": 7},
+        {"event": "stop", "reason": "finished", "step": 20, "job_id": None, "restart": 0, "time": 40.0}])
+    rundir.write_json_atomic(run / "local.json", {"state": "STOPPED", "reason": "stopped by `ddpjob stop`"})
+    rundir.write_json_atomic(run / "COMPLETED", {"step": 20, "accuracy": None})
+    info = runs.run_info(run)
+    assert (info.state, info.reason, info.completed) == (
+        "COMPLETED", "at step 20, after job local-1 ended STOPPED", True)
+    text = control.format_status(info)
+    assert "state       COMPLETED (at step 20, after job local-1 ended STOPPED)" in text and "STOPPED (" not in text
+
+
+def test_a_torchrun_run_s_state_comes_from_its_records_and_its_agent(tmp_path):
+    """No scheduler knows a torchrun run: RUNNING while the agent recorded in job.json lives (its
+    command line names torchrun: a reused pid does not count), else how the records end."""
+    import socket
+    import subprocess
+    import sys
+
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "torchrun"])
+    try:
+        job = {"backend": "torchrun", "job_id": "torchrun-x", "pid": agent.pid, "host": socket.gethostname()}
+        started = [{"event": "start", "job_id": "torchrun-x", "restart": 0, "time": 1.0}]
+        run = _run_with(tmp_path, started, job=job)
+        assert (runs.run_info(run).state, runs.run_info(run).backend) == ("RUNNING", "torchrun")
+        # `ddpjob stop` cannot reach torchrun's ranks: one line, and no request left behind
+        out = ddpjob("stop", str(run), cwd=tmp_path)
+        assert out.returncode == 1 and out.stderr.startswith(
+            f"ddpjob: error: '{run}' runs under torchrun, which `ddpjob stop` cannot stop"), out.stderr
+        assert [e["event"] for e in read_events(run)] == ["start"]
+    finally:
+        agent.kill()
+        agent.wait()
+    info = runs.run_info(run)
+    assert (info.state, info.reason) == ("FAILED", "torchrun ended without a stop recorded (killed?); see its output")
+    rundir.append_jsonl(run / "events.jsonl", {"event": "stop", "reason": "time_limit", "step": 8,
+                                               "job_id": "torchrun-x", "restart": 0})
+    assert (runs.run_info(run).state, runs.run_info(run).reason) == ("STOPPED", "time_limit at step 8, checkpoint written")
+    rundir.write_json_atomic(run / "job.json", {**job, "host": "elsewhere"})
+    rundir.append_jsonl(run / "events.jsonl", {"event": "start", "job_id": "torchrun-x", "restart": 1, "time": 2.0})
+    info = runs.run_info(run)
+    assert (info.state, info.reason, info.restarts) == (
+        "UNKNOWN", "torchrun runs on elsewhere: `ddpjob status` there tells", 1)
+    # ddpjob cannot start torchrun's agent again: `resume` says so, and writes nothing
+    before = sorted(p.name for p in run.iterdir())
+    out = ddpjob("resume", str(run), cwd=tmp_path)
+    assert out.returncode == 1 and out.stderr.startswith(f"ddpjob: error: '{run}' was started by torchrun"), out.stderr
+    assert "Hint: run it under torchrun again: `torchrun ... -m ddpjob run RUN_DIR`" in out.stderr
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_a_host_is_excluded_only_by_the_next_restart_of_a_live_slurm_job(tmp_path):
+    """Two host faults on n2: `status` says "excluded" while the SLURM job runs (its next restart
+    inside the allocation leaves n2 out), not once it has ended, and never on the local backend
+    (its restarts run on this machine whatever it did)."""
+    crash = {"event": "stop", "reason": "crash", "step": 10, "job_id": "77", "restart": 0, "failed_rank": 2,
+             "failed_host": "n2", "failed_how": "Killed", "host_fault": True, "requeued": True,
+             "requeued_by": "in_allocation"}
+    run = _run_with(tmp_path, [{"event": "start", "job_id": "77", "restart": 0}, crash,
+                               {"event": "start", "job_id": "77", "restart": 1}, {**crash, "restart": 1}],
+                    job={"backend": "slurm", "job_id": "77"})
+
+    def hosts(state: str) -> str:
+        info = runs.RunInfo(run_dir=run, backend="slurm", job_id="77", state=state)
+        return next(ln for ln in control.format_status(info).splitlines() if ln.startswith("hosts"))
+
+    assert hosts("RUNNING") == "hosts       n2 2 failures (excluded from job 77)"
+    assert hosts("COMPLETED") == hosts("FAILED") == "hosts       n2 2 failures"
+    rundir.write_json_atomic(run / "job.json", {"backend": "local", "job_id": "77", "pid": 0})
+    assert hosts("RUNNING") == "hosts       n2 2 failures"
+
+
+def test_the_marks_of_a_slurm_run_say_who_brought_it_back():
+    history = [
+        {"event": "start", "job_id": "77", "restart": 0},
+        {"event": "stop", "reason": "preemption", "step": 9, "job_id": "77", "restart": 0, "requeued": True,
+         "requeued_by": "scontrol"},
+        {"event": "start", "job_id": "77", "restart": 1},
+        {"event": "stop", "reason": "crash", "step": 20, "job_id": "77", "restart": 1, "requeued": True,
+         "requeued_by": "in_allocation"},
+        {"event": "start", "job_id": "77", "restart": 2},
+        {"event": "stop", "reason": "time_limit", "step": 30, "job_id": "77", "restart": 2, "requeued": True,
+         "requeued_by": "successor", "next_job_id": "78"},
+        {"event": "start", "job_id": "78", "restart": 3},
+        {"event": "start", "job_id": "78", "restart": 4}]
+    assert [mark for _, mark in control.attempt_marks(history)] == [
+        "==> attempt 0 (job 77, first start) <==",
+        "==> attempt 1 (job 77, requeued after preemption at step 9) <==",
+        "==> attempt 2 (job 77, restarted inside the allocation after crash at step 20) <==",
+        "==> attempt 3 (job 78, a successor job after time_limit at step 30) <==",
+        "==> attempt 4 (job 78, no stop recorded before it: killed?) <=="]

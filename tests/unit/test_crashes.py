@@ -177,14 +177,18 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     assert requeue.after_crash(cfg, ENV, d, 135, in_place=True) is True
     assert [e.get("failed_rank") for e in read_events(d) if e["event"] == "stop"] == [2, 3]
     assert requeue.restart_layout(d, ENV, cfg) == (1, ["n2"])
-    lines = "\n".join(plot.summary(d))  # what `ddpjob status` shows
-    assert "n2 2 failures (excluded)" in lines and "rank 3 on n2: Bus error" in lines, lines
+    # what `ddpjob status` shows while job 77 runs: its next restart leaves n2 out
+    lines = "\n".join(plot.summary(d, live_job="77"))
+    assert "hosts       n2 2 failures (excluded from job 77)" in lines and "rank 3 on n2: Bus error" in lines, lines
+    # once the job has ended (or for another job: a successor of a resume) nothing is excluded
+    lines = "\n".join(plot.summary(d))
+    assert "hosts       n2 2 failures" in lines and "excluded" not in lines, lines
     # [slurm] exclude_after = 3: two failures are not yet the host, for the decision and status
     cfg3 = jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "exclude_after": 3}})
     rundir.write_text_atomic(d / "config.json", cfg3.to_json())
     assert requeue.restart_layout(d, ENV, cfg3) == (2, [])
-    lines = "\n".join(plot.summary(d))
-    assert "n2 2 failures" in lines and "(excluded)" not in lines, lines
+    lines = "\n".join(plot.summary(d, live_job="77"))
+    assert "n2 2 failures" in lines and "excluded" not in lines, lines
 
 
 def test_the_decision_prints_the_layout_for_the_batch_script(fake_slurm, tmp_path, monkeypatch,

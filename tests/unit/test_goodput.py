@@ -155,3 +155,30 @@ def test_the_summary_line_and_the_json_record() -> None:
     assert ledger.describe() == "75.0% of 3 min 20 s trained; queue 25.0%"
     rec = ledger.record()
     assert rec["goodput"] == 0.75 and rec["wall_s"] == 200 and rec["seconds"]["queue"] == 50 and rec["attempts"] == []
+
+
+def test_a_local_warm_start_is_start_up_from_the_submission_not_other() -> None:
+    """The local backend: submitted at 0, the supervisor's local_start at 0.5, the warm server
+    imports torch and forks the rank at 4 (its launched_time), the loop at 5 after a 0.5 s load.
+    Everything before the loop but the load is start-up; before, 0 to 4 was "other". A local
+    requeue's recovery starts up from its local_start too (launch/phases.py)."""
+    evs = [{"event": "local_start", "job_id": "local-9", "restart": 0, "time": 0.5},
+           start(5, 0, job="local-9", load=0.5, launched=4.0),
+           {"event": "stop", "reason": "time_limit", "job_id": "local-9", "restart": 0, "step": 10,
+            "signal_time": 14.0, "decided_time": 14.2, "saved_time": 14.5, "time": 14.6},
+           {"event": "exit", "job_id": "local-9", "restart": 0, "step": 10, "time": 15.0},
+           {"event": "local_requeue", "job_id": "local-9", "restart": 1, "time": 15.5},
+           {"event": "local_start", "job_id": "local-9", "restart": 1, "time": 15.6},
+           start(20, 1, job="local-9", resumed=10, load=0.5, launched=19.0),
+           {"event": "stop", "reason": "finished", "job_id": "local-9", "restart": 1, "step": 20, "time": 30}]
+    metrics = [*steps(0, 1, 9, 5), *steps(1, 11, 20, 20)]
+    ledger = goodput.build(evs, metrics, {}, now=99, running=False, submitted=0.0)
+    assert ledger is not None
+    sec = ledger.seconds
+    # the requeue starts up from the exit on (the same job: as a restart inside an allocation)
+    assert sec["start-up"] == pytest.approx((5 - 0.5 - 0) + (20 - 0.5 - 15.0))
+    assert sec["other"] == 0 and sum(sec.values()) == pytest.approx(30)
+    from ddpjob.launch import phases
+
+    took = phases.recovery(evs, 2)
+    assert took["requeue"] == pytest.approx(15.6 - 15.0) and took["start-up"] == pytest.approx(19.5 - 15.6)

@@ -35,6 +35,7 @@ class Backend(Protocol):
 
     name: str  # job.json's "backend", as status shows it: "slurm" or "local"
     on_slurm: bool  # the ranks run in a SLURM allocation (doctor's cluster checks apply)
+    can_stop: bool  # `ddpjob stop` reaches the ranks with the checkpoint signal, and nothing restarts them
 
     def preflight(self, cfg: JobConfig, root: Path) -> None:
         """Refuse in one line, before anything is written, what the scheduler would refuse."""

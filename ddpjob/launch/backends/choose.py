@@ -12,8 +12,9 @@ from ddpjob.launch.backends import Backend
 from ddpjob.launch.backends.local_procs import LocalBackend
 from ddpjob.launch.backends.sbatch_slurm import SbatchBackend
 from ddpjob.launch.backends.submitit_slurm import SubmititBackend
+from ddpjob.launch.backends.torchrun_procs import TorchrunBackend
 
-SUBMITIT, SBATCH, LOCAL = SubmititBackend(), SbatchBackend(), LocalBackend()
+SUBMITIT, SBATCH, LOCAL, TORCHRUN = SubmititBackend(), SbatchBackend(), LocalBackend(), TorchrunBackend()
 
 
 def for_request(requested: str) -> Backend:
@@ -31,6 +32,8 @@ def of_record(job: dict[str, Any]) -> Backend | None:
     unknown one (status shows it as UNKNOWN)."""
     if job.get("backend") == "local":
         return LOCAL
+    if job.get("backend") == "torchrun":
+        return TORCHRUN
     if job.get("backend") == "slurm":
         return SBATCH if job.get("via") == SBATCH.via else SUBMITIT
     return None

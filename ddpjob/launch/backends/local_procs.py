@@ -70,6 +70,7 @@ class LocalBackend:
 
     name = "local"
     on_slurm = False
+    can_stop = True
 
     def preflight(self, cfg: JobConfig, root: Path) -> None:
         return None  # nothing to ask: doctor's local checks run for every backend

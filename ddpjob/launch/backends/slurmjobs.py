@@ -81,6 +81,7 @@ class SlurmJobs:
 
     name = "slurm"
     on_slurm = True
+    can_stop = True
 
     def preflight(self, cfg: JobConfig, root: Path) -> None:
         preflight_slurm(cfg)
