@@ -21,7 +21,12 @@ From the environment, each hook acting when `job.steps()` hands out a step:
         kill MARKER      write MARKER.ready, wait until the test writes MARKER.go (it reads the
                          task pids meanwhile), then SIGKILL this rank;
         die              SIGKILL this rank at once (kill -9, the OOM killer: no ddpjob code runs);
-        crash            raise RuntimeError (a bug in the training code).
+        crash            raise RuntimeError (a bug in the training code);
+        stop             `ddpjob stop RUN_DIR` (the user's stop, any backend), then wait in the step
+                         until the checkpoint signal is recorded;
+        signal_job       the job's warning signal from outside, as a time limit sends it: SIGUSR2 to
+                         the local supervisor (RUN_DIR/local.json's pid), or `scancel --signal=USR2
+                         JOB` on SLURM; then wait the same way.
       RESTART "*" acts in every incarnation (a crash that comes back each time).
 tests/trainer_plugins.py installs these hooks too, so they also drive the built-in trainer.
 """
@@ -129,6 +134,23 @@ def _act(job: api.Job, action: list[str]) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif action[0] == "crash":
         raise RuntimeError(f"example_slurm_hooks: crash at step {job._step}")
+    elif action[0] == "stop":
+        import sys
+
+        out = subprocess.run([sys.executable, "-m", "ddpjob", "stop", str(job.run_dir)], capture_output=True,
+                             text=True, timeout=120, env=_slurm_env(), preexec_fn=_ignore_usr2)
+        if out.returncode != 0:
+            raise RuntimeError(f"example_slurm_hooks: ddpjob stop failed: {out.stdout}{out.stderr}")
+        _wait_for_flag(signal.SIGUSR2)
+    elif action[0] == "signal_job":
+        local = Path(job.run_dir) / "local.json"
+        if local.is_file():
+            import json
+
+            os.kill(int(json.loads(local.read_text())["pid"]), signal.SIGUSR2)
+        else:
+            slurm(["scancel", "--signal=USR2", str(job.job_id)])
+        _wait_for_flag(signal.SIGUSR2)
     else:
         raise ValueError(f"example_slurm_hooks: unknown action {action}")
 

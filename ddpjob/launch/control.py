@@ -37,7 +37,8 @@ def format_status(i: RunInfo) -> str:
     """The compact per-run summary `ddpjob status RUN` prints."""
     state = i.state + (f" ({i.reason})" if i.reason else "")
     lines = [f"run         {i.run_dir}", f"job         {i.job_id or '-'} ({i.backend})",
-             f"state       {state}", f"restarts    {i.restarts}",
+             f"state       {state}", f"restarts    {i.restarts}" + (
+                 f" (attempts {i.attempts[0]}-{i.attempts[-1]})" if len(i.attempts) > 1 else ""),
              f"last step   {'-' if i.step is None else i.step}"
              + (f"  loss {_fmt_loss(i.loss)}" if i.loss is not None else ""),
              f"checkpoint  {i.checkpoint or '-'}", f"completed   {'yes' if i.completed else 'no'}"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ddpjob import console, rundir
-from ddpjob.ledger import budget, crashes, events
+from ddpjob.ledger import attempts, budget, crashes, events
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import goodput, phases
 
@@ -49,7 +49,7 @@ class Marker:
 
     step: int
     reason: str
-    restart: int  # 1 for the first restart of this run dir, 2 for the second ...
+    restart: int  # the attempt's number in the run (ledger/attempts.py): 1 for the first restart ...
 
     @property
     def label(self) -> str:
@@ -98,8 +98,10 @@ def restart_markers(evs: list[dict[str, Any]]) -> list[Marker]:
         elif kind == "start":
             if started:
                 step = e.get("resumed_step")
-                markers.append(Marker(int(step) if isinstance(step, int) else 0,
-                                      reason or "killed (no stop recorded)", len(markers) + 1))
+                number = e.get("restart")
+                markers.append(Marker(int(step) if isinstance(step, int) else 0, reason or "killed (no stop recorded)",
+                                      number if isinstance(number, int) and not isinstance(number, bool)
+                                      else len(markers) + 1))
             started, reason = True, None
     return markers
 
@@ -271,8 +273,9 @@ def summary(run_dir: str | Path, live_job: str | None = None) -> list[str]:
     if accs:  # a loop that evaluates no accuracy gets no line (not "nan")
         best = max(accs, key=lambda a: a[0])
         lines.append(f"best acc    {best[0]:.4f} at step {best[1]} (last {accs[-1][0]:.4f} at step {accs[-1][1]})")
-    if h.markers:
-        lines.append(f"restarts    {len(h.markers)}: " + "; ".join(
+    if h.markers:  # as many as the run's attempts less one (ledger/attempts.py), as `ls` counts them
+        restarts = max(len(attempts.of_run(h.events)) - 1, len(h.markers))
+        lines.append(f"restarts    {restarts}: " + "; ".join(
             f"resumed at step {m.step} after {m.reason}" for m in h.markers))
     else:
         lines.append("restarts    0")

@@ -57,6 +57,7 @@ def record(i: runs.RunInfo, ledger: goodput.Ledger | None = None) -> dict[str, A
         "reason": i.reason or None,
         "completed": i.completed,
         "restarts": i.restarts,
+        "attempts": i.attempts,
         "stops": stops,
         "step": _num(i.step),
         "loss": _num(i.loss),

@@ -16,7 +16,7 @@ from typing import Any
 from ddpjob import console, freeze, jobfile, recordtypes, rundir, runlock
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch.backends import TERMINAL, Backend, choose
-from ddpjob.ledger import events
+from ddpjob.ledger import attempts, events
 from ddpjob.store import manifest
 
 SWEEP = "sweep.json"
@@ -30,7 +30,8 @@ class RunInfo:
     backend: str = "?"
     job_id: str = ""
     state: str = "UNKNOWN"
-    restarts: int = 0
+    restarts: int = 0  # the run's attempts less one
+    attempts: list[int] = field(default_factory=list)  # their numbers (ledger/attempts.py)
     reason: str = ""
     step: int | None = None
     loss: float | None = None
@@ -87,7 +88,8 @@ def run_info(run_dir: Path, states: dict[str, dict[str, Any]] | None = None) -> 
     job = job_record(run_dir)
     info = RunInfo(run_dir=run_dir, backend=job.get("backend", "?"), job_id=str(job.get("job_id", "")))
     evs = events.read(run_dir)
-    info.restarts = max([int(e.get("restart", 0) or 0) for e in evs] or [0])
+    info.attempts = [a.number for a in attempts.of_run(evs)]
+    info.restarts = max(len(info.attempts) - 1, 0)
     backend = choose.of_record(job)
     if backend is not None:
         now = backend.state(run_dir, job, states)

@@ -60,7 +60,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
             raise DDPJobError(f"'{i.run_dir}' runs under {backend.name}, which `ddpjob stop` cannot stop, "
                               "expected a run of the local or slurm backend",
                               f"`ddpjob cancel {i.run_dir}` ends it (its newest checkpoint stays)")
-        requests.ask_stop(i.run_dir, i.job_id, i.restarts)  # before the signal: rank 0 reads it
+        requests.ask_stop(i.run_dir, i.job_id, i.attempts[-1] if i.attempts else 0)  # before the signal: rank 0 reads it
         said = backend.stop(i.run_dir, job, i.state)
         console.info(f"stopping {i.job_id} ({i.run_dir}): {said}; `ddpjob resume {i.run_dir}` continues")
     return 0
