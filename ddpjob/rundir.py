@@ -277,11 +277,12 @@ class RecordError(ValueError):
     """A run record that cannot be read as one: not a regular file, or larger than any record."""
 
 
-def read_bounded(path: str | Path, limit: int = RECORD_LIMIT, *, tail: bool = False) -> str:
+def read_bounded(path: str | Path, limit: int = RECORD_LIMIT, *, tail: bool = False,
+                 errors: str = "replace") -> str:
     """The one rule for reading a run record: a regular file only (a FIFO would block `status`
     forever, a device never end), of at most `limit` bytes, or with `tail` its last `limit`
     bytes whatever its size. FileNotFoundError when it is not there, RecordError when it is not
-    a record; undecodable bytes are replaced."""
+    a record; undecodable bytes are replaced (errors="strict": UnicodeDecodeError)."""
     import stat
 
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO opens without a writer
@@ -298,7 +299,7 @@ def read_bounded(path: str | Path, limit: int = RECORD_LIMIT, *, tail: bool = Fa
         os.close(fd)
     if len(data) > limit:  # grew while we read it
         raise RecordError(f"{path} is more than {limit} bytes, more than a record may be")
-    return data.decode("utf-8", errors="replace")
+    return data.decode("utf-8", errors=errors)
 
 
 def read_json(path: str | Path, default: Any = None) -> Any:

@@ -141,6 +141,12 @@ def _template(tmp_path: Path, text: str | None) -> str:
     return str(p)
 
 
+def _fifo(tmp_path: Path) -> str:
+    p = tmp_path / "my.tmpl"
+    os.mkfifo(p)  # no writer: a plain open() of it blocks forever
+    return str(p)
+
+
 # (id, exit code, args builder(tmp_path) -> argv after `ddpjob sbatch`, text the line must hold)
 CASES = [
     ("missing job file", 2, lambda t: ["nope.toml"], "not found"),
@@ -195,6 +201,8 @@ CASES = [
     ("missing template", 2, lambda t: ["jobs/smoke.toml", "--template", _template(t, None)],
      "not found"),
     ("template is a folder", 2, lambda t: ["jobs/smoke.toml", "--template", str(t)], "directory"),
+    ("template is a FIFO", 2, lambda t: ["jobs/smoke.toml", "--template", _fifo(t)], "is a FIFO"),  # hung sbatch
+    ("template is a device", 2, lambda t: ["jobs/smoke.toml", "--template", "/dev/zero"], "is a device"),
     ("unknown placeholder", 2, lambda t: ["jobs/smoke.toml", "--template",
                                           _template(t, "srun ${python} ${rundir}\n")],
      "unknown placeholder ${rundir}"),

@@ -245,6 +245,13 @@ def test_load_template(tmp_path: Path) -> None:
     (tmp_path / "bin.tmpl").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(UsageError, match="not UTF-8"):
         render.load_template(tmp_path / "bin.tmpl")
+    os.mkfifo(tmp_path / "fifo.tmpl")  # without a writer: an open() for reading would block
+    with pytest.raises(UsageError, match="is a FIFO, expected a text file"):
+        render.load_template(tmp_path / "fifo.tmpl")
+    with open(tmp_path / "big.tmpl", "wb") as f:
+        f.truncate(render.TEMPLATE_LIMIT + 1)
+    with pytest.raises(UsageError, match="is too large"):
+        render.load_template(tmp_path / "big.tmpl")
 
 
 def _start_batch(tmp_path: Path, fake_srun: str, **slurm) -> tuple[subprocess.Popen, Path]:
