@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = slurm when sbatch is on PATH, else local")
     p.add_argument("--sweep", action="append", default=[], metavar="SECTION.KEY=V1,V2",
                    help="grid search: one run per combination, as one SLURM job array (repeatable)")
-    p.add_argument("--dry-run", action="store_true", help="print the script and per-rank view; submit nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the job's own preflight checks, print the script and per-rank view; submit nothing")
     p.add_argument("--wait", action="store_true", help="block until the job ends, streaming rank 0's log")
     _add_job_overrides(p)
     p.set_defaults(func=_handler("ddpjob.launch.submit:cmd_submit"))

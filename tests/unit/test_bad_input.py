@@ -579,6 +579,33 @@ def test_other_commands_give_one_line(case, tmp_path: Path, capfd: pytest.Captur
     assert not (work / "runs").exists()
 
 
+@pytest.mark.parametrize("backend", ["local", "slurm"])
+@pytest.mark.parametrize("mistake", ["entry does not parse", "entry with NUL bytes", "init_from missing"])
+def test_a_dry_run_runs_submits_checks_and_fails_the_same_way(mistake: str, backend: str, tmp_path: Path,
+                                                               capfd: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`submit --dry-run` skipped the preflight checks and printed a script that submit then
+    refused: the dry run gives submit's own line (submit's, here on the local backend)."""
+    work = _work(tmp_path)
+    bin_dir = tmp_path / "bin"  # `--backend slurm` wants sbatch on PATH; it is never run
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'fake sbatch must not run' >&2; exit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(work)
+    argv = {"entry does not parse": _entry(tmp_path, "broken.py", "x = (", "broken.py"),
+            "entry with NUL bytes": _entry(tmp_path, "nul.py", "x = 1" + chr(0), "nul.py"),
+            "init_from missing": ["jobs/smoke.toml", "--set", 'checkpoint.init_from="runs/gone"']}[mistake]
+    lines = []
+    for extra in (["--backend", backend, "--dry-run"], ["--backend", "local"]):
+        status = _ddpjob("submit", *argv, *extra)
+        out_text, err = capfd.readouterr()
+        lines.append(_the_one_line(err, out_text, "preflight check"))
+        assert status == 1, lines[-1]
+    assert lines[0] == lines[1]
+    assert not (work / "runs").exists()
+
+
 def _ddpjob_out(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `ddpjob ARGV` in this process."""
     capfd.readouterr()
