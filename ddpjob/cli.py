@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ddpjob import __version__, exitcodes, jobfile
+from ddpjob import __version__, exitcodes, jobfile, rundir
 from ddpjob.errors import DDPJobError, UsageError
 
 
@@ -213,6 +213,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ddpjob: interrupted", file=sys.stderr)
         return exitcodes.INTERRUPTED
     except BrokenPipeError:
+        return exitcodes.ERROR
+    except PermissionError as exc:  # another user's file or folder: the setting, not a bug of ddpjob's
+        if debug:
+            raise
+        found = rundir.whose(exc.filename) if exc.filename else str(exc)
+        print(DDPJobError(f"permission denied: {found}, expected files ddpjob may use as you",
+                          rundir.UNREADABLE_HINT).line(), file=sys.stderr, flush=True)
         return exitcodes.ERROR
     except Exception as exc:  # a bug, not a user error: still one line unless --debug
         if debug:

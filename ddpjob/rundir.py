@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,6 +90,45 @@ def check_private(run_dir: Path) -> None:
                               f"chmod go-w {p} (if you trust its contents), or resubmit")
 
 
+def unreadable(path: str | Path) -> str:
+    """'' when this user can read `path` (a folder: list it and open what is in it); else why
+    not, for one line or a DAMAGED row: another user's private run in a shared runs root. The
+    tests run as root, whom no mode stops: tests/unit/test_permissions.py runs them as nobody."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return ""
+    except OSError:  # a folder above it cannot be searched
+        return whose(path)
+    wants = os.R_OK | (os.X_OK if stat.S_ISDIR(st.st_mode) else 0)
+    return "" if os.access(path, wants) else whose(path)
+
+
+def whose(path: str | Path) -> str:
+    """`path`'s owner and mode beside this user, in words (the found part of a permission line);
+    where `path` cannot even be looked at, the folder above it that stops this user."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        closed = next((p for p in Path(path).parents if os.path.isdir(p) and not os.access(p, os.X_OK)), None)
+        return whose(closed) if closed is not None else f"'{path}' cannot be looked at ({exc.strerror})"
+    return (f"'{path}' belongs to {_user(st.st_uid)} (mode {stat.S_IMODE(st.st_mode):04o}) and "
+            f"ddpjob runs as {_user(os.geteuid())}")
+
+
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+UNREADABLE_HINT = ("run ddpjob as the run's owner, or have them submit with slurm.share_group = true "
+                   "(their group may then read the run)")
+
+
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], mode: int | None = None
                  ) -> None:
     """The one atomic file write: `write(f)` fills a temp file beside `path`, which is fsynced and
@@ -130,8 +170,6 @@ class UserOutput:
     stage(data) then commit(), or discard()."""
 
     def __init__(self, path: str | Path, flag: str = "-o") -> None:
-        import stat
-
         self.path, self.flag = Path(path), flag
         self._staged: Path | None = None
         self._fd: int | None = None
@@ -238,6 +276,10 @@ def check_reuse(path: Path, cfg: JobConfig) -> str:
     if not path.is_dir():
         raise UsageError(f"run directory '{path}' exists and is not a folder, expected a new or "
                          "empty folder or a run dir of this job", "choose another --run-dir")
+    why = unreadable(path)
+    if why:
+        raise DDPJobError(f"cannot read run directory: {why}, expected a run dir you can read",
+                          UNREADABLE_HINT)
     if not is_run_dir(path):
         try:
             empty = not any(path.iterdir())
@@ -283,8 +325,6 @@ def read_bounded(path: str | Path, limit: int = RECORD_LIMIT, *, tail: bool = Fa
     forever, a device never end), of at most `limit` bytes, or with `tail` its last `limit`
     bytes whatever its size. FileNotFoundError when it is not there, RecordError when it is not
     a record; undecodable bytes are replaced (errors="strict": UnicodeDecodeError)."""
-    import stat
-
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO opens without a writer
     try:
         st = os.fstat(fd)
