@@ -75,7 +75,9 @@ def make_dir(path: Path, share_group: bool = False) -> None:
 
 def check_private(run_dir: Path) -> None:
     """Refuse a run dir (or its logs/ folder, or config.json) that someone else can change:
-    group- or world-writable, or owned by another user (who could loosen it at any time)."""
+    group- or world-writable, or owned by another user (who could loosen it at any time), or
+    below a folder where anyone may rename it (check_parents)."""
+    check_parents(run_dir)
     for p in (run_dir, run_dir / LOGS, run_dir / CONFIG):
         try:
             st = p.stat()
@@ -88,6 +90,27 @@ def check_private(run_dir: Path) -> None:
             raise DDPJobError(f"{p} is {who} (mode {st.st_mode & 0o777:o}), expected a run dir "
                               "only you can write: others could run code as you through it",
                               f"chmod go-w {p} (if you trust its contents), or resubmit")
+
+
+def check_parents(run_dir: Path) -> None:
+    """Refuse a run dir below a folder that anyone may write and that lacks the sticky bit
+    (chmod 777 scratch space): anyone could rename the run away and put a run of theirs in its
+    place, whose code/ goes first on the ranks' PYTHONPATH and whose logs/ holds the pickle
+    submitit loads, so they would run code as the job's user at its next start or requeue.
+    Refused, not warned: the hole stays open for the run's whole life, and a warning at submit
+    is read once if at all; the fix (chmod +t, or another folder) takes a second. A sticky
+    folder (/tmp, a 1777 scratch) lets only an entry's owner rename it: fine. Every folder up
+    to / counts, through links (a rename anywhere above moves the run)."""
+    above = run_dir.absolute().parent
+    existing = next(p for p in [above, *above.parents] if os.path.isdir(p))
+    real = Path(os.path.realpath(existing))
+    for p in [real, *real.parents]:
+        mode = os.stat(p).st_mode
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise DDPJobError(f"run directory '{run_dir}' is below '{p}', which anyone may write and "
+                              f"which has no sticky bit (mode {stat.S_IMODE(mode):04o}): anyone could "
+                              "swap the run for one of theirs, expected folders only you can change, or "
+                              "sticky ones like /tmp (1777)", f"chmod +t {p}, or choose a --run-dir elsewhere")
 
 
 def unreadable(path: str | Path) -> str:
@@ -271,6 +294,7 @@ def check_reuse(path: Path, cfg: JobConfig) -> str:
     elastically). Anything else is refused with one line."""
     from ddpjob import jobfile
 
+    check_parents(path)
     if not path.exists():
         return NEW
     if not path.is_dir():

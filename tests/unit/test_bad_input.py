@@ -141,6 +141,15 @@ def _template(tmp_path: Path, text: str | None) -> str:
     return str(p)
 
 
+def _open_folder(tmp_path: Path, mode: int = 0o777) -> Path:
+    """A scratch folder anyone may write, without the sticky bit: anyone could rename a run
+    below it away and put theirs in its place."""
+    d = tmp_path / "scratch"
+    d.mkdir(exist_ok=True)
+    d.chmod(mode)
+    return d
+
+
 def _fifo(tmp_path: Path) -> str:
     p = tmp_path / "my.tmpl"
     os.mkfifo(p)  # no writer: a plain open() of it blocks forever
@@ -201,6 +210,8 @@ CASES = [
     ("missing template", 2, lambda t: ["jobs/smoke.toml", "--template", _template(t, None)],
      "not found"),
     ("template is a folder", 2, lambda t: ["jobs/smoke.toml", "--template", str(t)], "directory"),
+    ("run dir below a 0777 folder", 1, lambda t: ["jobs/smoke.toml", "--run-dir", str(_open_folder(t) / "a" / "run")],
+     "which has no sticky bit (mode 0777)"),
     ("template is a FIFO", 2, lambda t: ["jobs/smoke.toml", "--template", _fifo(t)], "is a FIFO"),  # hung sbatch
     ("template is a device", 2, lambda t: ["jobs/smoke.toml", "--template", "/dev/zero"], "is a device"),
     ("unknown placeholder", 2, lambda t: ["jobs/smoke.toml", "--template",
@@ -490,9 +501,10 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ other commands
-def _run_dir(tmp_path: Path, config_text: str | None = None, mode: int = 0o700,
+def _run_dir(tmp_path: Path, config_text: str | None = None, mode: int = 0o700, parent_mode: int = 0o700,
              **files: str) -> str:
-    """A run dir made by `ddpjob sbatch`, then damaged: config.json replaced, files added."""
+    """A run dir made by `ddpjob sbatch`, then damaged: config.json replaced, files added, the
+    folder it is in opened to `parent_mode`."""
     d = tmp_path / "run1"
     said = io.StringIO()
     with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
@@ -502,6 +514,7 @@ def _run_dir(tmp_path: Path, config_text: str | None = None, mode: int = 0o700,
     for name, text in files.items():
         (d / name.replace("_", ".")).write_text(text)
     d.chmod(mode)
+    tmp_path.chmod(parent_mode)
     return str(d)
 
 
@@ -550,6 +563,13 @@ CMD_CASES = [
     ("cancel empty", 2, lambda t: ["cancel", ""], "run directory is empty"),
     ("stop empty", 2, lambda t: ["stop", ""], "run directory is empty"),
     ("stop long component", 2, lambda t: ["stop", LONG], "255"),
+    ("submit run dir below a 0777 folder", 1, lambda t: ["submit", "jobs/smoke.toml", "--backend", "local",
+                                                         "--run-dir", str(_open_folder(t) / "run")],
+     "which has no sticky bit (mode 0777): anyone could swap the run"),
+    ("run RUN_DIR below a 0777 folder", 1, lambda t: ["run", _run_dir(t, parent_mode=0o777)],
+     "which has no sticky bit (mode 0777): anyone could swap the run"),
+    ("run run dir below a 0777 folder", 1, lambda t: ["run", "jobs/smoke.toml", "--run-dir", str(_open_folder(t) / "run")],
+     "which has no sticky bit (mode 0777): anyone could swap the run"),
     ("stop a run never submitted", 1, lambda t: ["stop", _run_dir(t)], "has no job id"),
     ("sweep of 8 million points", 2, lambda t: ["submit", "jobs/smoke.toml", "--backend", "local", "--dry-run",
                                                 *[a for k in ("train.lr", "train.seed", "train.max_steps")

@@ -163,3 +163,21 @@ def test_ls_and_status_show_an_unreadable_run_as_such_and_list_the_others(shared
     r = _as_nobody(shared_root, command, "--json")
     reasons = {rec["run_dir"]: rec["reason"] for rec in map(json.loads, r.stdout.splitlines())}
     assert reasons["runs/mine"] == f"cannot read it: {MINE}", reasons
+
+
+@pytest.mark.parametrize("mode, refused", [(0o777, True), (0o1777, False), (0o775, False), (0o757, True)])
+def test_a_run_dir_below_a_folder_anyone_may_rename_in_is_refused(mode: int, refused: bool, tmp_path: Path) -> None:
+    """World-writable without the sticky bit: anyone could rename the run away and plant theirs
+    (its code/ and submitit's pickle run as the job's user). /tmp's 1777 is fine."""
+    scratch = tmp_path / "scratch"
+    (scratch / "me" / "runs").mkdir(parents=True)
+    scratch.chmod(mode)
+    link = tmp_path / "runs-link"  # through a link: the folder it leads into counts
+    link.symlink_to(scratch / "me" / "runs")
+    for run_dir in (scratch / "me" / "runs" / "new" / "run", link / "run"):
+        if refused:
+            with pytest.raises(rundir.DDPJobError, match=f"is below '{scratch}', which anyone may write"):
+                rundir.check_parents(run_dir)
+        else:
+            rundir.check_parents(run_dir)
+    scratch.chmod(0o700)
