@@ -14,8 +14,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ddpjob import __version__, exitcodes, jobfile, rundir
+from ddpjob import exitcodes, jobfile, rundir
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.version import __version__
 
 
 class _Parser(argparse.ArgumentParser):

@@ -20,11 +20,12 @@ import string
 from collections.abc import Mapping
 from pathlib import Path
 
-from ddpjob import __version__, exitcodes, rundir, scriptsafe
+from ddpjob import exitcodes, rundir, scriptsafe
 from ddpjob.config import JobConfig
 from ddpjob.launch import container
 from ddpjob.launch.backends import options
 from ddpjob.errors import UsageError
+from ddpjob.version import __version__
 
 TEMPLATE_NAME = "sbatch.sh.tmpl"
 TEMPLATE_LIMIT = 1 << 20  # bytes: the shipped template is 5 KB; more is a wrong file
