@@ -23,7 +23,7 @@ from pathlib import Path
 from ddpjob import exitcodes, rundir, scriptsafe
 from ddpjob.config import JobConfig
 from ddpjob.launch import container
-from ddpjob.launch.backends import options
+from ddpjob.launch import slurmopts
 from ddpjob.errors import UsageError
 from ddpjob.version import __version__
 
@@ -130,28 +130,28 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         # [slurm] container: "" without one, so a template without a container renders as before
         "container_srun": "".join(" " + shlex.quote(o) for o in container.srun_options(cfg, run, python)),
         "container_exec": "".join(shlex.quote(w) + " " for w in container.exec_prefix(cfg, run, python)),
-        # [slurm] warm_start (options.warm_start): "# (off)" and "" without, as before it existed
-        "warm_server": "\n".join(options.warm_server_lines(cfg, shlex.quote(python), '"$DDPJOB_RUN_DIR"')) or "# (off)",
-        "warm_client": options.WARM_CLIENT + " " if options.warm_start(cfg) else "",
+        # [slurm] warm_start (slurmopts.warm_start): "# (off)" and "" without, as before it existed
+        "warm_server": "\n".join(slurmopts.warm_server_lines(cfg, shlex.quote(python), '"$DDPJOB_RUN_DIR"')) or "# (off)",
+        "warm_client": slurmopts.WARM_CLIENT + " " if slurmopts.warm_start(cfg) else "",
         "umask": "0027" if s.share_group else "0077",  # rundir.private_umask's
         "exit_ok": str(exitcodes.OK),  # ddpjob/exitcodes.py: the ranks' statuses, one definition
         "exit_requeue": str(exitcodes.REQUEUE),
         "exit_restart": str(exitcodes.RESTART),
         "signal": shlex.quote(signal),
-        "batch_signals": " ".join(options.BATCH_SIGNALS),  # what the batch shell traps besides ${signal}
-        "node_count": options.node_count(cfg),  # the allocation's, not the submission's
-        "task_count": options.task_count(cfg, "DDPJOB_NODES"),
+        "batch_signals": " ".join(slurmopts.BATCH_SIGNALS),  # what the batch shell traps besides ${signal}
+        "node_count": slurmopts.node_count(cfg),  # the allocation's, not the submission's
+        "task_count": slurmopts.task_count(cfg, "DDPJOB_NODES"),
         "forward_signal": shlex.quote("" if signal in _NOT_FORWARDED else signal),
     }
 
 
 def sbatch_directives(cfg: JobConfig, run_dir: str) -> list[str]:
-    """The `#SBATCH` arguments in a fixed order: [slurm]'s (backends/options.py, the mapping the
+    """The `#SBATCH` arguments in a fixed order: [slurm]'s (launch/slurmopts.py, the mapping the
     submitit backend uses too), the batch log, then slurm.sbatch_extra quoted for sbatch."""
-    own, extra = options.sbatch_options(cfg)
+    own, extra = slurmopts.sbatch_options(cfg)
     log = f"{slurm_pattern_escape(run_dir)}/{rundir.LOGS}/batch-%j.out"
-    return [*map(options.as_flag, own), directive_quote(f"--output={log}"), directive_quote(f"--error={log}"),
-            *(directive_quote(options.as_flag(o)) for o in extra)]
+    return [*map(slurmopts.as_flag, own), directive_quote(f"--output={log}"), directive_quote(f"--error={log}"),
+            *(directive_quote(slurmopts.as_flag(o)) for o in extra)]
 
 
 def directive_quote(arg: str) -> str:
