@@ -114,7 +114,8 @@ def shared_root() -> Iterator[Path]:
         pytest.skip("needs root and setpriv to run the CLI as another user")
     top = Path(tempfile.mkdtemp(prefix="ddpjob-shared-"))
     top.chmod(0o755)
-    (top / "runs").mkdir(mode=0o755)
+    (top / "runs").mkdir()
+    (top / "runs").chmod(0o755)  # not mkdir's mode: an earlier in-process command may have left umask 077
     for name in ("mine", "open"):
         clirun.ddpjob("sbatch", str(REPO / "jobs/smoke.toml"), "--run-dir", f"runs/{name}", "-o", "-",
                       cwd=top, check=True)
