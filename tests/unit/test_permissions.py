@@ -106,10 +106,11 @@ def test_submitit_script_refuses_a_pickle_others_can_write_in_a_private_folder(m
 
 
 # ------------------------------------------------------------------ another user's runs
-@pytest.fixture
+@pytest.fixture(scope="module")
 def shared_root() -> Iterator[Path]:
     """A folder anyone may enter (pytest's tmp_path is root's 0700) holding runs/ with root's
-    private run `mine` (0700, as ddpjob makes them) and `open` (readable, its logs/ not)."""
+    private run `mine` (0700, as ddpjob makes them) and `open` (readable, its logs/ not). The
+    cases only read it (what they try to write is refused), so they share it."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run the CLI as another user")
     top = Path(tempfile.mkdtemp(prefix="ddpjob-shared-"))
