@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from ddpjob.version import __version__
+
 __all__ = ["Job", "PerRank", "StepSampler", "init"]
 
 if TYPE_CHECKING:

@@ -14,8 +14,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ddpjob import __version__, exitcodes, jobfile
+from ddpjob import exitcodes, jobfile, rundir
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.version import __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto = slurm when sbatch is on PATH, else local")
     p.add_argument("--sweep", action="append", default=[], metavar="SECTION.KEY=V1,V2",
                    help="grid search: one run per combination, as one SLURM job array (repeatable)")
-    p.add_argument("--dry-run", action="store_true", help="print the script and per-rank view; submit nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run the job's own preflight checks, print the script and per-rank view; submit nothing")
     p.add_argument("--wait", action="store_true", help="block until the job ends, streaming rank 0's log")
     _add_job_overrides(p)
     p.set_defaults(func=_handler("ddpjob.launch.submit:cmd_submit"))
@@ -212,6 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ddpjob: interrupted", file=sys.stderr)
         return exitcodes.INTERRUPTED
     except BrokenPipeError:
+        return exitcodes.ERROR
+    except PermissionError as exc:  # another user's file or folder: the setting, not a bug of ddpjob's
+        if debug:
+            raise
+        found = rundir.whose(exc.filename) if exc.filename else str(exc)
+        print(DDPJobError(f"permission denied: {found}, expected files ddpjob may use as you",
+                          rundir.UNREADABLE_HINT).line(), file=sys.stderr, flush=True)
         return exitcodes.ERROR
     except Exception as exc:  # a bug, not a user error: still one line unless --debug
         if debug:

@@ -80,7 +80,7 @@ class SlurmConfig:
     spare_nodes: Free[int] = 0  # nodes allocated beyond `nodes`, unused until one replaces a lost node
     # on CPUs, without a container, with max_failures > 0 or tasks_per_node > 1: one process per
     # node keeps torch imported and forks every attempt's ranks (node/warm.py), so a restart skips
-    # torch's start-up and a node imports torch once, not once per rank (options.warm_start)
+    # torch's start-up and a node imports torch once, not once per rank (slurmopts.warm_start)
     warm_start: Free[bool] = True
     setup: Free[tuple[str, ...]] = ()  # shell lines before the job (module load ...), written verbatim
     sbatch_extra: Free[tuple[str, ...]] = ()  # extra "--option=value" sbatch arguments

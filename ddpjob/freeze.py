@@ -31,11 +31,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddpjob import __version__, console, rundir
+from ddpjob import console, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
+from ddpjob.version import __version__
 
 CODE, RECORD = "code", "code.json"
+PACKAGE = Path(__file__).resolve().parent  # the ddpjob this process imported: the live tree or a frozen copy
 MAX_BYTES = 200 * 2**20  # a repository with data files in git: refuse rather than copy it per run
 # An entry folder outside git is copied as it is, up to these (what does not fit is named).
 FOLDER_BYTES, FOLDER_ENTRIES = 64 * 2**20, 20_000
@@ -116,9 +118,7 @@ def collect(cfg: JobConfig) -> dict[str, Any]:
     the other files of an entry folder outside git (copied, not hashed), "left_out": [(file,
     size)] that did not fit, "entry": snapshot path of a script entry or None, "git": facts or
     None, "not_frozen": [plugin names not found here]}."""
-    import ddpjob
-
-    files = _files_under(Path(ddpjob.__file__).resolve().parent, "python")
+    files = _files_under(PACKAGE, "python")
     entry_rel, git_facts = None, None
     missing: list[str] = []
     left_out: list[tuple[Path, int]] = []
@@ -223,10 +223,8 @@ def frozen_entry(run_dir: Path, cfg: JobConfig) -> str:
 def running_hash(cfg: JobConfig, run_dir: Path) -> tuple[str, tuple[str, ...]]:
     """(hash of the code this process runs, hashes it accepts besides): the frozen copy's when
     ddpjob was imported from it, else the live code's, hashed by the same rule."""
-    import ddpjob
-
     rec = record(run_dir)
-    here = Path(ddpjob.__file__).resolve()
+    here = PACKAGE
     frozen = python_path(run_dir).resolve()
     if rec.get("hash") and here.is_relative_to(frozen):
         return str(rec["hash"]), tuple(str(h) for h in rec.get("accepts") or ())

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,7 +75,9 @@ def make_dir(path: Path, share_group: bool = False) -> None:
 
 def check_private(run_dir: Path) -> None:
     """Refuse a run dir (or its logs/ folder, or config.json) that someone else can change:
-    group- or world-writable, or owned by another user (who could loosen it at any time)."""
+    group- or world-writable, or owned by another user (who could loosen it at any time), or
+    below a folder where anyone may rename it (check_parents)."""
+    check_parents(run_dir)
     for p in (run_dir, run_dir / LOGS, run_dir / CONFIG):
         try:
             st = p.stat()
@@ -87,6 +90,66 @@ def check_private(run_dir: Path) -> None:
             raise DDPJobError(f"{p} is {who} (mode {st.st_mode & 0o777:o}), expected a run dir "
                               "only you can write: others could run code as you through it",
                               f"chmod go-w {p} (if you trust its contents), or resubmit")
+
+
+def check_parents(run_dir: Path) -> None:
+    """Refuse a run dir below a folder that anyone may write and that lacks the sticky bit
+    (chmod 777 scratch space): anyone could rename the run away and put a run of theirs in its
+    place, whose code/ goes first on the ranks' PYTHONPATH and whose logs/ holds the pickle
+    submitit loads, so they would run code as the job's user at its next start or requeue.
+    Refused, not warned: the hole stays open for the run's whole life, and a warning at submit
+    is read once if at all; the fix (chmod +t, or another folder) takes a second. A sticky
+    folder (/tmp, a 1777 scratch) lets only an entry's owner rename it: fine. Every folder up
+    to / counts, through links (a rename anywhere above moves the run)."""
+    above = run_dir.absolute().parent
+    existing = next(p for p in [above, *above.parents] if os.path.isdir(p))
+    real = Path(os.path.realpath(existing))
+    for p in [real, *real.parents]:
+        mode = os.stat(p).st_mode
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise DDPJobError(f"run directory '{run_dir}' is below '{p}', which anyone may write and "
+                              f"which has no sticky bit (mode {stat.S_IMODE(mode):04o}): anyone could "
+                              "swap the run for one of theirs, expected folders only you can change, or "
+                              "sticky ones like /tmp (1777)", f"chmod +t {p}, or choose a --run-dir elsewhere")
+
+
+def unreadable(path: str | Path) -> str:
+    """'' when this user can read `path` (a folder: list it and open what is in it); else why
+    not, for one line or a DAMAGED row: another user's private run in a shared runs root. The
+    tests run as root, whom no mode stops: tests/unit/test_permissions.py runs them as nobody."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return ""
+    except OSError:  # a folder above it cannot be searched
+        return whose(path)
+    wants = os.R_OK | (os.X_OK if stat.S_ISDIR(st.st_mode) else 0)
+    return "" if os.access(path, wants) else whose(path)
+
+
+def whose(path: str | Path) -> str:
+    """`path`'s owner and mode beside this user, in words (the found part of a permission line);
+    where `path` cannot even be looked at, the folder above it that stops this user."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        closed = next((p for p in Path(path).parents if os.path.isdir(p) and not os.access(p, os.X_OK)), None)
+        return whose(closed) if closed is not None else f"'{path}' cannot be looked at ({exc.strerror})"
+    return (f"'{path}' belongs to {_user(st.st_uid)} (mode {stat.S_IMODE(st.st_mode):04o}) and "
+            f"ddpjob runs as {_user(os.geteuid())}")
+
+
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+UNREADABLE_HINT = ("run ddpjob as the run's owner, or have them submit with slurm.share_group = true "
+                   "(their group may then read the run)")
 
 
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], Any], mode: int | None = None
@@ -130,8 +193,6 @@ class UserOutput:
     stage(data) then commit(), or discard()."""
 
     def __init__(self, path: str | Path, flag: str = "-o") -> None:
-        import stat
-
         self.path, self.flag = Path(path), flag
         self._staged: Path | None = None
         self._fd: int | None = None
@@ -233,11 +294,16 @@ def check_reuse(path: Path, cfg: JobConfig) -> str:
     elastically). Anything else is refused with one line."""
     from ddpjob import jobfile
 
+    check_parents(path)
     if not path.exists():
         return NEW
     if not path.is_dir():
         raise UsageError(f"run directory '{path}' exists and is not a folder, expected a new or "
                          "empty folder or a run dir of this job", "choose another --run-dir")
+    why = unreadable(path)
+    if why:
+        raise DDPJobError(f"cannot read run directory: {why}, expected a run dir you can read",
+                          UNREADABLE_HINT)
     if not is_run_dir(path):
         try:
             empty = not any(path.iterdir())
@@ -281,13 +347,12 @@ class RecordError(ValueError):
     """A run record that cannot be read as one: not a regular file, or larger than any record."""
 
 
-def read_bounded(path: str | Path, limit: int = RECORD_LIMIT, *, tail: bool = False) -> str:
+def read_bounded(path: str | Path, limit: int = RECORD_LIMIT, *, tail: bool = False,
+                 errors: str = "replace") -> str:
     """The one rule for reading a run record: a regular file only (a FIFO would block `status`
     forever, a device never end), of at most `limit` bytes, or with `tail` its last `limit`
     bytes whatever its size. FileNotFoundError when it is not there, RecordError when it is not
-    a record; undecodable bytes are replaced."""
-    import stat
-
+    a record; undecodable bytes are replaced (errors="strict": UnicodeDecodeError)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO opens without a writer
     try:
         st = os.fstat(fd)
@@ -302,7 +367,7 @@ def read_bounded(path: str | Path, limit: int = RECORD_LIMIT, *, tail: bool = Fa
         os.close(fd)
     if len(data) > limit:  # grew while we read it
         raise RecordError(f"{path} is more than {limit} bytes, more than a record may be")
-    return data.decode("utf-8", errors="replace")
+    return data.decode("utf-8", errors=errors)
 
 
 def read_json(path: str | Path, default: Any = None) -> Any:

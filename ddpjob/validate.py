@@ -4,7 +4,7 @@ Called by jobfile.from_dict (job file, overrides, config.json alike). Sizes are 
 so nothing later (a list of ranks, a rank table, SLURM's own limits) can grow without end; every
 string that reaches a script goes through ddpjob.scriptsafe, the same rules the renderers apply.
 A value the nodes would fail on (ZeroDivisionError, overflow, unknown model) fails here instead.
-job_strings(cfg) is the renderers' share of it (launch/backends/options.py): those strings
+job_strings(cfg) is the renderers' share of it (launch/slurmopts.py): those strings
 again, so a script is never written from an unchecked JobConfig.
 """
 

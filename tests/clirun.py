@@ -11,22 +11,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 
 def ddpjob(*argv: str, cwd: Path | str | None = None, env: Mapping[str, str] | None = None,
-           timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess[str]:
+           timeout: float = 300, check: bool = False, user: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
     """`python -m ddpjob ARGV` in `cwd` (the repository when None) with `env` (this process's
     environment when None). `check`: a non-zero exit fails the test with the command's output.
-    The timeout only bounds a hang: a passing command never comes near it."""
-    out = subprocess.run([sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
+    `user`: a command that runs it as another user (AS_NOBODY). The timeout only bounds a hang:
+    a passing command never comes near it."""
+    out = subprocess.run([*user, sys.executable, "-m", "ddpjob", *argv], capture_output=True, text=True,
                          cwd=cwd or REPO, env=None if env is None else dict(env), timeout=timeout)
     if check:
         assert out.returncode == 0, f"ddpjob {' '.join(argv)}: exit {out.returncode}\n{out.stdout}{out.stderr}"
     return out
+
+
+# What a second user sees, for tests that run as root (whom no mode stops): `user=AS_NOBODY`.
+AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
 
 
 def without_job_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -30,9 +30,7 @@ from ddpjob.errors import UsageError
 def mounts(cfg: JobConfig, run_dir: str, python: str) -> list[tuple[str, str]]:
     """(host path, container path) pairs, without duplicates or paths inside another."""
     s, t = cfg.slurm, cfg.train
-    import ddpjob
-
-    wanted = [run_dir, str(Path(ddpjob.__file__).resolve().parent.parent)]
+    wanted = [run_dir, str(Path(__file__).resolve().parents[2])]  # the folder ddpjob is imported from
     root = Path(cfg.data.root).absolute() if cfg.data.root else None
     # synthetic data needs no folder; a real dataset's missing root is the data check's to report
     if root is not None and cfg.data.dataset != "synthetic" and (root.exists() or cfg.data.dataset == "cifar10"):

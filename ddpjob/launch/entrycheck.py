@@ -102,8 +102,8 @@ def _parse_problem(path: Path) -> str:
     """'' when `path` parses as Python, else why not (a line)."""
     try:
         ast.parse(path.read_bytes(), filename=str(path))
-    except SyntaxError as exc:
-        return f"{exc.msg} (line {exc.lineno})"
+    except SyntaxError as exc:  # NUL bytes: no line (Python 3.11.4 and on)
+        return f"{exc.msg} (line {exc.lineno})" if exc.lineno else exc.msg
     except ValueError as exc:  # NUL bytes
         return str(exc)
     except OSError as exc:

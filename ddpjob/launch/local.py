@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import exitcodes, jobfile, rundir, runlock
+from ddpjob.launch import slurmopts
 from ddpjob.ledger import attempts, budget, crashes, events, policy, requests
-from ddpjob.launch.backends import options
 from ddpjob.node import warm
 from ddpjob.store import memsnap
 
@@ -76,8 +76,8 @@ class Supervisor:
         self.cfg = jobfile.read_run_config(run_dir)
         rundir.private_umask(self.cfg.slurm.share_group)  # the rank logs it opens; the ranks inherit it
         # the run's warm-start server (started with the first ranks), unless a command is given
-        # by SLURM's rule (options.warm_start), all of the run's ranks being on this host
-        self.warm_name = job_id if command is None and options.warm_start(
+        # by SLURM's rule (slurmopts.warm_start), all of the run's ranks being on this host
+        self.warm_name = job_id if command is None and slurmopts.warm_start(
             self.cfg, ranks_per_host=self.cfg.slurm.world_size) else None
         self.warm: subprocess.Popen[bytes] | None = None
         self.command = command or rank_command(run_dir, self.warm_name)

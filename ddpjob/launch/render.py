@@ -12,20 +12,23 @@ import difflib
 import functools
 import hashlib
 import importlib.resources
+import os
 import re
 import shlex
+import stat
 import string
 from collections.abc import Mapping
 from pathlib import Path
 
-from ddpjob import __version__, exitcodes, scriptsafe
+from ddpjob import exitcodes, rundir, scriptsafe
 from ddpjob.config import JobConfig
 from ddpjob.launch import container
-from ddpjob.launch.backends import options
+from ddpjob.launch import slurmopts
 from ddpjob.errors import UsageError
-from ddpjob.rundir import LOGS
+from ddpjob.version import __version__
 
 TEMPLATE_NAME = "sbatch.sh.tmpl"
+TEMPLATE_LIMIT = 1 << 20  # bytes: the shipped template is 5 KB; more is a wrong file
 # srun turns its own TERM/INT/HUP/QUIT into SIGKILL for the ranks: never forward those.
 _NOT_FORWARDED = {"TERM", "INT", "HUP", "QUIT"}
 # sbatch's own "#SBATCH" parser: see ddpjob/scriptsafe.py, whose checks both renderers share.
@@ -56,15 +59,17 @@ def load_template(path: str | Path | None = None) -> str:
     """The text of a user's template, or of the one shipped with ddpjob (path None)."""
     if path is None:
         return _default_template()
-    p = Path(path)
-    try:
-        return p.read_text(encoding="utf-8")
+    try:  # the bounded read: a FIFO or a device named by mistake must not block sbatch
+        return rundir.read_bounded(path, TEMPLATE_LIMIT, errors="strict")
     except FileNotFoundError:
         raise UsageError(f"template '{path}' not found, expected a copy of {TEMPLATE_NAME}",
                          "copy templates/sbatch.sh.tmpl from ddpjob and pass its path") from None
-    except IsADirectoryError:
-        raise UsageError(f"template '{path}' is a directory, expected a file",
-                         f"pass the path of your copy of {TEMPLATE_NAME}") from None
+    except rundir.RecordError:
+        mode = os.stat(path).st_mode
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "too large")
+        raise UsageError(f"template '{path}' is {kind}, expected a text file of at most "
+                         f"{TEMPLATE_LIMIT >> 20} MiB", f"pass the path of your copy of {TEMPLATE_NAME}") from None
     except UnicodeDecodeError:
         raise UsageError(f"template '{path}' is not UTF-8 text, expected a shell script template",
                          f"start again from a copy of {TEMPLATE_NAME}") from None
@@ -119,34 +124,34 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         "run_dir": shlex.quote(run),
         "code_path": shlex.quote(f"{run}/code/python"),  # launch/freeze.py
         "exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in _check_env(extra_env)),
-        "rank_log": shlex.quote(f"{slurm_pattern_escape(run)}/{LOGS}/rank-%t.log"),
+        "rank_log": shlex.quote(f"{slurm_pattern_escape(run)}/{rundir.LOGS}/rank-%t.log"),
         "python": shlex.quote(python),  # the batch shell's (host) interpreter
         "rank_python": shlex.quote(container.interpreter(cfg, python)),  # the ranks' (container's)
         # [slurm] container: "" without one, so a template without a container renders as before
         "container_srun": "".join(" " + shlex.quote(o) for o in container.srun_options(cfg, run, python)),
         "container_exec": "".join(shlex.quote(w) + " " for w in container.exec_prefix(cfg, run, python)),
-        # [slurm] warm_start (options.warm_start): "# (off)" and "" without, as before it existed
-        "warm_server": "\n".join(options.warm_server_lines(cfg, shlex.quote(python), '"$DDPJOB_RUN_DIR"')) or "# (off)",
-        "warm_client": options.WARM_CLIENT + " " if options.warm_start(cfg) else "",
+        # [slurm] warm_start (slurmopts.warm_start): "# (off)" and "" without, as before it existed
+        "warm_server": "\n".join(slurmopts.warm_server_lines(cfg, shlex.quote(python), '"$DDPJOB_RUN_DIR"')) or "# (off)",
+        "warm_client": slurmopts.WARM_CLIENT + " " if slurmopts.warm_start(cfg) else "",
         "umask": "0027" if s.share_group else "0077",  # rundir.private_umask's
         "exit_ok": str(exitcodes.OK),  # ddpjob/exitcodes.py: the ranks' statuses, one definition
         "exit_requeue": str(exitcodes.REQUEUE),
         "exit_restart": str(exitcodes.RESTART),
         "signal": shlex.quote(signal),
-        "batch_signals": " ".join(options.BATCH_SIGNALS),  # what the batch shell traps besides ${signal}
-        "node_count": options.node_count(cfg),  # the allocation's, not the submission's
-        "task_count": options.task_count(cfg, "DDPJOB_NODES"),
+        "batch_signals": " ".join(slurmopts.BATCH_SIGNALS),  # what the batch shell traps besides ${signal}
+        "node_count": slurmopts.node_count(cfg),  # the allocation's, not the submission's
+        "task_count": slurmopts.task_count(cfg, "DDPJOB_NODES"),
         "forward_signal": shlex.quote("" if signal in _NOT_FORWARDED else signal),
     }
 
 
 def sbatch_directives(cfg: JobConfig, run_dir: str) -> list[str]:
-    """The `#SBATCH` arguments in a fixed order: [slurm]'s (backends/options.py, the mapping the
+    """The `#SBATCH` arguments in a fixed order: [slurm]'s (launch/slurmopts.py, the mapping the
     submitit backend uses too), the batch log, then slurm.sbatch_extra quoted for sbatch."""
-    own, extra = options.sbatch_options(cfg)
-    log = f"{slurm_pattern_escape(run_dir)}/{LOGS}/batch-%j.out"
-    return [*map(options.as_flag, own), directive_quote(f"--output={log}"), directive_quote(f"--error={log}"),
-            *(directive_quote(options.as_flag(o)) for o in extra)]
+    own, extra = slurmopts.sbatch_options(cfg)
+    log = f"{slurm_pattern_escape(run_dir)}/{rundir.LOGS}/batch-%j.out"
+    return [*map(slurmopts.as_flag, own), directive_quote(f"--output={log}"), directive_quote(f"--error={log}"),
+            *(directive_quote(slurmopts.as_flag(o)) for o in extra)]
 
 
 def directive_quote(arg: str) -> str:

@@ -7,6 +7,7 @@ Login side, after submit.py; status/logs (control.py), cancel/stop (stop.py), re
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -171,8 +172,10 @@ def infos(runs: list[tuple[Path, str]]) -> list[RunInfo]:
             info = run_info(d, states)
         except (ValueError, TypeError, AttributeError, KeyError, OSError) as exc:
             # One damaged run dir (a hand-edited or truncated record) is shown as such; it
-            # must not hide every other run from `ls` and `status`.
-            info = RunInfo(run_dir=d, state="DAMAGED", reason=f"{type(exc).__name__}: {exc}"[:200])
+            # must not hide every other run from `ls` and `status`. So is another user's.
+            why = rundir.unreadable(d) if isinstance(exc, PermissionError) else ""
+            info = RunInfo(run_dir=d, state="DAMAGED",
+                           reason=(f"cannot read it: {why}" if why else f"{type(exc).__name__}: {exc}")[:200])
         info.point = point
         out.append(info)
     return out
@@ -184,6 +187,10 @@ def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
         raise UsageError(f"the run is {target!r}, expected a run directory or a job id",
                          "`ddpjob ls` lists the runs and their job ids")
     p = Path(target)
+    why = rundir.unreadable(p)  # another user's run: is_file() below would raise
+    if why:
+        raise DDPJobError(f"cannot read run directory: {why}, expected a run dir you can read",
+                          rundir.UNREADABLE_HINT)
     if (p / SWEEP).is_file():
         return p, True
     if rundir.is_run_dir(p):
@@ -191,11 +198,12 @@ def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
     root = Path(runs_root)
     if root.is_dir():
         for d in sorted(root.iterdir()):
-            sweep = rundir.read_record(d / SWEEP) if (d / SWEEP).is_file() else None
+            # os.path.isfile: False for another user's run (pathlib's raises), which is passed over
+            sweep = rundir.read_record(d / SWEEP) if os.path.isfile(d / SWEEP) else None
             if sweep and str(sweep.get("job_id")) == target:
                 return d, True
         for d, _ in runs_under(root):
-            job = job_record(d)
+            job = _job_record_or_none(d)
             if target in {str(j) for j in [job.get("job_id", ""), *(job.get("job_ids") or [])] if j}:
                 return d, False
     raise DDPJobError(f"'{target}' is neither a run directory nor a job id of a run under {root}/",

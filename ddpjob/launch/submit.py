@@ -59,6 +59,11 @@ def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, j
             run_dir: str | None) -> int:
     cfg = cfgs[0]
     where = Path(run_dir or Path("runs") / f"{cfg.name}{'-sweep' if points else ''}-<time>").absolute()
+    # The job's own checks, as submit runs them (an entry that does not parse, a missing
+    # init_from, the dataset): a dry run that passes must not hide what submit then refuses.
+    # The scheduler's (sinfo, scontrol: partition, limits, signal lead) stay submit's: a dry
+    # run shows the script where the scheduler is not reachable (a laptop, CI).
+    _doctor_checks(cfgs, where, on_slurm=False)
     backend.dry_run(cfg, job, where, [where / p.id for p in points])  # the script first
     # what each rank then runs: a wrong script is the first thing to spot before submitting
     console.info(f"# train.entry: {entry.describe(cfg.train.entry)}; train.args: "
@@ -92,15 +97,17 @@ def _make_root(path: Path, share_group: bool = False) -> Path | None:
     return top
 
 
-def _doctor_checks(cfgs: list[JobConfig], backend: Backend, root: Path) -> None:
-    """`ddpjob doctor`'s cheap checks (partition limits, GPUs vs tasks, signal routing, dataset,
-    port window): a job that would fail on the nodes fails here, in one line, before anything
-    is written. Warnings are printed and do not stop the submission."""
+def _doctor_checks(cfgs: list[JobConfig], root: Path, *, on_slurm: bool) -> None:
+    """`ddpjob doctor`'s cheap checks (the entry, init_from, dataset; on SLURM also partition
+    limits, GPUs vs tasks, signal routing, port window): a job that would fail on the nodes
+    fails here, in one line, before anything is written. Warnings are printed and do not stop
+    the submission."""
     from ddpjob.launch import doctor
 
+    checks = []
     for cfg in cfgs:
         # the run dir itself is checked (with a more precise message) when it is created
-        checks = [c for c in doctor.cheap_checks(cfg, on_slurm=backend.on_slurm, runs_root=root.parent)
+        checks = [c for c in doctor.cheap_checks(cfg, on_slurm=on_slurm, runs_root=root.parent)
                   if c.name != "run dir"]
         doctor.raise_on_failures(checks)
     for c in checks:
@@ -145,7 +152,7 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, ro
         console.info(f"ddpjob: {root}: " + ("the same job again" if state == rundir.SAME else
                      f"same training, new resources/length: {rundir.CONFIG} updated")
                      + "; it resumes from its newest checkpoint")
-    _doctor_checks(cfgs, backend, root)
+    _doctor_checks(cfgs, root, on_slurm=backend.on_slurm)
     share = cfgs[0].slurm.share_group
     rundir.private_umask(share)  # the pickle submitit writes and the job's SLURM_UMASK too
     created = _make_root(root, share) if state == rundir.NEW else None

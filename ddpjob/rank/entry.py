@@ -7,6 +7,7 @@ The built-in trainer is the default entry.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import runpy
 import sys
@@ -34,11 +35,16 @@ def run(entry: str, args: Sequence[str]) -> None:
                               "put the script on a filesystem every node shares, or fix train.entry")
         sys.argv = [str(script), *args]
         sys.path.insert(0, str(script.resolve().parent))  # as `python script.py` would
-        runpy.run_path(str(script), run_name="__main__")
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except SyntaxError as exc:
+            raise _nul_bytes(exc, [script]) from None
         return
     module_name, _, func_name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except SyntaxError as exc:
+        raise _nul_bytes(exc, _module_files(module_name)) from None
     except ModuleNotFoundError as exc:
         # Only a missing entry module is ours to explain; a missing import inside it is the
         # user's bug and keeps its traceback.
@@ -60,6 +66,37 @@ def run(entry: str, args: Sequence[str]) -> None:
                           + f"define `def {func_name}():` in {_source_file(module)}")
     sys.argv = [spec, *args]
     func()
+
+
+def _nul_bytes(exc: SyntaxError, files: Sequence[Path]) -> BaseException:
+    """Python refuses a source file with NUL bytes in it with a SyntaxError that names no file
+    and no line, so nothing would say which: the first of `files` (the entry's own) holding one
+    is named. Any other SyntaxError is the user's, and goes on as it was raised."""
+    if exc.filename is None:
+        for path in files:
+            try:
+                found = b"\0" in path.read_bytes()
+            except OSError:
+                continue
+            if found:
+                return DDPJobError(f"train.entry {path} contains NUL bytes, expected Python source text",
+                                   f"save {path} again as plain text (a binary file, or one an editor "
+                                   "wrote in UTF-16?)")
+    return exc
+
+
+def _module_files(module_name: str) -> list[Path]:
+    """The source files `import module_name` reads: each package's __init__ on the way, then the
+    module's own (found, not imported: a failing package stops the search there)."""
+    parts, files = module_name.split("."), []
+    for i in range(1, len(parts) + 1):
+        try:
+            found = importlib.util.find_spec(".".join(parts[:i]))
+        except Exception:  # a package above failed to import: its file is already listed
+            break
+        if found is not None and found.origin and os.path.isfile(found.origin):
+            files.append(Path(found.origin))
+    return files
 
 
 def _source_file(module: Any) -> str:

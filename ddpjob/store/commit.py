@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from ddpjob import __version__
+from ddpjob.version import __version__
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.store import manifest
 from ddpjob.store.nocrc import save as _torch_save  # without the zip's CRC32: nocrc.py says why

@@ -131,3 +131,15 @@ def test_an_error_in_the_users_own_script_is_theirs_not_an_internal_error(tmp_pa
     assert len(lines) == 1 and found in lines[0], out.stderr[-3000:]
     assert "internal error" not in out.stderr and f"Hint: fix it in {script}" in lines[0]
     assert "Traceback (most recent call last)" in out.stderr  # for the log
+
+
+def test_an_entry_script_with_nul_bytes_is_one_line_naming_it(tmp_path: Path) -> None:
+    """Python refuses it with a SyntaxError that names no file: it was an "internal error"."""
+    script = tmp_path / "train.py"
+    script.write_bytes(b"import ddpjob\x00\n")
+    job = write_job(tmp_path / "job.toml", train={"entry": str(script)})
+    out = _cmd([PYTHON, "-m", "ddpjob", "run", str(job), "--run-dir", str(tmp_path / "run")], tmp_path)
+    assert out.returncode == 1, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"ddpjob: error: train.entry {script} contains NUL bytes"), out.stderr[-3000:]
+    assert "internal error" not in out.stderr

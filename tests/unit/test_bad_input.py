@@ -141,6 +141,21 @@ def _template(tmp_path: Path, text: str | None) -> str:
     return str(p)
 
 
+def _open_folder(tmp_path: Path, mode: int = 0o777) -> Path:
+    """A scratch folder anyone may write, without the sticky bit: anyone could rename a run
+    below it away and put theirs in its place."""
+    d = tmp_path / "scratch"
+    d.mkdir(exist_ok=True)
+    d.chmod(mode)
+    return d
+
+
+def _fifo(tmp_path: Path) -> str:
+    p = tmp_path / "my.tmpl"
+    os.mkfifo(p)  # no writer: a plain open() of it blocks forever
+    return str(p)
+
+
 # (id, exit code, args builder(tmp_path) -> argv after `ddpjob sbatch`, text the line must hold)
 CASES = [
     ("missing job file", 2, lambda t: ["nope.toml"], "not found"),
@@ -195,6 +210,10 @@ CASES = [
     ("missing template", 2, lambda t: ["jobs/smoke.toml", "--template", _template(t, None)],
      "not found"),
     ("template is a folder", 2, lambda t: ["jobs/smoke.toml", "--template", str(t)], "directory"),
+    ("run dir below a 0777 folder", 1, lambda t: ["jobs/smoke.toml", "--run-dir", str(_open_folder(t) / "a" / "run")],
+     "which has no sticky bit (mode 0777)"),
+    ("template is a FIFO", 2, lambda t: ["jobs/smoke.toml", "--template", _fifo(t)], "is a FIFO"),  # hung sbatch
+    ("template is a device", 2, lambda t: ["jobs/smoke.toml", "--template", "/dev/zero"], "is a device"),
     ("unknown placeholder", 2, lambda t: ["jobs/smoke.toml", "--template",
                                           _template(t, "srun ${python} ${rundir}\n")],
      "unknown placeholder ${rundir}"),
@@ -396,7 +415,8 @@ CASES = [
      "module 'nosuchpkg.train' is not importable here"),
     ("entry script does not parse", 1, lambda t: _entry(t, "broken.py", "x = (", "broken.py"),
      "does not parse: '(' was never closed"),
-    ("entry script with NUL bytes", 1, lambda t: _entry(t, "nul.py", "x = 1 " + chr(0), "nul.py"), "does not parse"),
+    ("entry script with NUL bytes", 1, lambda t: _entry(t, "nul.py", "x = 1 " + chr(0), "nul.py"),
+     "does not parse: source code string cannot contain null bytes. Hint"),
     ("init_from missing", 1, lambda t: ["jobs/smoke.toml", "--set", 'checkpoint.init_from="/nonexistent/run"'],
      "checkpoint.init_from '/nonexistent/run' does not exist"),
     ("too many setup lines", 2, lambda t: [_job(t, _edit("slurm", "setup = [" + ", ".join(['"true"'] * 1001) + "]"))],
@@ -481,9 +501,10 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------ other commands
-def _run_dir(tmp_path: Path, config_text: str | None = None, mode: int = 0o700,
+def _run_dir(tmp_path: Path, config_text: str | None = None, mode: int = 0o700, parent_mode: int = 0o700,
              **files: str) -> str:
-    """A run dir made by `ddpjob sbatch`, then damaged: config.json replaced, files added."""
+    """A run dir made by `ddpjob sbatch`, then damaged: config.json replaced, files added, the
+    folder it is in opened to `parent_mode`."""
     d = tmp_path / "run1"
     said = io.StringIO()
     with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
@@ -493,6 +514,7 @@ def _run_dir(tmp_path: Path, config_text: str | None = None, mode: int = 0o700,
     for name, text in files.items():
         (d / name.replace("_", ".")).write_text(text)
     d.chmod(mode)
+    tmp_path.chmod(parent_mode)
     return str(d)
 
 
@@ -541,6 +563,13 @@ CMD_CASES = [
     ("cancel empty", 2, lambda t: ["cancel", ""], "run directory is empty"),
     ("stop empty", 2, lambda t: ["stop", ""], "run directory is empty"),
     ("stop long component", 2, lambda t: ["stop", LONG], "255"),
+    ("submit run dir below a 0777 folder", 1, lambda t: ["submit", "jobs/smoke.toml", "--backend", "local",
+                                                         "--run-dir", str(_open_folder(t) / "run")],
+     "which has no sticky bit (mode 0777): anyone could swap the run"),
+    ("run RUN_DIR below a 0777 folder", 1, lambda t: ["run", _run_dir(t, parent_mode=0o777)],
+     "which has no sticky bit (mode 0777): anyone could swap the run"),
+    ("run run dir below a 0777 folder", 1, lambda t: ["run", "jobs/smoke.toml", "--run-dir", str(_open_folder(t) / "run")],
+     "which has no sticky bit (mode 0777): anyone could swap the run"),
     ("stop a run never submitted", 1, lambda t: ["stop", _run_dir(t)], "has no job id"),
     ("sweep of 8 million points", 2, lambda t: ["submit", "jobs/smoke.toml", "--backend", "local", "--dry-run",
                                                 *[a for k in ("train.lr", "train.seed", "train.max_steps")
@@ -567,6 +596,33 @@ def test_other_commands_give_one_line(case, tmp_path: Path, capfd: pytest.Captur
     line = _the_one_line(err, out_text, expected)
     assert status == code, line
     assert _snapshot(tmp_path) == before, "something was written"
+    assert not (work / "runs").exists()
+
+
+@pytest.mark.parametrize("backend", ["local", "slurm"])
+@pytest.mark.parametrize("mistake", ["entry does not parse", "entry with NUL bytes", "init_from missing"])
+def test_a_dry_run_runs_submits_checks_and_fails_the_same_way(mistake: str, backend: str, tmp_path: Path,
+                                                               capfd: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`submit --dry-run` skipped the preflight checks and printed a script that submit then
+    refused: the dry run gives submit's own line (submit's, here on the local backend)."""
+    work = _work(tmp_path)
+    bin_dir = tmp_path / "bin"  # `--backend slurm` wants sbatch on PATH; it is never run
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'fake sbatch must not run' >&2; exit 1\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.chdir(work)
+    argv = {"entry does not parse": _entry(tmp_path, "broken.py", "x = (", "broken.py"),
+            "entry with NUL bytes": _entry(tmp_path, "nul.py", "x = 1" + chr(0), "nul.py"),
+            "init_from missing": ["jobs/smoke.toml", "--set", 'checkpoint.init_from="runs/gone"']}[mistake]
+    lines = []
+    for extra in (["--backend", backend, "--dry-run"], ["--backend", "local"]):
+        status = _ddpjob("submit", *argv, *extra)
+        out_text, err = capfd.readouterr()
+        lines.append(_the_one_line(err, out_text, "preflight check"))
+        assert status == 1, lines[-1]
+    assert lines[0] == lines[1]
     assert not (work / "runs").exists()
 
 

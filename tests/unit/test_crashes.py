@@ -145,17 +145,17 @@ def test_the_node_loss_settings_refuse_what_cannot_work(tmp_path) -> None:
                        ({"spare_nodes": 1, "max_failures": 1}, "slurm.spare_nodes = 1 with on_node_loss = \"requeue\"")):
         with pytest.raises(Exception, match=re.escape(says)):
             jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, **keys}})
-    from ddpjob.launch.backends import options
+    from ddpjob.launch import slurmopts
 
     cfg = jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "spare_nodes": 1,
                                                    "on_node_loss": "continue", "max_failures": 1}})
-    own, _ = options.sbatch_options(cfg)
+    own, _ = slurmopts.sbatch_options(cfg)
     assert ("nodes", 3) in own and ("no-kill", True) in own  # the spare is allocated, a lost node leaves
     import subprocess
 
     for alloc, ranks_on in (("3", "2"), ("2", "2"), ("1", "1"), (None, "2")):
         env = {"PATH": "/usr/bin:/bin", **({"SLURM_JOB_NUM_NODES": alloc} if alloc else {})}
-        out = subprocess.run(["bash", "-c", f"echo {options.node_count(cfg)}"], env=env, capture_output=True,
+        out = subprocess.run(["bash", "-c", f"echo {slurmopts.node_count(cfg)}"], env=env, capture_output=True,
                              text=True, timeout=30)
         assert out.stdout.strip() == ranks_on, (alloc, out)
 

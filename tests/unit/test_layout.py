@@ -149,8 +149,9 @@ def layer(module: str) -> str:
 
 def imports_of(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
     """(line, ddpjob module) for every import of ddpjob's, at module level and inside functions.
-    The bare package (`import ddpjob` for its __file__ or __version__) is left out: its
-    __init__ loads nothing when imported."""
+    The bare package counts as the face (`import ddpjob`, `from ddpjob import __version__`):
+    its __init__ hands out the public API, so only the train layer (and user code) may import
+    it; the version has a module of its own (ddpjob/version.py) for everyone else."""
     found = []
     for node in ast.walk(ast.parse(source)):
         names: list[str] = []
@@ -164,9 +165,7 @@ def imports_of(source: str, module: str, is_package: bool = False) -> list[tuple
             names = [f"{base}.{a.name}" for a in node.names]
         for name in names:
             if name == "ddpjob" or name.startswith("ddpjob."):
-                target = _target(name)
-                if target != "ddpjob":
-                    found.append((node.lineno, target))
+                found.append((node.lineno, _target(name)))
     return found
 
 
@@ -212,8 +211,8 @@ def test_the_import_finder_sees_function_level_and_relative_imports() -> None:
            "def f():\n    from ddpjob.node import dist\n    import ddpjob.rank.runner as r\n"
            "from .records import MetricLog\nfrom ddpjob.node.cluster import ClusterEnv\n")
     assert imports_of(src, "ddpjob.rank.job") == [
-        (3, "ddpjob.config"), (7, "ddpjob.rank.records"), (8, "ddpjob.node.cluster"),
-        (5, "ddpjob.node.dist"), (6, "ddpjob.rank.runner")]
+        (2, "ddpjob"), (3, "ddpjob.config"), (3, "ddpjob"), (7, "ddpjob.rank.records"),
+        (8, "ddpjob.node.cluster"), (5, "ddpjob.node.dist"), (6, "ddpjob.rank.runner")]
     assert [layer(m) for m in ("ddpjob", "ddpjob.api", "ddpjob.slurm", "ddpjob.node.dist",
                                "ddpjob.rank", "ddpjob.launch.submit")] == [
         "face", "face", "shared", "node", "rank", "launch"]

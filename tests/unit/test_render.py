@@ -23,7 +23,7 @@ import pytest
 from ddpjob import __version__, config, jobfile
 from ddpjob.errors import UsageError
 from ddpjob.launch import render
-from ddpjob.launch.backends import options
+from ddpjob.launch import slurmopts
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = sorted((REPO / "jobs").glob("*.toml"))
@@ -245,6 +245,13 @@ def test_load_template(tmp_path: Path) -> None:
     (tmp_path / "bin.tmpl").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(UsageError, match="not UTF-8"):
         render.load_template(tmp_path / "bin.tmpl")
+    os.mkfifo(tmp_path / "fifo.tmpl")  # without a writer: an open() for reading would block
+    with pytest.raises(UsageError, match="is a FIFO, expected a text file"):
+        render.load_template(tmp_path / "fifo.tmpl")
+    with open(tmp_path / "big.tmpl", "wb") as f:
+        f.truncate(render.TEMPLATE_LIMIT + 1)
+    with pytest.raises(UsageError, match="is too large"):
+        render.load_template(tmp_path / "big.tmpl")
 
 
 def _start_batch(tmp_path: Path, fake_srun: str, **slurm) -> tuple[subprocess.Popen, Path]:
@@ -343,7 +350,7 @@ def test_golden_container_script(runtime: str) -> None:
         golden.write_text(text, encoding="utf-8")
     assert text == golden.read_text(encoding="utf-8"), f"regenerate {golden} if intended"
     assert subprocess.run([BASH, "-n"], input=text, text=True).returncode == 0
-    # the plain job without its warm-start server (a container has none: options.warm_start)
+    # the plain job without its warm-start server (a container has none: slurmopts.warm_start)
     plain = _stable(render.render_sbatch(_with_slurm(_job("smoke"), warm_start=False), run_dir=RUN_DIR, python=PYTHON))
     changed = [ln for ln in text.splitlines() if ln not in plain.splitlines()]
     assert changed and all(ln.lstrip().startswith("srun ") or "-m ddpjob run" in ln for ln in changed), \
@@ -378,7 +385,7 @@ def test_golden_warm_start_script() -> None:
     assert warm(max_failures=2, tasks_per_node=1) and not warm(max_failures=0, tasks_per_node=1)
     # the local backend runs every rank on one host: the run's world size decides there
     one = _with_slurm(_job("smoke"), max_failures=0, tasks_per_node=1)
-    assert not options.warm_start(one, ranks_per_host=1) and options.warm_start(one, ranks_per_host=2)
+    assert not slurmopts.warm_start(one, ranks_per_host=1) and slurmopts.warm_start(one, ranks_per_host=2)
     for off in (dict(gpus_per_node=1), dict(warm_start=False), CONTAINERS["apptainer"]):
         other = _stable(render.render_sbatch(_with_slurm(_job("smoke"), max_failures=2, **off),
                                              run_dir=RUN_DIR, python=PYTHON))

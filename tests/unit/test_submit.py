@@ -103,7 +103,7 @@ def test_the_submitit_script_runs_a_crashed_job_again_inside_its_allocation(tmp_
 
 
 def test_template_and_submitit_scripts_carry_the_same_sbatch_options(tmp_path):
-    """One mapping from [slurm] (backends/options.py) feeds both scripts: every #SBATCH option of
+    """One mapping from [slurm] (launch/slurmopts.py) feeds both scripts: every #SBATCH option of
     the rendered template but its batch log is in submitit's script, with the same value."""
     from ddpjob.launch import render
 

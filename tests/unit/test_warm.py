@@ -43,8 +43,11 @@ if what == "signal":
         time.sleep(0.02)
     sys.exit(5 if got else 6)
 if what == "hold":  # until the test kills something
-    with open(os.path.join(here, "pid"), "w") as f:
+    # written whole, then renamed: the test reads "pid" as soon as it exists, and an open()
+    # then write() let it read the empty file in between under load
+    with open(os.path.join(here, "pid.part"), "w") as f:
         f.write(str(os.getpid()))
+    os.replace(os.path.join(here, "pid.part"), os.path.join(here, "pid"))
     time.sleep(120)
 '''
 

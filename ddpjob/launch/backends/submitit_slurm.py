@@ -2,7 +2,7 @@
 sweep, whose pickled callable is NodeTask(run_dir) (ddpjob/rank/task.py).
 
 Login side. slurm_parameters maps the job to submitit's parameters through the one [slurm] ->
-sbatch mapping (options.py); the guard lines open the script body submitit writes.
+sbatch mapping (launch/slurmopts.py); the guard lines open the script body submitit writes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ddpjob import console, exitcodes, freeze, rundir, scriptsafe, validate
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import container
-from ddpjob.launch.backends import options
+from ddpjob.launch import slurmopts
 from ddpjob.launch.backends.slurmjobs import SlurmJobs
 
 # Options submitit writes itself under these parameter names (job_name: its default would be
@@ -43,7 +43,7 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None, *,
     run dir's frozen code first on PYTHONPATH (see guard_lines); `run_dirs` are the runs the
     script serves (default: folder's parent; a sweep's points: one job array)."""
     s = cfg.slurm
-    own, extra = options.sbatch_options(cfg)
+    own, extra = slurmopts.sbatch_options(cfg)
     params: dict[str, Any] = {
         # submitit wants whole minutes (it also times its own timeout logic with them); the
         # exact limit still reaches sbatch through additional_parameters ("time").
@@ -60,7 +60,7 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None, *,
     # directives: the guard's first line is a command, which ends that scan (and the
     # scriptsafe checks refuse setup lines starting with '#' anyway).
     params["setup"] = [*guard_lines(cfg, folder, run_dirs), *scriptsafe.setup_lines(s.setup),
-                       *(options.warm_server_lines(cfg, shlex.quote(sys.executable), _run_dir(folder, run_dirs),
+                       *(slurmopts.warm_server_lines(cfg, shlex.quote(sys.executable), _run_dir(folder, run_dirs),
                                                    "command srun") if folder is not None else [])]
     params["additional_parameters"] = {k: v for k, v in [*own, *extra] if k not in _NAMED}
     return params
@@ -69,10 +69,10 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None, *,
 def guard_lines(cfg: JobConfig, folder: Path | None, run_dirs: Sequence[Path] = ()) -> list[str]:
     """Shell lines that open submitit's script body (before srun).
 
-    The trap: options.BATCH_SIGNALS (as in the template). The task count: submitit's bare
+    The trap: slurmopts.BATCH_SIGNALS (as in the template). The task count: submitit's bare
     `srun` takes it from SLURM_NTASKS, which after an elastic shrink of the pending job still
     holds the submission's count; recompute it from the allocation, as the template's --ntasks
-    does (options.task_count). The frozen code: each run the script serves froze its code into
+    does (slurmopts.task_count). The frozen code: each run the script serves froze its code into
     its own run dir; a sweep's job array has one script for all its points, SWEEP/<array index>
     (SweepPoint.id), so the index picks the point's. The permission guard: submitit unpickles
     RUN_DIR/logs/*_submitted.pkl at every start, so whoever can write that folder runs code as
@@ -80,9 +80,9 @@ def guard_lines(cfg: JobConfig, folder: Path | None, run_dirs: Sequence[Path] = 
     folder someone loosened since, before the pickle is read."""
     lines = ["DDPJOB_SIGNALLED=0",
              "trap 'DDPJOB_SIGNALLED=1; echo \"ddpjob: batch shell got a stop signal; waiting for the ranks\" >&2' "
-             f"{' '.join(options.BATCH_SIGNALS)}",
-             f"DDPJOB_NODES={options.node_count(cfg)}",
-             f"DDPJOB_NTASKS={options.task_count(cfg, 'DDPJOB_NODES')}",
+             f"{' '.join(slurmopts.BATCH_SIGNALS)}",
+             f"DDPJOB_NODES={slurmopts.node_count(cfg)}",
+             f"DDPJOB_NTASKS={slurmopts.task_count(cfg, 'DDPJOB_NODES')}",
              "export SLURM_NTASKS=$DDPJOB_NTASKS SLURM_NPROCS=$DDPJOB_NTASKS"]
     if folder is None:
         return lines
@@ -134,7 +134,7 @@ def restart_lines(cfg: JobConfig, run_dir: str) -> list[str]:
         f'            layout=$({shlex.quote(sys.executable)} -m ddpjob.rank.requeue {run_dir} "$status")',
         f'            if [ $? -eq {exitcodes.RESTART} ] && [ "$DDPJOB_SIGNALLED" = 0 ]; then',
         """                read -r DDPJOB_NODES DDPJOB_EXCLUDE <<< "${layout##*$'\\n'}"  # its last line""",
-        f"                DDPJOB_NTASKS={options.task_count(cfg, 'DDPJOB_NODES')}",
+        f"                DDPJOB_NTASKS={slurmopts.task_count(cfg, 'DDPJOB_NODES')}",
         "                export SLURM_NTASKS=$DDPJOB_NTASKS SLURM_NPROCS=$DDPJOB_NTASKS",
         "                DDPJOB_ATTEMPT=$((DDPJOB_ATTEMPT + 1))",
         "                continue",
@@ -158,11 +158,11 @@ def _code_path(folder: Path, run_dirs: Sequence[Path]) -> str:
 def _python(cfg: JobConfig, folder: Path) -> str:
     """The interpreter command submitit runs under srun: inside `apptainer exec ...` with
     [slurm] container (submitit's `python` parameter exists for exactly this), through the
-    node's warm-start server with options.warm_start."""
+    node's warm-start server with slurmopts.warm_start."""
     words = [*container.exec_prefix(cfg, str(folder.parent), sys.executable),
              container.interpreter(cfg, sys.executable)]
-    if options.warm_start(cfg):  # submitit appends `-u -m submitit.core._submit FOLDER`
-        words += options.WARM_CLIENT.split()
+    if slurmopts.warm_start(cfg):  # submitit appends `-u -m submitit.core._submit FOLDER`
+        words += slurmopts.WARM_CLIENT.split()
     return " ".join(shlex.quote(w) for w in words)
 
 
