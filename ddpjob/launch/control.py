@@ -58,7 +58,10 @@ def format_status(i: RunInfo) -> str:
         skipped = rundir.damaged_lines(i.run_dir / record)
         if skipped:
             lines.append(f"damaged     {skipped}"[:300])
-    partly = ledger_events.notes(ledger_events.read(i.run_dir))  # records of a newer ddpjob
+    try:
+        partly = ledger_events.notes(ledger_events.read(i.run_dir))  # records of a newer ddpjob
+    except (ValueError, OSError):  # a damaged events.jsonl: said above
+        partly = ""
     if partly:
         lines.append(f"history     {rundir.EVENTS}: {partly}"[:300])
     from ddpjob.launch import goodput

@@ -115,13 +115,13 @@ def test_the_json_record_of_a_run(tmp_path):
         rundir.append_jsonl(run / "metrics.jsonl", rec)
     fake_checkpoint.committed(run, 10)
     fake_checkpoint.committed(run, 14, damaged=True)
-    info = runs.RunInfo(run_dir=run, backend="slurm", job_id="78", state="RUNNING", restarts=1,
+    info = runs.RunInfo(run_dir=run, backend="slurm", job_id="78", state="RUNNING", restarts=1, attempts=[0, 1],
                            step=14, loss=math.nan, checkpoint=runs.last_checkpoint(run))
     rec = json.loads(report.dumps(report.record(info)))  # strict JSON: NaN would not parse back
     assert rec == {
         "schema": "ddpjob.run/1", "run_dir": str(run), "point": None, "backend": "slurm",
         "job_id": "78", "job_ids": ["77", "78"], "state": "RUNNING", "reason": None, "completed": False,
-        "restarts": 1,
+        "restarts": 1, "attempts": [0, 1],
         "stops": [{"reason": "node_failure", "step": 10, "job_id": "77", "restart": 0, "steps_lost": 3,
                    "requeued": True, "requeued_by": "slurm", "next_job_id": None, "time": 5.0, "note": "n",
                    "phases": {}}],  # no phase has both of its ends recorded here
