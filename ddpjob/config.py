@@ -125,6 +125,9 @@ class TrainConfig:
     eval_every: Free[int] = 0  # optimizer steps; 0 = end of each epoch (and always at the end)
     log_every: Free[int] = 10
     tensorboard: Free[bool] = False  # rank 0 also writes job.log() records to RUN_DIR/tb/ (extra: tensorboard)
+    # "" = off; "PATH.prom": rank 0 keeps the run's series there for node_exporter's textfile
+    # collector while it trains (docs/openmetrics.md; relative: under the run dir; extra: openmetrics)
+    metrics_textfile: Free[str] = ""
     backend: Free[str] = "auto"  # process group: auto | nccl | gloo
     threads: Free[int] = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
     dist_timeout_s: Free[int] = 300

@@ -212,8 +212,13 @@ def _train_data(cfg: JobConfig) -> None:
         scriptsafe.path_text(t.entry, "train.entry", "e.g. entry = \"examples/charlm/train.py\"")
     for arg in t.args:
         scriptsafe.one_line(arg, "train.args entry", "split it into several list entries")
+    if t.metrics_textfile:  # node_exporter's textfile collector reads *.prom files only
+        _check(bool(re.fullmatch(r"(?s).*[^/]\.prom", t.metrics_textfile)),
+               f"train.metrics_textfile {t.metrics_textfile!r} is not a .prom file, expected a file name "
+               "node_exporter's textfile collector reads (*.prom)",
+               "e.g. metrics_textfile = \"/var/lib/node_exporter/textfile/myrun.prom\"")
     for key, v in (("train.pretrained", t.pretrained), ("data.root", d.root),
-                   ("checkpoint.init_from", cfg.checkpoint.init_from)):
+                   ("train.metrics_textfile", t.metrics_textfile), ("checkpoint.init_from", cfg.checkpoint.init_from)):
         scriptsafe.path_text(v, key, f"set {key} to a plain path")
     keys = cfg.checkpoint.init_keys
     _check(0 < len(keys) <= 100 and all(bool(_STATE_KEY.fullmatch(k)) for k in keys),

@@ -24,6 +24,8 @@ on the ranks' PYTHONPATH.
   `trainer_plugins:slow_synthetic`, which waits before handing out a batch's first sample);
   "hog": three processes spinning on the CPU this rank is pinned to, from that call on (the rank pins
   itself to its node's last core and every other rank to the first).
+- DDPJOB_TEST_COPY_TEXTFILE="STEP,STEP,...": when `job.steps()` hands out each STEP, rank 0 copies
+  its train.metrics_textfile to FILE.at-STEP, so a test reads the file as it was at that step.
 """
 
 
@@ -46,6 +48,27 @@ if os.environ.get("DDPJOB_TEST_ACTIONS"):
     import example_slurm_hooks
 
     example_slurm_hooks.install()
+
+
+def _copy_textfile_at(steps: set[int]) -> None:
+    import shutil
+
+    from ddpjob import api
+
+    inner = api.Job.steps
+
+    def steps_copying(self: api.Job, state: dict[str, Any], total: int, **info: Any) -> Any:
+        for step in inner(self, state, total, **info):
+            if step in steps and self.is_rank0:
+                path = self.run_dir / self.config.train.metrics_textfile
+                shutil.copyfile(path, f"{path}.at-{step}")
+            yield step
+
+    api.Job.steps = steps_copying  # type: ignore[method-assign]
+
+
+if os.environ.get("DDPJOB_TEST_COPY_TEXTFILE"):
+    _copy_textfile_at({int(s) for s in os.environ["DDPJOB_TEST_COPY_TEXTFILE"].split(",")})
 
 
 def conv_nobn(num_classes: int = 10) -> nn.Module:

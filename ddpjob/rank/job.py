@@ -87,7 +87,8 @@ class Job:
         self._step: int | None = None  # set by resume()
         self.resumed_world_size: int | None = None  # the checkpoint's, after resume()
         self._samples = SampleLog(run_dir, rank=self.rank, restart=restart, world_size=self.world_size)
-        self._metrics = MetricLog(run_dir, restart) if self.is_rank0 else None  # rank 0 writes them
+        self._metrics = MetricLog(run_dir, restart, job_id=self.job_id, textfile=cfg.train.metrics_textfile) \
+            if self.is_rank0 else None  # rank 0 writes them
         self._closed = False
         self.vote_s = 0.0
         self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
@@ -259,7 +260,7 @@ class Job:
                     t0, decided = time.monotonic(), time.time()
                     self._store.save(step, state, blocking=bool(now.stop))
                     if self._metrics is not None:
-                        self._metrics.flush()  # what a resume from this checkpoint keeps is on disk
+                        self._metrics.saved(step)  # what a resume from this checkpoint keeps is on disk
                     decider.saved(time.monotonic() - t0)
                     if not now.stop:  # a stop's save is the ledger's "stop and save" already
                         self._record_checkpoint(step, time.monotonic() - t0)
@@ -281,6 +282,8 @@ class Job:
         t0 = time.monotonic()
         self._store.save(step, state, blocking=True)
         self._record_checkpoint(step, time.monotonic() - t0)
+        if self._metrics is not None:
+            self._metrics.saved(step)
 
     def _record_checkpoint(self, step: int, block_s: float) -> None:
         """Rank 0, after a save: how long it held the loop, and the in-memory snapshots' hold

@@ -1,6 +1,6 @@
 """What a rank writes about its training besides checkpoints: rank 0's metric records
-(RUN_DIR/metrics.jsonl, read by `ddpjob plot` and `status`, and TensorBoard with
-train.tensorboard) and each rank's sample log (RUN_DIR/samples/rank-R.jsonl). The Job
+(RUN_DIR/metrics.jsonl, read by `ddpjob plot` and `status`, TensorBoard with
+train.tensorboard, node_exporter's textfile with train.metrics_textfile) and each rank's sample log (RUN_DIR/samples/rank-R.jsonl). The Job
 (job.py) decides when; these only append whole lines, so a kill tears at most the last one.
 """
 
@@ -10,17 +10,24 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
-from ddpjob import rundir
+from ddpjob import console, rundir
+from ddpjob.errors import DDPJobError
+from ddpjob.openmetrics import Textfile
 
 
 class MetricLog:
-    """Rank 0's metrics.jsonl records, mirrored to TensorBoard once `open_tensorboard()` ran."""
+    """Rank 0's metrics.jsonl records, mirrored to TensorBoard once `open_tensorboard()` ran and
+    summed up in the textfile (`textfile`: train.metrics_textfile, relative to the run dir)."""
 
-    def __init__(self, run_dir: Path, restart: int) -> None:
+    def __init__(self, run_dir: Path, restart: int, *, job_id: str = "", textfile: str = "") -> None:
         self._run_dir, self._restart = run_dir, restart
         self._tb: Any = None  # node/metrics.TensorBoard
+        self._textfile = Textfile(str(run_dir / textfile), run_dir, job_id=job_id, restart=restart) \
+            if textfile else None
+        if self._textfile is not None:
+            self._textfile.write()  # a missing folder or package stops the start, with its line
 
     def open_tensorboard(self, resumed_step: int) -> None:
         """From the resumed step on: TensorBoard drops what a resume replays (once per process)."""
@@ -39,15 +46,28 @@ class MetricLog:
                              "restart": self._restart, **line})
         if self._tb is not None:
             self._tb.add(int(step), kind, record)
+        if kind == "train":
+            self._to_textfile(lambda t: t.logged(int(step), record))
 
-    def flush(self) -> None:
-        """After a checkpoint: what a resume from it keeps is on disk."""
+    def saved(self, step: int) -> None:
+        """After a checkpoint of `step`: what a resume from it keeps is on disk."""
         if self._tb is not None:
             self._tb.flush()
+        self._to_textfile(lambda t: t.checkpointed(step))
+
+    def _to_textfile(self, update: Callable[[Textfile], None]) -> None:
+        if self._textfile is None:
+            return
+        try:
+            update(self._textfile)
+        except DDPJobError as exc:  # a full disk or a folder gone mid-run: said once, training goes on
+            console.warn(f"train.metrics_textfile is not updated any more in this attempt: {exc.message}")
+            self._textfile = None
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        self._to_textfile(Textfile.write)  # the newest values stay (node_textfile_mtime_seconds says how old)
 
 
 class SampleLog:
