@@ -33,6 +33,7 @@ ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
 _ENTRY_FUNC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 MAX_TIME_S = 365 * 86400
 # torch.compile's modes (train.compile_mode); bench P8 measures them on a GPU
+TRACKERS = ("wandb", "mlflow")  # rank/trackers.py
 COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 # Upper bounds (inclusive) for every size: far above any real job, far below anything that
 # could exhaust memory on the login node or overflow a C int on the nodes.
@@ -212,6 +213,11 @@ def _train_data(cfg: JobConfig) -> None:
         scriptsafe.path_text(t.entry, "train.entry", "e.g. entry = \"examples/charlm/train.py\"")
     for arg in t.args:
         scriptsafe.one_line(arg, "train.args entry", "split it into several list entries")
+    _check(set(t.trackers) <= set(TRACKERS) and len(set(t.trackers)) == len(t.trackers),
+           f"train.trackers is {list(t.trackers)!r}, expected each of {', '.join(TRACKERS)} at most once",
+           'e.g. trackers = ["wandb"]')
+    scriptsafe.one_line(t.tracker_project, "train.tracker_project", 'e.g. tracker_project = "cifar10"', limit=128)
+    scriptsafe.one_line(t.mlflow_uri, "train.mlflow_uri", 'e.g. mlflow_uri = "http://mlflow.lab:5000"', limit=4000)
     if t.metrics_textfile:  # node_exporter's textfile collector reads *.prom files only
         _check(bool(re.fullmatch(r"(?s).*[^/]\.prom", t.metrics_textfile)),
                f"train.metrics_textfile {t.metrics_textfile!r} is not a .prom file, expected a file name "

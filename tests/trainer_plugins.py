@@ -6,7 +6,8 @@ on the ranks' PYTHONPATH.
 - `signalling_cnn`: cnn_tiny (same state_dict keys, strided convs instead of max-pools) that
   sends itself SIGUSR2 at a chosen training forward call, so a test can stop a run
   mid-accumulation deterministically.
-  DDPJOB_TEST_SIGNAL="RANK:CALL" (1-based count of training-mode forward calls, this process).
+  DDPJOB_TEST_SIGNAL="RANK:CALL" (1-based count of training-mode forward calls, this process);
+  several, comma-separated, for other ranks or incarnations.
   Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
   SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
   SLURM path, to every task of the job) and waits in this forward call until the signal has
@@ -93,14 +94,16 @@ class SignallingCNN(TinyCNN):
         # Test-only plumbing: the node-side package never reads the environment outside
         # cluster.py, but a test plugin may.
         env = os.environ
-        spec = env.get("DDPJOB_TEST_SIGNAL", "")
-        rank, call, restart, self._how = (spec.split(":") + ["", "", "", ""])[:4] if spec else ("",) * 4
         my_rank = env.get("RANK") or env.get("SLURM_PROCID") or "0"
         # the incarnation: the local supervisor's count, else SLURM's plus the template's runs
         # inside the allocation after a crash (SLURM's count does not move then)
         my_restart = env.get("DDPJOB_RESTART_COUNT") or str(
             int(env.get("SLURM_RESTART_COUNT") or 0) + int(env.get("DDPJOB_ATTEMPT") or 0))
-        self._armed = spec != "" and rank == my_rank and restart in ("", my_restart)
+        # several specs, comma-separated: the first for this rank and incarnation
+        specs = [(s.split(":") + ["", "", "", ""])[:4] for s in env.get("DDPJOB_TEST_SIGNAL", "").split(",") if s]
+        mine = [s for s in specs if s[0] == my_rank and s[2] in ("", my_restart)]
+        rank, call, restart, self._how = mine[0] if mine else ("",) * 4
+        self._armed = bool(mine)
         self._at = int(call) if call else 0
         self._calls = 0
         slow, _, slow_restart = env.get("DDPJOB_TEST_SLOW", "").partition(":")

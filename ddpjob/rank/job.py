@@ -20,6 +20,7 @@ from ddpjob import console, exitcodes, rundir, runlock
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.rank.records import MetricLog, SampleLog
+from ddpjob.rank.trackers import Trackers
 
 
 class StopForRequeue(SystemExit):
@@ -87,8 +88,10 @@ class Job:
         self._step: int | None = None  # set by resume()
         self.resumed_world_size: int | None = None  # the checkpoint's, after resume()
         self._samples = SampleLog(run_dir, rank=self.rank, restart=restart, world_size=self.world_size)
-        self._metrics = MetricLog(run_dir, restart, job_id=self.job_id, textfile=cfg.train.metrics_textfile) \
-            if self.is_rank0 else None  # rank 0 writes them
+        self._metrics = MetricLog(
+            run_dir, restart, job_id=self.job_id, textfile=cfg.train.metrics_textfile,
+            trackers=Trackers(cfg, run_dir, job_id=self.job_id) if cfg.train.trackers else None,
+        ) if self.is_rank0 else None  # rank 0 writes them
         self._closed = False
         self.vote_s = 0.0
         self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
@@ -402,7 +405,8 @@ class Job:
         self._closed = True
         self._samples.close()
         if self._metrics is not None:
-            self._metrics.close()
+            self._metrics.close("finished" if self.finished else "stopped" if self.stopped_at is not None and not failed
+                                else "failed")
         if self._standalone:
             self._stop.uninstall()  # ddpjob run installed its own and removes it itself
         snaps = self._store.snapshots

@@ -1,6 +1,7 @@
 """What a rank writes about its training besides checkpoints: rank 0's metric records
 (RUN_DIR/metrics.jsonl, read by `ddpjob plot` and `status`, TensorBoard with
-train.tensorboard, node_exporter's textfile with train.metrics_textfile) and each rank's sample log (RUN_DIR/samples/rank-R.jsonl). The Job
+train.tensorboard, node_exporter's textfile with train.metrics_textfile, the experiment trackers
+of train.trackers) and each rank's sample log (RUN_DIR/samples/rank-R.jsonl). The Job
 (job.py) decides when; these only append whole lines, so a kill tears at most the last one.
 """
 
@@ -15,14 +16,16 @@ from typing import IO, Any, Callable
 from ddpjob import console, rundir
 from ddpjob.errors import DDPJobError
 from ddpjob.openmetrics import Textfile
+from ddpjob.rank.trackers import Trackers
 
 
 class MetricLog:
     """Rank 0's metrics.jsonl records, mirrored to TensorBoard once `open_tensorboard()` ran and
     summed up in the textfile (`textfile`: train.metrics_textfile, relative to the run dir)."""
 
-    def __init__(self, run_dir: Path, restart: int, *, job_id: str = "", textfile: str = "") -> None:
-        self._run_dir, self._restart = run_dir, restart
+    def __init__(self, run_dir: Path, restart: int, *, job_id: str = "", textfile: str = "",
+                 trackers: Trackers | None = None) -> None:
+        self._run_dir, self._restart, self._trackers = run_dir, restart, trackers
         self._tb: Any = None  # node/metrics.TensorBoard
         self._textfile = Textfile(str(run_dir / textfile), run_dir, job_id=job_id, restart=restart) \
             if textfile else None
@@ -48,6 +51,8 @@ class MetricLog:
             self._tb.add(int(step), kind, record)
         if kind == "train":
             self._to_textfile(lambda t: t.logged(int(step), record))
+        if self._trackers is not None:
+            self._trackers.log(int(step), kind, record)
 
     def saved(self, step: int) -> None:
         """After a checkpoint of `step`: what a resume from it keeps is on disk."""
@@ -64,9 +69,12 @@ class MetricLog:
             console.warn(f"train.metrics_textfile is not updated any more in this attempt: {exc.message}")
             self._textfile = None
 
-    def close(self) -> None:
+    def close(self, end: str = "finished") -> None:
+        """`end`: how the attempt ended (trackers.ENDS)."""
         if self._tb is not None:
             self._tb.close()
+        if self._trackers is not None:
+            self._trackers.close(end)
         self._to_textfile(Textfile.write)  # the newest values stay (node_textfile_mtime_seconds says how old)
 
 
