@@ -57,7 +57,7 @@ class _Series:
             self._family("CounterMetricFamily", name, doc, ["run"]).add_metric([run], v)
 
     def info(self, run: str, labels: Mapping[str, Any]) -> None:
-        self._family("InfoMetricFamily", "ddpjob_run", "the run's job, backend and state (value 1; join on run)",
+        self._family("InfoMetricFamily", "ddpjob_run", "facts about the run as labels (value 1; join on run)",
                      ["run"]).add_metric([run], {k: "" if v is None else str(v) for k, v in labels.items()})
 
     def collect(self) -> Iterator[Any]:
