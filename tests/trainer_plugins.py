@@ -11,7 +11,8 @@ on the ranks' PYTHONPATH.
   Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT or
   SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
   SLURM path, to every task of the job) and waits in this forward call until the signal has
-  reached this process; HOW = "crash" raises instead, HOW = "kill" SIGKILLs this process; HOW = "pause" prints "paused at call N"
+  reached this process; HOW = "crash" raises instead, HOW = "kill" SIGKILLs this process, HOW = "term"
+  sends it SIGTERM (a preemption) instead of SIGUSR2; HOW = "pause" prints "paused at call N"
   and waits in this forward call until ddpjob's stop flag has a signal (or 120 s): the test sends
   the signal from outside (tests/ranks.py: signal_when_paused), and it lands in that very step. RANK falls back to SLURM_PROCID (submitit sets no RANK).
   DDPJOB_TEST_SNAP_WAIT=STEP: before HOW = "kill", wait until every rank's in-memory snapshot
@@ -124,6 +125,8 @@ class SignallingCNN(TinyCNN):
                 elif self._how == "pause":
                     print(f"paused at call {self._calls}", flush=True)
                     self._wait_for_signal(120)
+                elif self._how == "term":  # SLURM's preemption signal
+                    os.kill(os.getpid(), signal.SIGTERM)
                 elif self._how == "crash":  # a rank raising: srun --kill-on-bad-exit ends the rest
                     raise RuntimeError(f"test crash at training forward call {self._calls}")
                 elif self._how == "kill":  # kill -9: no ddpjob code runs on the way down

@@ -67,11 +67,11 @@ def test_one_tracker_run_across_a_preemption_a_restart_in_place_and_a_resume(tmp
                                mlflow_uri=f"file:{run}/mlruns"),
                     data=dict(dataset="synthetic", synthetic_train=256, synthetic_test=32),
                     checkpoint=dict(every_steps=5, snapshot_every=0))
-    # attempt 0: rank 1 signals itself (SIGUSR2, a stop for a requeue) in step 8; attempt 1 (resumed from
+    # attempt 0: rank 1 gets SIGTERM (a preemption) in step 8; attempt 1 (resumed from
     # that stop's checkpoint): rank 1 is SIGKILLed in its 9th step, the ranks restart in place
     # (max_failures = 1) from the last periodic checkpoint and replay the steps after it; attempt
     # 2: rank 1 raises in its 4th step, the run fails; `ddpjob resume` replays again and finishes
-    env = without_job_env(job_env(DDPJOB_TEST_SIGNAL="1:8:0,1:9:1:kill,1:4:2:crash", WANDB_MODE="offline",
+    env = without_job_env(job_env(DDPJOB_TEST_SIGNAL="1:8:0:term,1:9:1:kill,1:4:2:crash", WANDB_MODE="offline",
                                   WANDB_SILENT="true", MLFLOW_ALLOW_FILE_STORE="true"))
     out = ddpjob("submit", str(job), "--backend", "local", "--run-dir", str(run), "--wait", cwd=tmp_path, env=env)
     assert out.returncode == 1 and ": FAILED (exit codes [" in out.stdout, out.stdout + out.stderr
@@ -80,8 +80,7 @@ def test_one_tracker_run_across_a_preemption_a_restart_in_place_and_a_resume(tmp
 
     stops = [(e["reason"], e["step"]) for e in events(run) if e["event"] == "stop" and "rank" not in e]
     starts = [(e.get("restart"), e.get("resumed_step")) for e in events(run) if e["event"] == "start"]
-    # USR2 is SLURM's warning before the time limit (its own preemption is a TERM): a stop, a requeue
-    assert [r for r, _ in stops][:3] == ["time_limit", "crash", "crash"] and stops[-1][0] == "finished", stops
+    assert [r for r, _ in stops][:3] == ["preemption", "crash", "crash"] and stops[-1][0] == "finished", stops
     logged = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(logged) > len(set(logged)) == STEPS, (stops, starts)  # steps were replayed
     loss = {s: r["loss"] for s, r in metrics(run).items()}
