@@ -67,6 +67,14 @@ def _handler(spec: str):  # "module:function", imported only when the command ru
     return call
 
 
+def _add_format(p: argparse.ArgumentParser) -> None:
+    """status / ls: a table for people, or one record per run for scripts and dashboards."""
+    p.add_argument("--format", choices=["table", "json", "openmetrics"], default="table",
+                   help="json: one JSON object per run (JSON Lines; docs/status-json.md); openmetrics: "
+                        "the same as Prometheus series (docs/openmetrics.md; extra: openmetrics)")
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="the same as --format json")
+
+
 def _add_job_overrides(p: argparse.ArgumentParser, run_dir: bool = True) -> None:
     """Flags shared by submit/sbatch/run/doctor: they override the job file."""
     g = p.add_argument_group("job overrides (win over the job file)")
@@ -139,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="state, restarts, last step and checkpoint of runs")
     p.add_argument("target", nargs="?", type=_path("status target"), help="run directory or SLURM job id (default: all runs)")
     p.add_argument("--runs-root", default="runs", type=_path("--runs-root"), help="where runs live (default: ./runs)")
-    p.add_argument("--json", action="store_true", help="one JSON object per run (JSON Lines; docs/status-json.md)")
+    _add_format(p)
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_status"))
 
     p = sub.add_parser("logs", help="print a run's logs")
@@ -158,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ls", help="list runs")
     p.add_argument("--runs-root", default="runs", type=_path("--runs-root"))
-    p.add_argument("--json", action="store_true", help="one JSON object per run (JSON Lines; docs/status-json.md)")
+    _add_format(p)
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_ls"))
 
     p = sub.add_parser("doctor", help="preflight checks on the login node")

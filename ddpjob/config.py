@@ -135,6 +135,14 @@ class TrainConfig:
     eval_every: Free[int] = 0  # optimizer steps; 0 = end of each epoch (and always at the end)
     log_every: Free[int] = 10
     tensorboard: Free[bool] = False  # rank 0 also writes job.log() records to RUN_DIR/tb/ (extra: tensorboard)
+    # "" = off; "PATH.prom": rank 0 keeps the run's series there for node_exporter's textfile
+    # collector while it trains (docs/openmetrics.md; relative: under the run dir; extra: openmetrics)
+    metrics_textfile: Free[str] = ""
+    # experiment trackers rank 0 logs job.log()'s records to, one tracker run across requeues,
+    # restarts and resumes (docs/trackers.md): "wandb", "mlflow" (extras: wandb, mlflow)
+    trackers: Free[tuple[str, ...]] = ()
+    tracker_project: Free[str] = ""  # the W&B project / MLflow experiment; "" = the job's name
+    mlflow_uri: Free[str] = ""  # MLflow's tracking URI; "" = MLflow's own (MLFLOW_TRACKING_URI)
     backend: Free[str] = "auto"  # process group: auto | nccl | gloo
     threads: Free[int] = 0  # torch threads per rank; 0 = SLURM cpus_per_task, else 1
     dist_timeout_s: Free[int] = 300

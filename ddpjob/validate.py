@@ -33,6 +33,7 @@ ENTRY_SCRIPT = re.compile(r"[^\x00-\x1f\x7f]{1,4000}\.py")
 _ENTRY_FUNC = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 MAX_TIME_S = 365 * 86400
 # torch.compile's modes (train.compile_mode); bench P8 measures them on a GPU
+TRACKERS = ("wandb", "mlflow")  # rank/trackers.py
 COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 # Upper bounds (inclusive) for every size: far above any real job, far below anything that
 # could exhaust memory on the login node or overflow a C int on the nodes.
@@ -212,8 +213,18 @@ def _train_data(cfg: JobConfig) -> None:
         scriptsafe.path_text(t.entry, "train.entry", "e.g. entry = \"examples/charlm/train.py\"")
     for arg in t.args:
         scriptsafe.one_line(arg, "train.args entry", "split it into several list entries")
+    _check(set(t.trackers) <= set(TRACKERS) and len(set(t.trackers)) == len(t.trackers),
+           f"train.trackers is {list(t.trackers)!r}, expected each of {', '.join(TRACKERS)} at most once",
+           'e.g. trackers = ["wandb"]')
+    scriptsafe.one_line(t.tracker_project, "train.tracker_project", 'e.g. tracker_project = "cifar10"', limit=128)
+    scriptsafe.one_line(t.mlflow_uri, "train.mlflow_uri", 'e.g. mlflow_uri = "http://mlflow.lab:5000"', limit=4000)
+    if t.metrics_textfile:  # node_exporter's textfile collector reads *.prom files only
+        _check(bool(re.fullmatch(r"(?s).*[^/]\.prom", t.metrics_textfile)),
+               f"train.metrics_textfile {t.metrics_textfile!r} is not a .prom file, expected a file name "
+               "node_exporter's textfile collector reads (*.prom)",
+               "e.g. metrics_textfile = \"/var/lib/node_exporter/textfile/myrun.prom\"")
     for key, v in (("train.pretrained", t.pretrained), ("data.root", d.root),
-                   ("checkpoint.init_from", cfg.checkpoint.init_from)):
+                   ("train.metrics_textfile", t.metrics_textfile), ("checkpoint.init_from", cfg.checkpoint.init_from)):
         scriptsafe.path_text(v, key, f"set {key} to a plain path")
     snap_dir = cfg.checkpoint.snapshot_dir
     _check(snap_dir.startswith("/"), f"checkpoint.snapshot_dir is {snap_dir!r}, expected an absolute "

@@ -6,12 +6,14 @@ on the ranks' PYTHONPATH.
 - `signalling_cnn`: cnn_tiny (same state_dict keys, strided convs instead of max-pools) that
   sends itself SIGUSR2 at a chosen training forward call, so a test can stop a run
   mid-accumulation deterministically.
-  DDPJOB_TEST_SIGNAL="RANK:CALL" (1-based count of training-mode forward calls, this process).
+  DDPJOB_TEST_SIGNAL="RANK:CALL" (1-based count of training-mode forward calls, this process);
+  several, comma-separated, for other ranks or incarnations.
   Optional fields "RANK:CALL:RESTART:HOW": only in that incarnation (DDPJOB_RESTART_COUNT,
   TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT), and HOW = "scancel" runs `scancel --signal=USR2 $SLURM_JOB_ID` (the real
   SLURM path, to every task of the job) and waits in this forward call until the signal has
   reached this process; HOW = "crash" raises instead, HOW = "kill" SIGKILLs this process, "segv" sends it
-  SIGSEGV, "internal" breaks ddpjob's per-step decision (an exception raised inside ddpjob); HOW = "pause" prints "paused at call N"
+  SIGSEGV, "internal" breaks ddpjob's per-step decision (an exception raised inside ddpjob), HOW = "term"
+  sends it SIGTERM (a preemption) instead of SIGUSR2; HOW = "pause" prints "paused at call N"
   and waits in this forward call until ddpjob's stop flag has a signal (or 120 s): the test sends
   the signal from outside (tests/ranks.py: signal_when_paused), and it lands in that very step. RANK falls back to SLURM_PROCID (submitit sets no RANK).
   DDPJOB_TEST_SNAP_WAIT=STEP: before HOW = "kill", wait until every rank's in-memory snapshot
@@ -26,6 +28,8 @@ on the ranks' PYTHONPATH.
   `trainer_plugins:slow_synthetic`, which waits before handing out a batch's first sample);
   "hog": three processes spinning on the CPU this rank is pinned to, from that call on (the rank pins
   itself to its node's last core and every other rank to the first).
+- DDPJOB_TEST_COPY_TEXTFILE="STEP,STEP,...": when `job.steps()` hands out each STEP, rank 0 copies
+  its train.metrics_textfile to FILE.at-STEP, so a test reads the file as it was at that step.
 """
 
 
@@ -50,6 +54,27 @@ if os.environ.get("DDPJOB_TEST_ACTIONS"):
     example_slurm_hooks.install()
 
 
+def _copy_textfile_at(steps: set[int]) -> None:
+    import shutil
+
+    from ddpjob import api
+
+    inner = api.Job.steps
+
+    def steps_copying(self: api.Job, state: dict[str, Any], total: int, **info: Any) -> Any:
+        for step in inner(self, state, total, **info):
+            if step in steps and self.is_rank0:
+                path = self.run_dir / self.config.train.metrics_textfile
+                shutil.copyfile(path, f"{path}.at-{step}")
+            yield step
+
+    api.Job.steps = steps_copying  # type: ignore[method-assign]
+
+
+if os.environ.get("DDPJOB_TEST_COPY_TEXTFILE"):
+    _copy_textfile_at({int(s) for s in os.environ["DDPJOB_TEST_COPY_TEXTFILE"].split(",")})
+
+
 def conv_nobn(num_classes: int = 10) -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.Conv2d(8, 16, 3, 2, 1), nn.ReLU(),
@@ -72,14 +97,16 @@ class SignallingCNN(TinyCNN):
         # Test-only plumbing: the node-side package never reads the environment outside
         # cluster.py, but a test plugin may.
         env = os.environ
-        spec = env.get("DDPJOB_TEST_SIGNAL", "")
-        rank, call, restart, self._how = (spec.split(":") + ["", "", "", ""])[:4] if spec else ("",) * 4
         my_rank = env.get("RANK") or env.get("SLURM_PROCID") or "0"
         # the incarnation: the local supervisor's count, torchrun's round, else SLURM's plus the
         # template's runs inside the allocation after a crash (SLURM's count does not move then)
         my_restart = env.get("DDPJOB_RESTART_COUNT") or env.get("TORCHELASTIC_RESTART_COUNT") or str(
             int(env.get("SLURM_RESTART_COUNT") or 0) + int(env.get("DDPJOB_ATTEMPT") or 0))
-        self._armed = spec != "" and rank == my_rank and restart in ("", my_restart)
+        # several specs, comma-separated: the first for this rank and incarnation
+        specs = [(s.split(":") + ["", "", "", ""])[:4] for s in env.get("DDPJOB_TEST_SIGNAL", "").split(",") if s]
+        mine = [s for s in specs if s[0] == my_rank and s[2] in ("", my_restart)]
+        rank, call, restart, self._how = mine[0] if mine else ("",) * 4
+        self._armed = bool(mine)
         self._at = int(call) if call else 0
         self._calls = 0
         slow, _, slow_restart = env.get("DDPJOB_TEST_SLOW", "").partition(":")
@@ -100,6 +127,8 @@ class SignallingCNN(TinyCNN):
                 elif self._how == "pause":
                     print(f"paused at call {self._calls}", flush=True)
                     self._wait_for_signal(120)
+                elif self._how == "term":  # SLURM's preemption signal
+                    os.kill(os.getpid(), signal.SIGTERM)
                 elif self._how == "crash":  # a rank raising: srun --kill-on-bad-exit ends the rest
                     raise RuntimeError(f"test crash at training forward call {self._calls}")
                 elif self._how in ("kill", "segv"):  # kill -9 / a segfault: no ddpjob code runs on the way down

@@ -99,16 +99,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     if not args.target:
         runs = runs_under(Path(args.runs_root))
-        if args.json:
-            report.print_records(infos(runs))  # no runs: no lines
+        if args.format != "table":
+            report.print_records(infos(runs), args.format)  # no runs: no lines
         elif not runs:
             console.info(f"no runs under {args.runs_root}/ (submit one: ddpjob submit jobs/smoke.toml)")
         else:
             print_table(infos(runs))
         return 0
     path, is_sweep = resolve(args.target, args.runs_root)
-    if args.json:
-        report.print_records(infos(sweep_points(path) if is_sweep else [(path, "")]))
+    if args.format != "table":
+        report.print_records(infos(sweep_points(path) if is_sweep else [(path, "")]), args.format)
     elif is_sweep:
         print_table(infos(sweep_points(path)), title=f"sweep {path}")
     else:
@@ -121,8 +121,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     root = Path(args.runs_root)
     runs = runs_under(root)
-    if args.json:
-        report.print_records(infos(runs))
+    if args.format != "table":
+        report.print_records(infos(runs), args.format)
         return 0
     if not runs:
         console.info(f"no runs under {root}/ (submit one: ddpjob submit jobs/smoke.toml)")

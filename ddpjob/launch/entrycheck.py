@@ -63,7 +63,8 @@ def entry_check(cfg: JobConfig) -> Finding:
 # trainer's, which a custom entry sees only if it reads job.config.train.<key> itself.
 RUNTIME_TRAIN_KEYS = frozenset({
     "seed", "threads", "backend", "dist_timeout_s", "deterministic", "deterministic_reduce",
-    "grad_compression", "strategy", "stop_vote", "tensorboard", "log_sample_ids", "amp", "entry", "args"})
+    "grad_compression", "strategy", "stop_vote", "tensorboard", "metrics_textfile", "trackers", "tracker_project",
+    "mlflow_uri", "log_sample_ids", "amp", "entry", "args"})
 
 
 def unused_overrides(cfg: JobConfig, overrides: list[str]) -> list[str]:

@@ -1,4 +1,5 @@
-"""`ddpjob status --json` and `ddpjob ls --json`: one stable JSON object per run, for scripts.
+"""`ddpjob status --json` and `ddpjob ls --json`: one stable JSON object per run, for scripts
+(and `--format openmetrics`: the same values as series).
 
 The schema (docs/status-json.md) is versioned by its `schema` key; fields are
 only ever added. Values come from the same RunInfo the tables print (runs.py) plus the run
@@ -75,8 +76,17 @@ def dumps(obj: dict[str, Any]) -> str:
     return json.dumps(obj, allow_nan=False, sort_keys=False)
 
 
-def print_records(infos: list[runs.RunInfo]) -> None:
-    """JSON Lines: one object per run, in the order the table would list them."""
+def print_records(infos: list[runs.RunInfo], form: str = "json") -> None:
+    """JSON Lines: one object per run, in the order the table would list them; or the same
+    values as OpenMetrics series, one per run (ddpjob/openmetrics.py, docs/openmetrics.md)."""
+    if form == "openmetrics":
+        from ddpjob import openmetrics
+
+        openmetrics.client("--format openmetrics")  # its one line before any work
     found = goodput.of_runs(infos)
-    for i in infos:
-        print(dumps(record(i, found.get(i.run_dir))), flush=True)
+    records = [record(i, found.get(i.run_dir)) for i in infos]
+    if form == "openmetrics":
+        print(openmetrics.exposition(openmetrics.of_records(records)), end="", flush=True)
+        return
+    for r in records:
+        print(dumps(r), flush=True)

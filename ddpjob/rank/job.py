@@ -21,6 +21,7 @@ from ddpjob.ledger import events, requests
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.rank.records import MetricLog, SampleLog
+from ddpjob.rank.trackers import Trackers
 
 
 class StopForRequeue(SystemExit):
@@ -134,7 +135,10 @@ class Job:
         self._step: int | None = None  # set by resume()
         self.resumed_world_size: int | None = None  # the checkpoint's, after resume()
         self._samples = SampleLog(run_dir, rank=self.rank, restart=restart, world_size=self.world_size)
-        self._metrics = MetricLog(run_dir, restart) if self.is_rank0 else None  # rank 0 writes them
+        self._metrics = MetricLog(
+            run_dir, restart, job_id=self.job_id, textfile=cfg.train.metrics_textfile,
+            trackers=Trackers(cfg, run_dir, job_id=self.job_id, attempt=restart) if cfg.train.trackers else None,
+        ) if self.is_rank0 else None  # rank 0 writes them
         self._closed = False
         self.vote_s = 0.0
         self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
@@ -318,7 +322,7 @@ class Job:
                     t0, decided = time.monotonic(), time.time()
                     self._store.save(step, state, blocking=bool(now.stop))
                     if self._metrics is not None:
-                        self._metrics.flush()  # what a resume from this checkpoint keeps is on disk
+                        self._metrics.saved(step)  # what a resume from this checkpoint keeps is on disk
                     decider.saved(time.monotonic() - t0)
                     if not now.stop:  # a stop's save is the ledger's "stop and save" already
                         self._record_checkpoint(step, time.monotonic() - t0)
@@ -341,6 +345,8 @@ class Job:
         t0 = time.monotonic()
         self._store.save(step, state, blocking=True)
         self._record_checkpoint(step, time.monotonic() - t0)
+        if self._metrics is not None:
+            self._metrics.saved(step)
 
     def _before_checkpoint(self) -> None:
         """Rank 0, before the first checkpoint: the [user] keys the script has not read by now
@@ -472,7 +478,8 @@ class Job:
         self._closed = True
         self._samples.close()
         if self._metrics is not None:
-            self._metrics.close()
+            self._metrics.close("finished" if self.finished else "stopped" if self.stopped_at is not None and not failed
+                                else "failed")
         if self._standalone:
             self._stop.uninstall()  # ddpjob run installed its own and removes it itself
         snaps = self._store.snapshots

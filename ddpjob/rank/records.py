@@ -1,6 +1,7 @@
 """What a rank writes about its training besides checkpoints: rank 0's metric records
-(RUN_DIR/metrics.jsonl, read by `ddpjob plot` and `status`, and TensorBoard with
-train.tensorboard) and each rank's sample log (RUN_DIR/samples/rank-R.jsonl). The Job
+(RUN_DIR/metrics.jsonl, read by `ddpjob plot` and `status`, TensorBoard with
+train.tensorboard, node_exporter's textfile with train.metrics_textfile, the experiment trackers
+of train.trackers) and each rank's sample log (RUN_DIR/samples/rank-R.jsonl). The Job
 (job.py) decides when; these only append whole lines, so a kill tears at most the last one.
 """
 
@@ -10,9 +11,12 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from ddpjob import console, rundir
+from ddpjob.errors import DDPJobError
+from ddpjob.openmetrics import Textfile
+from ddpjob.rank.trackers import Trackers
 
 
 def kind_of(names: list[str]) -> str:
@@ -21,13 +25,19 @@ def kind_of(names: list[str]) -> str:
 
 
 class MetricLog:
-    """Rank 0's metrics.jsonl records, mirrored to TensorBoard once `open_tensorboard()` ran."""
+    """Rank 0's metrics.jsonl records, mirrored to TensorBoard once `open_tensorboard()` ran and
+    summed up in the textfile (`textfile`: train.metrics_textfile, relative to the run dir)."""
 
-    def __init__(self, run_dir: Path, restart: int) -> None:
-        self._run_dir, self._restart = run_dir, restart
+    def __init__(self, run_dir: Path, restart: int, *, job_id: str = "", textfile: str = "",
+                 trackers: Trackers | None = None) -> None:
+        self._run_dir, self._restart, self._trackers = run_dir, restart, trackers
         self._tb: Any = None  # node/metrics.TensorBoard
         self._kinds: tuple[int, set[str]] = (-1, set())  # the kinds written at the latest step
         self._said_twice = False
+        self._textfile = Textfile(str(run_dir / textfile), run_dir, job_id=job_id, restart=restart) \
+            if textfile else None
+        if self._textfile is not None:
+            self._textfile.write()  # a missing folder or package stops the start, with its line
 
     def open_tensorboard(self, resumed_step: int) -> None:
         """From the resumed step on: TensorBoard drops what a resume replays (once per process)."""
@@ -47,6 +57,10 @@ class MetricLog:
                              "restart": self._restart, **line})
         if self._tb is not None:
             self._tb.add(int(step), kind, record)
+        if kind == "train":
+            self._to_textfile(lambda t: t.logged(int(step), record))
+        if self._trackers is not None:
+            self._trackers.log(int(step), kind, record)
 
     def _check_once_per_step(self, step: int, kind: str, names: list[str]) -> None:
         """A second record of one kind for one step: `plot` and `status` expect one per step and
@@ -63,14 +77,28 @@ class MetricLog:
                          "name evaluation values eval_* (an eval record)")
         kinds.add(kind)
 
-    def flush(self) -> None:
-        """After a checkpoint: what a resume from it keeps is on disk."""
+    def saved(self, step: int) -> None:
+        """After a checkpoint of `step`: what a resume from it keeps is on disk."""
         if self._tb is not None:
             self._tb.flush()
+        self._to_textfile(lambda t: t.checkpointed(step))
 
-    def close(self) -> None:
+    def _to_textfile(self, update: Callable[[Textfile], None]) -> None:
+        if self._textfile is None:
+            return
+        try:
+            update(self._textfile)
+        except DDPJobError as exc:  # a full disk or a folder gone mid-run: said once, training goes on
+            console.warn(f"train.metrics_textfile is not updated any more in this attempt: {exc.message}")
+            self._textfile = None
+
+    def close(self, end: str = "finished") -> None:
+        """`end`: how the attempt ended (trackers.ENDS)."""
         if self._tb is not None:
             self._tb.close()
+        if self._trackers is not None:
+            self._trackers.close(end)
+        self._to_textfile(Textfile.write)  # the newest values stay (node_textfile_mtime_seconds says how old)
 
 
 class SampleLog:
