@@ -176,7 +176,7 @@ def test_a_torchrun_run_with_a_killed_rank_is_shown_completed_with_its_two_attem
     uuid = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
     assert re.fullmatch(f"t-torchrun-{uuid}", run.name), run.name
     job_id = run.name.removeprefix("t-")
-    starts = [e for e in rundir.events(run) if e["event"] == "start"]
+    starts = [e for e in read_events(run) if e["event"] == "start"]
     assert [(s["job_id"], s["resumed_step"]) for s in starts] == [(job_id, None), (job_id, 10)], starts
 
     row = next(line.split() for line in ddpjob("ls", cwd=tmp_path).stdout.splitlines() if line.startswith("runs/"))
