@@ -29,8 +29,6 @@ from ddpjob.version import __version__
 
 TEMPLATE_NAME = "sbatch.sh.tmpl"
 TEMPLATE_LIMIT = 1 << 20  # bytes: the shipped template is 5 KB; more is a wrong file
-# srun turns its own TERM/INT/HUP/QUIT into SIGKILL for the ranks: never forward those.
-_NOT_FORWARDED = {"TERM", "INT", "HUP", "QUIT"}
 # sbatch's own "#SBATCH" parser: see ddpjob/scriptsafe.py, whose checks both renderers share.
 _DIRECTIVE_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]*", re.ASCII)
 _CONTROL = scriptsafe.CONTROL
@@ -141,7 +139,9 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         "batch_signals": " ".join(slurmopts.BATCH_SIGNALS),  # what the batch shell traps besides ${signal}
         "node_count": slurmopts.node_count(cfg),  # the allocation's, not the submission's
         "task_count": slurmopts.task_count(cfg, "DDPJOB_NODES"),
-        "forward_signal": shlex.quote("" if signal in _NOT_FORWARDED else signal),
+        "forward_signal": shlex.quote("" if signal in slurmopts.NOT_FORWARDED else signal),
+        # the trap and the one srun restart loop (`ddpjob_srun ARGS`), as submitit's script has them
+        "batch_shell": "\n".join(slurmopts.batch_shell_lines(cfg, shlex.quote(python), shlex.quote(run))),
     }
 
 

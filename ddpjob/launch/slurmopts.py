@@ -8,6 +8,8 @@ of the allocation) reach the template as placeholders and submitit's script as s
 
 from __future__ import annotations
 
+import shlex
+
 from ddpjob import scriptsafe, validate
 from ddpjob.config import JobConfig
 
@@ -98,9 +100,103 @@ def warm_server_lines(cfg: JobConfig, python: str, run_dir: str, srun: str = "sr
     for the shell already; the servers' output and srun's own lines (its step is ended when the
     job is, see the template) go to RUN_DIR/logs/warm-JOBID.log, not the batch log. They come
     after the job's setup lines (the servers import torch from the job's environment). `srun`:
-    "command srun" where a shell function shadows it (submitit_slurm.restart_lines)."""
+    "command srun" where a shell function shadows it (submitit's script: srun -> ddpjob_srun)."""
     if not warm_start(cfg):
         return []
     log = f'{run_dir}/logs/warm-"$SLURM_JOB_ID".log'
     return ["export DDPJOB_WARM=1", WARM_SERVER.format(srun=srun, python=python, log=log),
             "DDPJOB_WARM_PID=$!"]
+
+
+# srun turns its own TERM/INT/HUP/QUIT into SIGKILL for the ranks: never forward those.
+NOT_FORWARDED = frozenset({"TERM", "INT", "HUP", "QUIT"})
+
+
+def batch_shell_lines(cfg: JobConfig, python: str, run_dir: str) -> list[str]:
+    """The batch shell's part of a job, written once for both scripts (the template's
+    ${batch_shell}; submitit's setup lines, whose `srun` a function hands to `ddpjob_srun`):
+
+    - the trap: SLURM sends SIGTERM to the batch shell as well as to the ranks (scancel, time
+      limit, preemption). A non-interactive bash would die of it and end the job while the ranks
+      still write their checkpoint, so the shell only notes the signal and keeps waiting for
+      srun. It never forwards TERM/INT/HUP: srun answers those by SIGKILLing the ranks. The job's
+      warning signal reaches the ranks from SLURM directly (--signal has no B:); if only this
+      shell gets it (scancel --batch), it is passed on to srun, which hands it to every rank.
+    - `ddpjob_srun ARGS...`, the one restart loop: srun on the allocation's nodes (the quarantined
+      hosts left out), waited for in the background so a trap runs at once; after a crash (not 0,
+      not a stop for a requeue, no signal to this shell) ddpjob's one decision (`python -m
+      ddpjob.rank.requeue`, the policy in ddpjob/ledger/policy.py) answers RESTART with the nodes
+      to run on ("NODES [HOST,...]", its last stdout line: hostnames it checked, no shell), and
+      srun runs again inside this allocation; anything else returns srun's status.
+
+    `python` and `run_dir` are quoted for the shell already."""
+    from ddpjob import exitcodes
+
+    s = cfg.slurm
+    forward = "" if s.signal in NOT_FORWARDED else s.signal
+    ntasks = task_count(cfg, "DDPJOB_NODES")
+    return [
+        f"DDPJOB_FORWARD={shlex.quote(forward)}",
+        "DDPJOB_TRAPPED=0",
+        "DDPJOB_SIGNALLED=0",
+        "ddpjob_on_signal() {",
+        "    DDPJOB_TRAPPED=1",
+        "    DDPJOB_SIGNALLED=1",
+        '    echo "ddpjob: batch shell got SIG$1 at $(date -u +%Y-%m-%dT%H:%M:%SZ); waiting for the ranks to stop" >&2',
+        "    # $! also covers a signal that lands between starting srun and saving its pid.",
+        "    DDPJOB_PID=${DDPJOB_SRUN_PID:-$!}",
+        '    [ "$DDPJOB_PID" != "${DDPJOB_WARM_PID:-}" ] || DDPJOB_PID=  # not the ranks\' srun yet',
+        '    if [ -n "$DDPJOB_FORWARD" ] && [ "$1" = "$DDPJOB_FORWARD" ] && [ -n "$DDPJOB_PID" ]; then',
+        '        kill -s "$1" "$DDPJOB_PID" 2>/dev/null || true',
+        "    fi",
+        "}",
+        f"for DDPJOB_SIG in {' '.join(BATCH_SIGNALS)} {shlex.quote(s.signal)}; do",
+        '    trap "ddpjob_on_signal $DDPJOB_SIG" "$DDPJOB_SIG"',
+        "done",
+        "# The task count follows the allocation this incarnation got, not the environment saved at",
+        "# submission: an admin may shrink a pending, requeued job (scontrol update jobid=N NumNodes=1",
+        "# NumTasks=... NumCPUs=...), and ddpjob resumes elastically.",
+        f"DDPJOB_NODES={node_count(cfg)}",
+        f"export SLURM_NTASKS={ntasks} SLURM_NPROCS={ntasks}",
+        "# How many times the ranks ran again inside this allocation after a crash (for logs and tests),",
+        "# and the hosts a restart leaves out (each failed twice: the decision sets it, to SLURM node",
+        "# names it checked)",
+        "export DDPJOB_ATTEMPT=0",
+        "DDPJOB_EXCLUDE=",
+        "ddpjob_srun() {",
+        "    local layout",
+        "    while :; do",
+        "        # srun's lines after this one are this attempt's: the decision reads which task failed where",
+        '        echo "ddpjob: attempt $DDPJOB_ATTEMPT: ranks on $DDPJOB_NODES node(s)'
+        '${DDPJOB_EXCLUDE:+, excluding $DDPJOB_EXCLUDE}" >&2',
+        f'        command srun --nodes="$DDPJOB_NODES" --ntasks="{ntasks}" '
+        '${DDPJOB_EXCLUDE:+--exclude="$DDPJOB_EXCLUDE"} "$@" &',
+        "        DDPJOB_SRUN_PID=$!",
+        "        # `wait` returns early (128+N) whenever a trapped signal arrives: wait again until srun",
+        "        # itself has exited (127: a trap ran right after srun was reaped), then take its status",
+        "        DDPJOB_STATUS=",
+        "        while :; do",
+        "            DDPJOB_TRAPPED=0",
+        '            wait "$DDPJOB_SRUN_PID"',
+        "            DDPJOB_RC=$?",
+        '            if [ -z "$DDPJOB_STATUS" ] || [ "$DDPJOB_RC" -ne 127 ]; then',
+        "                DDPJOB_STATUS=$DDPJOB_RC",
+        "            fi",
+        '            [ "$DDPJOB_TRAPPED" = 1 ] || break',
+        "        done",
+        '        echo "ddpjob: srun exited with status $DDPJOB_STATUS" >&2',
+        f'        if [ "$DDPJOB_STATUS" -ne {exitcodes.OK} ] && [ "$DDPJOB_STATUS" -ne {exitcodes.REQUEUE} ] '
+        '&& [ "$DDPJOB_SIGNALLED" = 0 ]; then',
+        f'            layout=$({python} -m ddpjob.rank.requeue {run_dir} "$DDPJOB_STATUS")',
+        f'            if [ $? -eq {exitcodes.RESTART} ] && [ "$DDPJOB_SIGNALLED" = 0 ]; then',
+        """                read -r DDPJOB_NODES DDPJOB_EXCLUDE <<< "${layout##*$'\\n'}"  # its last line""",
+        f"                export SLURM_NTASKS={ntasks} SLURM_NPROCS={ntasks}",
+        "                DDPJOB_SRUN_PID=",
+        "                DDPJOB_ATTEMPT=$((DDPJOB_ATTEMPT + 1))",
+        "                continue",
+        "            fi",
+        "        fi",
+        '        return "$DDPJOB_STATUS"',
+        "    done",
+        "}",
+    ]

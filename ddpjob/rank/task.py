@@ -11,7 +11,7 @@ stop rank 0's Job decides and does the requeue (rank/requeue.py, the one decisio
 within GraceTime included), and the task returns 3; `NodeTask` then ends with SystemExit(3) and
 no result pickle, as submitit's own handler does after requeueing, so a submitit Job waits for
 the next incarnation. 0 returns 0; a crash raises, so submitit records the failure, and the
-batch shell's srun loop (DDPJOB_ATTEMPT set: launch/backends/submitit_slurm.restart_lines)
+batch shell's srun loop (DDPJOB_ATTEMPT set: launch/slurmopts.batch_shell_lines)
 decides whether the ranks run again inside the allocation (max_failures); a job submitted before
 that loop existed has rank 0 decide here instead (requeue.after_crash: a requeue). Should a signal reach
 submitit's handler before ours is installed, `checkpoint()` hands submitit the same task.
@@ -64,7 +64,7 @@ class NodeTask:
             return False
         if "DDPJOB_ATTEMPT" in env.ddpjob_vars:
             # the batch shell's srun loop decides once every task has ended (submitit_slurm's
-            # restart_lines): run again inside the allocation, or not at all. Deciding here
+            # ddpjob_srun): run again inside the allocation, or not at all. Deciding here
             # too would requeue the job under the loop's feet.
             return False
         return bool(requeue.after_crash(jobfile.read_run_config(self.run_dir), env,

@@ -166,7 +166,7 @@ def test_kill_9_resumes_from_the_in_memory_snapshot_inside_the_allocation(
 def test_submitit_kill_9_restarts_inside_the_allocation_from_the_in_memory_snapshot(
         slurm_cluster: Any, tmp_path: Path, reference: Reference) -> None:
     """The same kill -9 of rank 2 in step 34 through `ddpjob submit`: submitit's srun line goes
-    through the batch shell's restart loop (submitit_slurm.restart_lines), so the same job id
+    through the batch shell's restart loop (slurmopts.batch_shell_lines' ddpjob_srun), so the same job id
     runs the ranks again in its allocation, from the snapshot of step 32, with no requeue."""
     import slurmtools
 

@@ -179,9 +179,9 @@ def test_hostile_paths_reach_srun_byte_for_byte(name: str, tmp_path: Path) -> No
     # 2 ranks a node: the warm-start server's step and the ranks'
     calls = {k: Path(f"{log}.{k}").read_bytes().split(b"\0")[:-1] for k in ("warm", "ranks")}
     escaped = str(run_dir).replace("%", "%%")
-    assert calls["ranks"] == [b"--kill-on-bad-exit=1", b"--unbuffered",
+    assert calls["ranks"] == [b"--nodes=1", b"--ntasks=2", b"--kill-on-bad-exit=1", b"--unbuffered",
                                 f"--output={escaped}/logs/rank-%t.log".encode(), b"--open-mode=append",
-                                b"--nodes=1", b"--ntasks=2", python.encode(), b"-u", b"-m", b"ddpjob.node.warm",
+                                python.encode(), b"-u", b"-m", b"ddpjob.node.warm",
                                 b"run", b"-m", b"ddpjob", b"run", str(run_dir).encode()]
     assert calls["warm"][0] == b"--overlap"
     assert calls["warm"][-5:] == [python.encode(), b"-u", b"-m", b"ddpjob.node.warm", b"serve"]
@@ -353,7 +353,7 @@ def test_golden_container_script(runtime: str) -> None:
     # the plain job without its warm-start server (a container has none: slurmopts.warm_start)
     plain = _stable(render.render_sbatch(_with_slurm(_job("smoke"), warm_start=False), run_dir=RUN_DIR, python=PYTHON))
     changed = [ln for ln in text.splitlines() if ln not in plain.splitlines()]
-    assert changed and all(ln.lstrip().startswith("srun ") or "-m ddpjob run" in ln for ln in changed), \
+    assert changed and all(ln.lstrip().startswith("ddpjob_srun ") or "-m ddpjob run" in ln for ln in changed), \
         changed  # only the srun command differs
 
 
@@ -375,7 +375,7 @@ def test_golden_warm_start_script() -> None:
     assert changed[0] == "export DDPJOB_WARM=1" and changed[2] == "DDPJOB_WARM_PID=$!", changed
     assert changed[1].startswith("srun --overlap --no-kill ") and \
         changed[1].endswith(' -u -m ddpjob.node.warm serve >>"$DDPJOB_RUN_DIR"/logs/warm-"$SLURM_JOB_ID".log 2>&1 &')
-    assert len(changed) == 4 and "-u -m ddpjob.node.warm run -m ddpjob run /scratch/runs/example &" in changed[3], changed
+    assert len(changed) == 4 and changed[3].endswith("-u -m ddpjob.node.warm run -m ddpjob run /scratch/runs/example"), changed
 
     def warm(**slurm: object) -> bool:
         return "ddpjob.node.warm" in render.render_sbatch(_with_slurm(_job("smoke"), **slurm),

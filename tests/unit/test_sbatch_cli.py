@@ -44,7 +44,7 @@ def test_writes_script_and_run_dir(tmp_path: Path) -> None:
     # the interpreter running ddpjob here (absolute) runs the ranks
     (srun_args,) = [shlex.split(line) for line in script.splitlines() if "-m ddpjob run" in line]
     # 2 ranks a node: through the node's warm-start server (slurmopts.warm_start)
-    assert srun_args[1:] == ["-u", "-m", "ddpjob.node.warm", "run", "-m", "ddpjob", "run", str(run), "&"]
+    assert srun_args[1:] == ["-u", "-m", "ddpjob.node.warm", "run", "-m", "ddpjob", "run", str(run)]
     assert os.path.isabs(srun_args[0]) and os.path.samefile(srun_args[0], sys.executable)
     assert f"run dir {run}" in r.stdout and r.stdout.rstrip().endswith("next: sbatch x.sbatch")
     assert subprocess.run(["bash", "-n", str(tmp_path / "x.sbatch")]).returncode == 0

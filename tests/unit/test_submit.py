@@ -43,7 +43,7 @@ def test_slurm_parameters_map_every_field():
     # submitit's bare srun takes SLURM_NTASKS: after a shrink to 1 node it must be 1 x 4, not 8
     for nodes, expected in (("1", "4 4"), ("2", "8 8"), (None, "8 8")):
         env = {"PATH": "/usr/bin:/bin", **({"SLURM_JOB_NUM_NODES": nodes} if nodes else {})}
-        lines = "\n".join([*submitit_slurm.guard_lines(cfg, None)[1:], 'echo "$SLURM_NTASKS $SLURM_NPROCS"'])
+        lines = "\n".join([*submitit_slurm.guard_lines(cfg, None), 'echo "$SLURM_NTASKS $SLURM_NPROCS"'])
         out = subprocess.run(["bash", "-c", lines], env={**env, "SLURM_NTASKS": "8"}, capture_output=True,
                              text=True, timeout=30)
         assert out.stdout.strip() == expected, (nodes, out)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, exitcodes, freeze, rundir, scriptsafe, validate
+from ddpjob import console, freeze, rundir, scriptsafe, validate
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import container
@@ -69,24 +69,24 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None, *,
 def guard_lines(cfg: JobConfig, folder: Path | None, run_dirs: Sequence[Path] = ()) -> list[str]:
     """Shell lines that open submitit's script body (before srun).
 
-    The trap: slurmopts.BATCH_SIGNALS (as in the template). The task count: submitit's bare
-    `srun` takes it from SLURM_NTASKS, which after an elastic shrink of the pending job still
-    holds the submission's count; recompute it from the allocation, as the template's --ntasks
-    does (slurmopts.task_count). The frozen code: each run the script serves froze its code into
+    The trap and the one srun restart loop (slurmopts.batch_shell_lines, as in the template):
+    submitit's own srun line goes through `ddpjob_srun`, which runs srun on the allocation's
+    nodes (the task count recomputed from the allocation: after an elastic shrink of the pending
+    job SLURM_NTASKS still holds the submission's) and again after a crash the policy retries in
+    place. Without a folder (no script to serve), only the task count. The frozen code: each run the script serves froze its code into
     its own run dir; a sweep's job array has one script for all its points, SWEEP/<array index>
     (SweepPoint.id), so the index picks the point's. The permission guard: submitit unpickles
     RUN_DIR/logs/*_submitted.pkl at every start, so whoever can write that folder runs code as
     the job's user. Run dirs are created 0700 (0750 with slurm.share_group); this refuses a
     folder someone loosened since, before the pickle is read."""
-    lines = ["DDPJOB_SIGNALLED=0",
-             "trap 'DDPJOB_SIGNALLED=1; echo \"ddpjob: batch shell got a stop signal; waiting for the ranks\" >&2' "
-             f"{' '.join(slurmopts.BATCH_SIGNALS)}",
-             f"DDPJOB_NODES={slurmopts.node_count(cfg)}",
-             f"DDPJOB_NTASKS={slurmopts.task_count(cfg, 'DDPJOB_NODES')}",
-             "export SLURM_NTASKS=$DDPJOB_NTASKS SLURM_NPROCS=$DDPJOB_NTASKS"]
+    lines = [f"DDPJOB_NODES={slurmopts.node_count(cfg)}",
+             f"export SLURM_NTASKS={slurmopts.task_count(cfg, 'DDPJOB_NODES')} "
+             f"SLURM_NPROCS={slurmopts.task_count(cfg, 'DDPJOB_NODES')}"]
     if folder is None:
         return lines
-    lines += restart_lines(cfg, _run_dir(folder, run_dirs))
+    # the trap and the one restart loop (as in the template); submitit's own srun line runs through it
+    lines = [*slurmopts.batch_shell_lines(cfg, shlex.quote(sys.executable), _run_dir(folder, run_dirs)),
+             'srun() { ddpjob_srun "$@"; }']
     lines.append(f"export PYTHONPATH={_code_path(folder, run_dirs)}${{PYTHONPATH:+:$PYTHONPATH}} PYTHONSAFEPATH=1")
     dirs = " ".join(shlex.quote(str(d)) for d in (folder.parent, folder))
     lines.append(f"for DDPJOB_D in {dirs}; do if [ -n \"$(find \"$DDPJOB_D\" -maxdepth 0 "
@@ -107,43 +107,6 @@ def _run_dir(folder: Path, run_dirs: Sequence[Path]) -> str:
     """The run dir the script serves, quoted for the shell (a sweep's: by its array index)."""
     return (f"{shlex.quote(str(folder.parent))}/\"$SLURM_ARRAY_TASK_ID\"" if len(run_dirs) > 1
             else shlex.quote(str(run_dirs[0] if run_dirs else folder.parent)))
-
-
-def restart_lines(cfg: JobConfig, run_dir: str) -> list[str]:
-    """A shell function `srun` that shadows the command in submitit's script, whose one srun
-    line then runs the ranks as the template's loop does (templates/sbatch.sh.tmpl): after a
-    crash (not 0, not a stop for a requeue, no signal to this shell) ddpjob's one decision
-    (`python -m ddpjob.rank.requeue`) answers RESTART, and the ranks run again inside this
-    allocation, on the nodes it prints (a quarantined host left out), from the newest snapshot
-    or checkpoint: the same job id, no trip through the queue. DDPJOB_ATTEMPT tells NodeTask
-    that this shell decides (rank/task.py). `run_dir` is already quoted for the shell."""
-    return [
-        "export DDPJOB_ATTEMPT=0",
-        "DDPJOB_EXCLUDE=",
-        "srun() {",
-        "    local status layout",
-        "    while :; do",
-        # the line rank/requeue.py's ATTEMPT_MARK finds: srun's lines after it are this attempt's
-        '        echo "ddpjob: attempt $DDPJOB_ATTEMPT: ranks on $DDPJOB_NODES node(s)'
-        '${DDPJOB_EXCLUDE:+, excluding $DDPJOB_EXCLUDE}" >&2',
-        '        command srun --nodes="$DDPJOB_NODES" --ntasks="$DDPJOB_NTASKS" '
-        '${DDPJOB_EXCLUDE:+--exclude="$DDPJOB_EXCLUDE"} "$@"',
-        "        status=$?",
-        f'        if [ "$status" -ne {exitcodes.OK} ] && [ "$status" -ne {exitcodes.REQUEUE} ] '
-        '&& [ "$DDPJOB_SIGNALLED" = 0 ]; then',
-        f'            layout=$({shlex.quote(sys.executable)} -m ddpjob.rank.requeue {run_dir} "$status")',
-        f'            if [ $? -eq {exitcodes.RESTART} ] && [ "$DDPJOB_SIGNALLED" = 0 ]; then',
-        """                read -r DDPJOB_NODES DDPJOB_EXCLUDE <<< "${layout##*$'\\n'}"  # its last line""",
-        f"                DDPJOB_NTASKS={slurmopts.task_count(cfg, 'DDPJOB_NODES')}",
-        "                export SLURM_NTASKS=$DDPJOB_NTASKS SLURM_NPROCS=$DDPJOB_NTASKS",
-        "                DDPJOB_ATTEMPT=$((DDPJOB_ATTEMPT + 1))",
-        "                continue",
-        "            fi",
-        "        fi",
-        '        return "$status"',
-        "    done",
-        "}",
-    ]
 
 
 def _code_path(folder: Path, run_dirs: Sequence[Path]) -> str:
