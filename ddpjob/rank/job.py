@@ -59,7 +59,7 @@ class Job:
         self._standalone, self._lock, self._on_close = standalone, lock, on_close
         # torch loads here, not at import: `import ddpjob` stays light on a login node
         from ddpjob.node import dist, preemption
-        from ddpjob.rank import straggler
+        from ddpjob.rank import probe, straggler
         from ddpjob.store import memsnap
         from ddpjob.store.schedule import SaveSchedule
         from ddpjob.store.state import StateStore
@@ -93,6 +93,7 @@ class Job:
         self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
         self._load_s: float | None = None  # resume()'s, for the recovery's phases (launch/phases.py)
         self._timer = straggler.for_job(self)  # each step's work and data wait, riding the vote
+        self._probe = probe.Probe.for_rank(ctx.env.ddpjob_vars, run_dir, self.rank, restart)  # ddpjob verify's
         # On GPUs the kernel choice decides both speed and whether a resume is bit-exact: say it.
         kernels = "" if self.device.type != "cuda" else (
             ", deterministic kernels (train.deterministic)" if cfg.train.deterministic
@@ -238,6 +239,8 @@ class Job:
         try:
             while step < total:
                 self._timer.step_started()
+                if self._probe is not None:  # ddpjob verify: an interruption caused at this step
+                    self._probe.at_step(step, self._stop)
                 yield step
                 self._timer.step_done()
                 step += 1
@@ -281,6 +284,8 @@ class Job:
         t0 = time.monotonic()
         self._store.save(step, state, blocking=True)
         self._record_checkpoint(step, time.monotonic() - t0)
+        if self._probe is not None:
+            self._probe.at_end(state)
 
     def _record_checkpoint(self, step: int, block_s: float) -> None:
         """Rank 0, after a save: how long it held the loop, and the in-memory snapshots' hold
