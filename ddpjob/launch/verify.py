@@ -2,7 +2,7 @@
 
 Runs the job small on the local backend (`ddpjob submit`, `stop` and `resume` called in process,
 each run in its own temporary run dir): once through (the reference), then once per
-interruption kind, each caused at a drawn step by rank/probe.py (DDPJOB_VERIFY), never by a
+interruption kind, each caused at a drawn step by rank/probe.py (probeplan.py's DDPJOB_VERIFY), never by a
 timer. launch/verdict.py compares each run with the reference and says why they differ.
 """
 
@@ -21,13 +21,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpjob import console, jobfile, rundir
+from ddpjob import console, jobfile, probeplan, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import resume, runs, stop, submit, verdict
 from ddpjob.launch.backends import TERMINAL
 from ddpjob.launch.backends.local_procs import LocalBackend
-from ddpjob.rank import entry, probe
+from ddpjob.probeplan import Instruction
 
 KINDS = {
     "signal": "SIGUSR2 to the supervisor (a preemption: checkpoint, restart)",
@@ -37,6 +37,7 @@ KINDS = {
 }
 # [user] keys a custom loop's step budget is commonly read from (examples/charlm: max_steps)
 STEP_KEYS = ("max_steps", "max_iters", "steps", "total_steps", "num_steps", "iterations")
+RECORD = Instruction("record")
 RUN_LIMIT_S = 1800.0
 POLL_S = 0.05
 
@@ -69,7 +70,7 @@ def plan(job: Path, cfg: JobConfig, user_sets: list[str], steps: int) -> tuple[P
         sets.append(f"slurm.cpus_per_task={max(1, min(s.cpus_per_task, room // max(world, other)))}")
     if world != s.world_size:
         notes.append(f"{world} ranks instead of the job's {s.world_size} (what fits this machine)")
-    if (cfg.train.entry or entry.BUILTIN) == entry.BUILTIN:
+    if not cfg.train.entry or cfg.train.entry.startswith("ddpjob.train."):  # the built-in trainer
         sets += [f"train.max_steps={steps}", "train.log_every=1"]
         if not cfg.train.global_batch_size:  # batch_size is per rank: the world kind keeps the global batch
             sets.append(f"train.global_batch_size={cfg.train.batch_size * max(world, other)}")
@@ -84,25 +85,25 @@ def plan(job: Path, cfg: JobConfig, user_sets: list[str], steps: int) -> tuple[P
 
 
 @contextlib.contextmanager
-def _instruction(text: str) -> Iterator[None]:
+def _instruction(instruction: Instruction) -> Iterator[None]:
     """DDPJOB_VERIFY for the supervisor started now (its ranks inherit it), and no other."""
-    old = os.environ.get(probe.VARIABLE)
-    os.environ[probe.VARIABLE] = text
+    old = os.environ.get(probeplan.VARIABLE)
+    os.environ[probeplan.VARIABLE] = instruction.text()
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # submit's table, stop's and resume's lines
             yield
     finally:
         if old is None:
-            os.environ.pop(probe.VARIABLE, None)
+            os.environ.pop(probeplan.VARIABLE, None)
         else:
-            os.environ[probe.VARIABLE] = old
+            os.environ[probeplan.VARIABLE] = old
 
 
 def _namespace(**values: object) -> argparse.Namespace:
     return argparse.Namespace(**{flag: None for flag, _, _ in jobfile.CLI_FLAGS}, **values)
 
 
-def _submit(p: Plan, run_dir: Path, instruction: str, extra: list[str] = ()) -> None:
+def _submit(p: Plan, run_dir: Path, instruction: Instruction, extra: tuple[str, ...] = ()) -> None:
     with _instruction(instruction):
         submit.cmd_submit(_namespace(job=str(p.job), backend="local", sweep=[], dry_run=False, wait=False,
                                      overrides=[*p.sets, *extra], run_dir=str(run_dir)))
@@ -113,7 +114,7 @@ def _wait(run_dir: Path, paused: bool = False) -> str:
     backend, job = LocalBackend(), runs.job_record(run_dir)
     deadline = time.monotonic() + RUN_LIMIT_S
     while time.monotonic() < deadline:
-        if paused and (run_dir / probe.FOLDER / probe.PAUSED).is_file():
+        if paused and (run_dir / probeplan.FOLDER / probeplan.PAUSED).is_file():
             return "PAUSED"
         state = backend.state(run_dir, job, None).state
         if state in TERMINAL:
@@ -135,17 +136,17 @@ def _ended(run_dir: Path, state: str, expected: str = "COMPLETED") -> str | None
 def run_kind(p: Plan, kind: str, at: int, run_dir: Path) -> str | None:
     """One interrupted run to its end; None, or why it did not complete."""
     if kind == "kill":
-        _submit(p, run_dir, f"kill@{at}:{p.world - 1}",
-                ["slurm.max_failures=1", f"checkpoint.snapshot_every={max(1, at // 2)}"])
+        _submit(p, run_dir, Instruction("kill", at, p.world - 1),
+                ("slurm.max_failures=1", f"checkpoint.snapshot_every={max(1, at // 2)}"))
         return _ended(run_dir, _wait(run_dir))
-    _submit(p, run_dir, f"pause@{at}:0")
+    _submit(p, run_dir, Instruction("pause", at, 0))
     state = _wait(run_dir, paused=True)
     if state != "PAUSED":
         return _ended(run_dir, state, "PAUSED")
     if kind == "signal":  # what SLURM's warning does to a local run: USR2 to the supervisor
         os.kill(int(runs.job_record(run_dir)["pid"]), signal.SIGUSR2)
         return _ended(run_dir, _wait(run_dir))
-    with _instruction("record"):
+    with _instruction(RECORD):
         stop.cmd_stop(_namespace(run=str(run_dir)))
     why = _ended(run_dir, _wait(run_dir), "STOPPED")
     if why:
@@ -154,7 +155,7 @@ def run_kind(p: Plan, kind: str, at: int, run_dir: Path) -> str | None:
     if p.other and kind == "world" and any(s.startswith("slurm.gpus_per_node=") and not s.endswith("=0")
                                            for s in p.sets):
         extra.append(f"slurm.gpus_per_node={p.other}")
-    with _instruction("record"):
+    with _instruction(RECORD):
         resume.cmd_resume(_namespace(run=str(run_dir), wait=False, allow_code_change=False, overrides=extra))
     return _ended(run_dir, _wait(run_dir))
 
@@ -194,7 +195,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     failed = 0
     try:
         ref = root / "reference"
-        _submit(p, ref, "record")
+        _submit(p, ref, RECORD)
         why = _ended(ref, _wait(ref))
         if why:
             raise DDPJobError(f"the uninterrupted reference run failed: {why}", "fix the job first: `ddpjob "

@@ -1,8 +1,8 @@
 """`ddpjob verify`'s hand inside a rank (launch/verify.py is the other end): an interruption
 caused at a given step, and each rank's view of its state at the end of the run.
 
-The login side sets DDPJOB_VERIFY (read through ClusterEnv.ddpjob_vars) to `record`,
-`pause@STEP:RANK` or `kill@STEP:RANK`. `Job.steps()` calls `at_step` as it hands out STEP, and on
+The login side sets DDPJOB_VERIFY (probeplan.py; read through ClusterEnv.ddpjob_vars) to
+`record`, `pause@STEP:RANK` or `kill@STEP:RANK`. `Job.steps()` calls `at_step` as it hands out STEP, and on
 the first attempt only (restart 0) the chosen rank
 - kill: SIGKILLs itself (a crash: the supervisor restarts the ranks in place);
 - pause: writes RUN_DIR/verify/paused.json and waits until its stop flag is raised (verify then
@@ -16,40 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, ModuleType
 from typing import Any
 
 from ddpjob import rundir
+from ddpjob.probeplan import FOLDER, PAUSED, VARIABLE, Instruction, parse
 from ddpjob.errors import DDPJobError
 
-VARIABLE = "DDPJOB_VERIFY"
-FOLDER = "verify"
-PAUSED = "paused.json"
 PAUSE_LIMIT_S = 300.0  # verify acts within a second; a rank paused longer was forgotten
-
-
-@dataclass(frozen=True)
-class Instruction:
-    action: str  # record | pause | kill
-    step: int = -1
-    rank: int = 0
-
-
-def parse(text: str) -> Instruction:
-    """DDPJOB_VERIFY's value (only ddpjob verify writes it)."""
-    if text == "record":
-        return Instruction("record")
-    m = re.fullmatch(r"(pause|kill)@(\d{1,9}):(\d{1,6})", text)
-    if m is None:
-        raise DDPJobError(f"{VARIABLE} is {text!r}, expected record, pause@STEP:RANK or kill@STEP:RANK",
-                          f"unset {VARIABLE}: only `ddpjob verify` sets it")
-    return Instruction(m[1], int(m[2]), int(m[3]))
 
 
 class Probe:

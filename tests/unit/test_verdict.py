@@ -10,6 +10,7 @@ import pytest
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import verdict
 from ddpjob.launch.verdict import Facts, diagnose
+from ddpjob import probeplan
 from ddpjob.rank import probe
 
 REF = {s: 3.0 - s / 10 for s in range(1, 21)}
@@ -86,11 +87,12 @@ def test_losses_keep_each_steps_newest_record(tmp_path) -> None:
 
 
 def test_the_instruction_is_parsed_strictly() -> None:
-    assert probe.parse("record") == probe.Instruction("record")
-    assert probe.parse("kill@12:1") == probe.Instruction("kill", 12, 1)
+    assert probeplan.parse("record") == probeplan.Instruction("record")
+    assert probeplan.parse("kill@12:1") == probeplan.Instruction("kill", 12, 1)
+    assert probeplan.Instruction("pause", 3, 0).text() == "pause@3:0"
     for bad in ("kill@12", "pause@x:0", "kill@12:1\n", "stop@3:0"):
         with pytest.raises(DDPJobError, match="DDPJOB_VERIFY"):
-            probe.parse(bad)
+            probeplan.parse(bad)
 
 
 def test_digests_follow_contents_not_identity() -> None:
