@@ -226,6 +226,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             console.info(f"verify: the run dirs are kept in {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    console.info(f"verify: {len(kinds) - failed} of {len(kinds)} kind(s) exact (world: close), "
+    console.info(f"verify: {len(kinds) - failed} of {len(kinds)} kind(s) passed (exact; world: close), "
                  f"{time.monotonic() - started:.0f} s in all")
     return 1 if failed else 0
