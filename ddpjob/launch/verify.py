@@ -113,13 +113,17 @@ def _wait(run_dir: Path, paused: bool = False) -> str:
     """The run's end state, or PAUSED once a rank paused for verify (rank/probe.py)."""
     backend, job = LocalBackend(), runs.job_record(run_dir)
     deadline = time.monotonic() + RUN_LIMIT_S
-    while time.monotonic() < deadline:
-        if paused and (run_dir / probeplan.FOLDER / probeplan.PAUSED).is_file():
-            return "PAUSED"
-        state = backend.state(run_dir, job, None).state
-        if state in TERMINAL:
-            return state
-        time.sleep(POLL_S)
+    try:
+        while time.monotonic() < deadline:
+            if paused and (run_dir / probeplan.FOLDER / probeplan.PAUSED).is_file():
+                return "PAUSED"
+            state = backend.state(run_dir, job, None).state
+            if state in TERMINAL:
+                return state
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:  # the supervisor is detached: it would train on in a removed folder
+        backend.cancel(run_dir, job, "RUNNING")
+        raise
     backend.cancel(run_dir, job, "RUNNING")
     raise DDPJobError(f"a verify run in '{run_dir}' did not end within {RUN_LIMIT_S:.0f} s",
                       "run the job once with `ddpjob submit --backend local --wait` to see why")
@@ -137,7 +141,7 @@ def run_kind(p: Plan, kind: str, at: int, run_dir: Path) -> str | None:
     """One interrupted run to its end; None, or why it did not complete."""
     if kind == "kill":
         _submit(p, run_dir, Instruction("kill", at, p.world - 1),
-                ("slurm.max_failures=1", f"checkpoint.snapshot_every={max(1, at // 2)}"))
+                ("slurm.max_failures=1", f"checkpoint.snapshot_every={max(1, at - 2)}"))  # 2 steps replayed
         return _ended(run_dir, _wait(run_dir))
     _submit(p, run_dir, Instruction("pause", at, 0))
     state = _wait(run_dir, paused=True)
@@ -185,6 +189,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     kinds = _kinds(args.kinds)
     if args.steps < 6:
         raise UsageError(f"--steps {args.steps} is too few, expected at least 6", "e.g. --steps 30")
+    if args.at is not None and not 0 < args.at < args.steps - 2:
+        raise UsageError(f"--at {args.at} is outside the run, expected 1..{args.steps - 3}", "e.g. --at 10")
     job = locate_job(args.job)
     cfg = jobfile.resolve(job, list(args.overrides))
     p, notes = plan(job, cfg, list(args.overrides), args.steps)
