@@ -26,7 +26,7 @@ from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import resume, runs, stop, submit, verdict
 from ddpjob.launch.backends import TERMINAL
-from ddpjob.launch.backends.local_procs import LocalBackend
+from ddpjob.launch.backends.local_procs import LocalBackend, pid_alive
 from ddpjob.probeplan import Instruction
 
 KINDS = {
@@ -118,7 +118,7 @@ def _wait(run_dir: Path, paused: bool = False) -> str:
             if paused and (run_dir / probeplan.FOLDER / probeplan.PAUSED).is_file():
                 return "PAUSED"
             state = backend.state(run_dir, job, None).state
-            if state in TERMINAL:
+            if state in TERMINAL and not pid_alive(job.get("pid")):  # its lock is free: resume may follow
                 return state
             time.sleep(POLL_S)
     except KeyboardInterrupt:  # the supervisor is detached: it would train on in a removed folder
