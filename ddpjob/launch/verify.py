@@ -50,6 +50,7 @@ class Plan:
     sets: list[str]  # --set overrides: the user's, then verify's
     world: int
     other: int  # the world size the "world" kind resumes at
+    gpus: bool  # one GPU per rank (else CPU ranks)
 
 
 def plan(job: Path, cfg: JobConfig, user_sets: list[str], steps: int) -> tuple[Plan, list[str]]:
@@ -62,11 +63,10 @@ def plan(job: Path, cfg: JobConfig, user_sets: list[str], steps: int) -> tuple[P
     sets = [*user_sets, "slurm.nodes=1", f"slurm.tasks_per_node={world}", "slurm.max_requeues=3",
             "slurm.max_failures=0", "checkpoint.resume=true"]
     if s.gpus_per_node and not gpus:
-        sets.append("slurm.gpus_per_node=0")
         notes.append("no GPU here: the ranks run on the CPU")
-    elif s.gpus_per_node:
-        sets.append(f"slurm.gpus_per_node={world}")
-    if not s.gpus_per_node or not gpus:
+    on_gpus = bool(s.gpus_per_node and gpus)
+    sets.append(f"slurm.gpus_per_node={world if on_gpus else 0}")
+    if not on_gpus:
         sets.append(f"slurm.cpus_per_task={max(1, min(s.cpus_per_task, room // max(world, other)))}")
     if world != s.world_size:
         notes.append(f"{world} ranks instead of the job's {s.world_size} (what fits this machine)")
@@ -81,7 +81,7 @@ def plan(job: Path, cfg: JobConfig, user_sets: list[str], steps: int) -> tuple[P
         else:
             notes.append(f"the step budget of {cfg.train.entry} is none of [user] {', '.join(STEP_KEYS)}: "
                          "it runs as configured")
-    return Plan(job, sets, world, other), notes
+    return Plan(job, sets, world, other, on_gpus), notes
 
 
 @contextlib.contextmanager
@@ -155,10 +155,8 @@ def run_kind(p: Plan, kind: str, at: int, run_dir: Path) -> str | None:
     why = _ended(run_dir, _wait(run_dir), "STOPPED")
     if why:
         return why
-    extra = [f"slurm.tasks_per_node={p.other}"] if kind == "world" else []
-    if p.other and kind == "world" and any(s.startswith("slurm.gpus_per_node=") and not s.endswith("=0")
-                                           for s in p.sets):
-        extra.append(f"slurm.gpus_per_node={p.other}")
+    extra = [f"slurm.tasks_per_node={p.other}", f"slurm.gpus_per_node={p.other if p.gpus else 0}"] \
+        if kind == "world" else []
     with _instruction(RECORD):
         resume.cmd_resume(_namespace(run=str(run_dir), wait=False, allow_code_change=False, overrides=extra))
     return _ended(run_dir, _wait(run_dir))
