@@ -101,8 +101,11 @@ def _what(f: Facts, step: int | None, tensors: list[str]) -> str:
         n = sum(1 for s in f.losses if f.got.get(s) != f.losses[s])
         parts.append(f"losses differ from step {step}{shown}, {n} of {len(f.losses)}")
     if tensors:
-        keys = sorted({t.split(":")[0] for t in tensors})
-        parts.append(f"{', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} differ (first: {tensors[0]})")
+        files = sorted({t.split(":")[0] for t in tensors})
+        keys = [f"`{n[:-3]}`" for n in files if n.endswith(".pt") and "/" not in n and n != "values.pt"]
+        named = (["state keys " + ", ".join(keys)] if keys else []) + \
+            [n for n in files if n.endswith(("/model.pt", "values.pt"))]
+        parts.append(f"{', '.join(named)} differ (first: {tensors[0]})")
     if f.rng_ranks:
         parts.append("RNG files of rank(s) " + ", ".join(map(str, sorted(f.rng_ranks))) + " differ")
     return "; ".join(parts)
@@ -169,7 +172,8 @@ def digest_facts(f: Facts, ref: dict[int, dict[str, Any]], got: dict[int, dict[s
                          if rank and r.get("state", {}).get(key) == mine != ref.get(rank, {}).get("state", {}).get(key)]
     for rank, r in sorted(ref.items()):
         theirs = got.get(rank, {}).get("outside", {})
-        f.outside += [f"{name} (rank {rank})" for name, d in sorted(r.get("outside", {}).items()) if theirs.get(name) != d]
+        f.outside += [f"{name} (rank {rank})" for name, d in sorted(r.get("outside", {}).items())
+                      if theirs.get(name) != d]
 
 
 def final_files(run_dir: Path) -> dict[str, Path]:

@@ -34,7 +34,8 @@ def test_smoke_is_exact_under_every_interruption_and_close_at_another_world_size
     assert code == 0, out
     lines = _lines(out)
     assert sorted(lines) == ["kill", "signal", "stop", "world"], out
-    assert all("exact (12 losses, every tensor of the final state equal)" in lines[k] for k in ("signal", "kill", "stop"))
+    exact = "exact (12 losses, every tensor of the final state equal)"
+    assert all(exact in lines[k] for k in ("signal", "kill", "stop"))
     assert ": close: " in lines["world"] and "1 rank(s)" in lines["world"]
     assert "4 of 4 kind(s) passed" in out and " s in all" in out
 
