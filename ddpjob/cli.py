@@ -169,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_format(p)
     p.set_defaults(func=_handler("ddpjob.launch.control:cmd_ls"))
 
+    p = sub.add_parser("verify", help="run a job small, interrupted every way, and say whether it resumes exactly")
+    p.add_argument("job", type=_path("job file"), help="job file (TOML)")
+    p.add_argument("--steps", type=int, default=30, help="steps of each run (default 30)")
+    p.add_argument("--kinds", default=",".join(["signal", "kill", "stop", "world"]),
+                   help="interruptions, comma-separated: signal, kill, stop, world (default: all)")
+    p.add_argument("--at", type=int, help="interrupt at this step (default: a step drawn per kind)")
+    p.add_argument("--seed", type=int, help="seed of the drawn steps (default: a new draw each time)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary run dirs for inspection")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="typed override of any job-file key (repeatable)")
+    p.set_defaults(func=_handler("ddpjob.launch.verify:cmd_verify"))
+
     p = sub.add_parser("doctor", help="preflight checks on the login node")
     p.add_argument("job", nargs="?", type=_path("job file"), help="job file to check against the cluster")
     p.add_argument("--srun", action="store_true", help="also run a tiny real srun on a compute node")

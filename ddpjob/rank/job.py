@@ -106,7 +106,7 @@ class Job:
         self._standalone, self._lock, self._on_close = standalone, lock, on_close
         # torch loads here, not at import: `import ddpjob` stays light on a login node
         from ddpjob.node import dist, preemption
-        from ddpjob.rank import straggler
+        from ddpjob.rank import probe, straggler
         from ddpjob.store import memsnap
         from ddpjob.store.schedule import SaveSchedule
         from ddpjob.store.state import StateStore
@@ -144,6 +144,7 @@ class Job:
         self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
         self._load_s: float | None = None  # resume()'s, for the recovery's phases (launch/phases.py)
         self._timer = straggler.for_job(self)  # each step's work and data wait, riding the vote
+        self._probe = probe.Probe.for_rank(ctx.env.ddpjob_vars, run_dir, self.rank, restart)  # ddpjob verify's
         # On GPUs the kernel choice decides both speed and whether a resume is bit-exact: say it.
         kernels = "" if self.device.type != "cuda" else (
             ", deterministic kernels (train.deterministic)" if cfg.train.deterministic
@@ -300,6 +301,8 @@ class Job:
         try:
             while step < total:
                 self._timer.step_started()
+                if self._probe is not None:  # ddpjob verify: an interruption caused at this step
+                    self._probe.at_step(step, self._stop)
                 yield step
                 self._timer.step_done()
                 step += 1
@@ -347,6 +350,8 @@ class Job:
         self._record_checkpoint(step, time.monotonic() - t0)
         if self._metrics is not None:
             self._metrics.saved(step)
+        if self._probe is not None:
+            self._probe.at_end(state)
 
     def _before_checkpoint(self) -> None:
         """Rank 0, before the first checkpoint: the [user] keys the script has not read by now
