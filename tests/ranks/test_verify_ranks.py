@@ -78,3 +78,11 @@ def test_each_mistake_is_named_with_its_first_diverging_step(tmp_path: Path, mis
 def test_the_right_loop_is_exact(tmp_path: Path) -> None:
     code, out = _verify(tmp_path, TINYGPT, "--kinds", "stop,kill", "--at", "5", "--steps", "10")
     assert code == 0 and out.count("exact (10 losses") == 2, out
+
+
+def test_the_per_rank_way_is_exact(tmp_path: Path) -> None:
+    """The own per-rank generator of `generator_in_state`, put into `state` as ddpjob.PerRank: each
+    rank's stream is saved and restored as its own, so the resumes are exact again."""
+    code, out = _verify(tmp_path, TINYGPT, "--kinds", "stop,kill", "--at", "5", "--steps", "10",
+                        "--set", "user.mistake=per_rank")
+    assert code == 0 and out.count("exact (10 losses") == 2, out

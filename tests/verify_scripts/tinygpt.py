@@ -7,6 +7,8 @@ stream, dropout), and the mistakes that break an exact resume, chosen with [user
     own_generator       a torch.Generator per rank for the batch offsets, outside `state`
     generator_in_state  that generator put into `state` through a state_dict() wrapper: rank 0's
                         is saved and loaded into every rank
+    per_rank            right again: the generator in `state` as ddpjob.PerRank(gen), each rank's
+                        saved and restored as its own
 
 tests/ranks/test_verify_ranks.py runs `ddpjob verify` on each (tinygpt.toml).
 """
@@ -57,10 +59,12 @@ gen = torch.Generator().manual_seed(100 + job.rank)  # each rank its own offsets
 state = {"model": model, "optimizer": optimizer}
 if mistake == "generator_in_state":
     state["gen"] = RankGenerator(gen)
+elif mistake == "per_rank":
+    state["gen"] = ddpjob.PerRank(gen)
 
 
 def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = gen if mistake in ("own_generator", "generator_in_state") else None  # None: ddpjob's RNG
+    g = gen if mistake in ("own_generator", "generator_in_state", "per_rank") else None  # None: ddpjob's RNG
     ix = torch.randint(len(data) - BLOCK - 1, (8,), generator=g)
     return (torch.stack([data[i:i + BLOCK] for i in ix]), torch.stack([data[i + 1:i + 1 + BLOCK] for i in ix]))
 
