@@ -9,7 +9,7 @@ from typing import Any
 from bench import killstorm, slurmctl, storm
 from bench.core import Bench, Row
 from bench.storm_ledger import loss_mismatches, train_records
-from ddpjob.rundir import read_jsonl
+from ddpjob.fileio import read_jsonl
 from ddpjob.store import memsnap
 
 

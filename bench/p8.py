@@ -167,7 +167,8 @@ class Launch:
                 "cudagraph_skips": text.count("skipping cudagraphs")}
 
     def _job_figures(self) -> dict[str, Any]:
-        from ddpjob.rundir import events, read_jsonl
+        from ddpjob.fileio import read_jsonl
+        from ddpjob.ledger import events
 
         batch = _batch(self.b, self.arm.batch)
         last = self.arm.steps or EPOCHS * (self.b.sizes.n_train // batch)
@@ -176,7 +177,7 @@ class Launch:
         if not rec:
             raise RuntimeError(f"P8 {self.arm.key}: no metrics record at step {last} in {self.run_dir}")
         r = rec[-1]
-        first = [e for e in events(self.run_dir) if e["event"] == "first_step"]
+        first = [e for e in events.read(self.run_dir) if e["event"] == "first_step"]
         acc = [x["eval_acc"] for x in records if "eval_acc" in x]
         return {"img_s": r["img_s"], "data_ms": r["data_ms"], "step_ms": r["step_ms"],
                 "epoch_s": r["step_ms"] * (self.b.sizes.n_train // batch) / 1000,

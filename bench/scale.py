@@ -35,7 +35,7 @@ from typing import Any
 
 from bench import slurmctl, storm
 from ddpjob.launch import phases as phases_mod
-from ddpjob.rundir import read_jsonl
+from ddpjob.fileio import read_jsonl
 
 FULL = (2, 4, 8, 16, 32)
 TINY = (2, 4)

@@ -26,7 +26,7 @@ from typing import Any
 
 from bench import slurmctl
 from bench.storm_ledger import train_records
-from ddpjob.rundir import read_jsonl
+from ddpjob.fileio import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "smoke.toml"

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob.launch import phases as phases_mod
-from ddpjob.rundir import read_jsonl
+from ddpjob.fileio import read_jsonl
 
 
 def train_records(run_dir: Path) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, rundir
+from ddpjob import console, fileio, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.version import __version__
@@ -182,7 +182,7 @@ def freeze(cfg: JobConfig, run_dir: Path, *, accepts: tuple[str, ...] = ()) -> d
     staging = run_dir / f".{CODE}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     # the run dir's modes, whatever the umask or the sources' modes: code nobody else can edit
-    dmode, fmode = rundir.dir_mode(cfg.slurm.share_group), rundir.file_mode(run_dir)
+    dmode, fmode = rundir.dir_mode(cfg.slurm.share_group), fileio.file_mode(run_dir)
     for rel, path in copies:
         target = staging / rel
         for parent in reversed([p for p in target.parents if p == staging or staging in p.parents]):
@@ -199,12 +199,12 @@ def freeze(cfg: JobConfig, run_dir: Path, *, accepts: tuple[str, ...] = ()) -> d
     if old.exists():
         shutil.rmtree(old)
     staging.rename(old)
-    rundir.write_json_atomic(run_dir / RECORD, record)
+    fileio.write_json_atomic(run_dir / RECORD, record)
     return record
 
 
 def record(run_dir: Path) -> dict[str, Any]:
-    return rundir.read_record(run_dir / RECORD)
+    return fileio.read_record(run_dir / RECORD)
 
 
 def python_path(run_dir: Path) -> Path:

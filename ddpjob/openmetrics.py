@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from ddpjob import rundir
+from ddpjob import fileio
 from ddpjob.errors import DDPJobError
 
 PIP_HINT = "pip install 'ddpjob[openmetrics]' (or pip install prometheus-client)"
@@ -115,7 +115,7 @@ class Textfile:
     """Rank 0's series for node_exporter's textfile collector ([train] metrics_textfile):
     rewritten whole, atomically, at each checkpoint and end, and with a job.log() record when
     TEXTFILE_EVERY_S passed since the last write (never per step). The file is 0644: the collector
-    often runs as another user; nobody else may write it (rundir.UserOutput: a temp file beside
+    often runs as another user; nobody else may write it (fileio.UserOutput: a temp file beside
     it, renamed over it)."""
 
     def __init__(self, path: str, run_dir: Path, *, job_id: str, restart: int) -> None:
@@ -155,5 +155,5 @@ class Textfile:
         registry = self._core.CollectorRegistry(auto_describe=False)
         registry.register(s)
         # the Prometheus text format (0.0.4): what node_exporter's textfile collector parses
-        rundir.UserOutput(self._path, flag="train.metrics_textfile").write(self._core.generate_latest(registry))
+        fileio.UserOutput(self._path, flag="train.metrics_textfile").write(self._core.generate_latest(registry))
         self._written = time.monotonic()

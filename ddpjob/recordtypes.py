@@ -1,7 +1,7 @@
 """The types of the fields that every reader of events.jsonl and metrics.jsonl does arithmetic
 on. A record that breaks them ("restart": "x", "time": "soon", a NaN time, a 400-digit loss) is a
-damaged line: rundir.read_jsonl skips it like a torn one, so one bad line never crashes status,
-ls, plot or a resume, and `status` names it (rundir.damaged_lines)."""
+damaged line: fileio.read_jsonl skips it like a torn one, so one bad line never crashes status,
+ls, plot or a resume, and `status` names it (fileio.damaged_lines)."""
 
 from __future__ import annotations
 

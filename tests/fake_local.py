@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddpjob import jobfile, rundir
+from ddpjob import fileio, jobfile
 
 # A fake `ddpjob run RUN_DIR`: records its environment, then behaves as RUN_DIR/fake.json says.
 FAKE_RANK = r'''
@@ -74,7 +74,7 @@ def make_run(tmp_path: Path, mode: str, nodes: int = 1, tasks: int = 2, max_requ
     cfg = jobfile.from_dict({"name": "fake", "slurm": {"nodes": nodes, "tasks_per_node": tasks,
                                                       "max_requeues": max_requeues,
                                                       "max_failures": max_failures}})
-    rundir.write_text_atomic(run / "config.json", cfg.to_json())
+    fileio.write_text_atomic(run / "config.json", cfg.to_json())
     (run / "fake.json").write_text(json.dumps({"mode": mode}))
     return run
 
@@ -86,4 +86,4 @@ def fake_command(tmp_path: Path) -> str:
 
 
 def local_state(run: Path) -> dict:
-    return rundir.read_json(run / "local.json", {}) or {}
+    return fileio.read_json(run / "local.json", {}) or {}

@@ -11,12 +11,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ddpjob import rundir
+from ddpjob import fileio
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
     """JSON lines; a torn last line (the writer was killed) is skipped."""
-    return rundir.read_jsonl(path)
+    return fileio.read_jsonl(path)
 
 
 def events(run: Path, kind: str | None = None) -> list[dict[str, Any]]:

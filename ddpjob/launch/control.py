@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, rundir
+from ddpjob import console, fileio, rundir
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch.backends import choose
 from ddpjob.launch.runs import (RunInfo, code_state, infos, job_record, resolve, run_info, runs_under,
@@ -52,10 +52,10 @@ def format_status(i: RunInfo) -> str:
         lines += [ln for ln in summary(i.run_dir, live) if ln.split()[0] in ("progress", "best", "restarts", "attempt",
                                                                        "recovery", "hosts", "straggler")
                   and not ln.startswith("restarts    0")]
-    except (ValueError, OSError) as exc:  # a damaged record (rundir.RecordError, ...): said, not raised
+    except (ValueError, OSError) as exc:  # a damaged record (fileio.RecordError, ...): said, not raised
         lines.append(f"damaged     {exc}"[:300])
     for record in (rundir.EVENTS, rundir.METRICS):
-        skipped = rundir.damaged_lines(i.run_dir / record)
+        skipped = fileio.damaged_lines(i.run_dir / record)
         if skipped:
             lines.append(f"damaged     {skipped}"[:300])
     try:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from ddpjob import rundir
+from ddpjob import fileio, rundir
 from ddpjob.launch import phases, runs
 from ddpjob.ledger import events
 from ddpjob.launch.backends import TERMINAL, choose
@@ -303,7 +303,7 @@ def of_runs(infos: list[runs.RunInfo]) -> dict[Path, Ledger | None]:
             continue
         job, evs = per_run[i.run_dir]
         try:
-            metrics = rundir.read_jsonl(i.run_dir / rundir.METRICS)
+            metrics = fileio.read_jsonl(i.run_dir / rundir.METRICS)
         except (ValueError, OSError):
             metrics = []
         ids = {str(e.get("job_id")) for e in evs} | {str(j) for j in job.get("job_ids") or [job.get("job_id")] if j}

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import exitcodes, jobfile, rundir, runlock
+from ddpjob import exitcodes, fileio, jobfile, rundir, runlock
 from ddpjob.launch import slurmopts
 from ddpjob.ledger import attempts, budget, crashes, events, policy, requests
 from ddpjob.node import warm
@@ -92,7 +92,7 @@ class Supervisor:
         self.gave_up: str | None = None  # why a crash was not retried, where it is not the budget
 
     def write(self, state: str, **extra: Any) -> None:
-        rundir.write_json_atomic(self.run_dir / LOCAL, {
+        fileio.write_json_atomic(self.run_dir / LOCAL, {
             "pid": os.getpid(), "job_id": self.job_id, "state": state, "restarts": self.restarts,
             "world_size": self.cfg.slurm.world_size, "rank_pids": [p.pid for p in self.procs],
             "history": self.history, "updated_at": time.time(), **extra})
@@ -327,7 +327,7 @@ def supervise(run_dirs: Sequence[Path], command: list[str] | None = None) -> int
         s.write("PENDING")
     ok = True
     for s in sups:
-        marked = (rundir.read_json(s.run_dir / LOCAL, {}) or {}).get("state") == "CANCELLED"
+        marked = (fileio.read_json(s.run_dir / LOCAL, {}) or {}).get("state") == "CANCELLED"
         if stop_all[0] or marked:
             s.write("CANCELLED", reason="cancelled before it started")
             ok = False

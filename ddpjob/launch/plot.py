@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddpjob import console, rundir
+from ddpjob import console, fileio, rundir
 from ddpjob.ledger import attempts, budget, crashes, events
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import goodput, phases
@@ -110,13 +110,13 @@ def load_history(run_dir: str | Path, name: str | None = None) -> History:
     run = Path(run_dir)
     train: dict[int, dict[str, Any]] = {}
     evals: dict[int, dict[str, Any]] = {}
-    for rec in rundir.read_jsonl(run / rundir.METRICS):
+    for rec in fileio.read_jsonl(run / rundir.METRICS):
         if not isinstance(rec.get("step"), int):
             continue
         is_eval = rec.get("kind") == "eval" or (rec.get("kind") is None and "eval_acc" in rec)
         (evals if is_eval else train)[rec["step"]] = rec  # later (re-run) records win
     evs = events.read(run)
-    after = rundir.read_record(run / "config.json").get("slurm", {}).get("exclude_after")
+    after = fileio.read_record(run / "config.json").get("slurm", {}).get("exclude_after")
     return History(name or run.name, [train[s] for s in sorted(train)],
                    [evals[s] for s in sorted(evals)], restart_markers(evs), evs,
                    after if isinstance(after, int) and not isinstance(after, bool) else crashes.QUARANTINE_AFTER)
@@ -136,11 +136,11 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path,
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas for PNG
     from matplotlib.lines import Line2D
 
-    out = rundir.UserOutput(output)  # refused before any drawing if it is no place for a PNG
+    out = fileio.UserOutput(output)  # refused before any drawing if it is no place for a PNG
     paths = [Path(p) for p in run_dirs]
     try:
         histories = [load_history(p, n) for p, n in zip(paths, _names(paths))]
-    except rundir.RecordError as exc:
+    except fileio.RecordError as exc:
         raise DDPJobError(f"cannot plot: {exc}, expected its records as ddpjob writes them",
                           "move the damaged file out of the run dir") from None
     empty = [h.name for h in histories if not h.train and not h.evals]

@@ -20,7 +20,7 @@ import string
 from collections.abc import Mapping
 from pathlib import Path
 
-from ddpjob import exitcodes, rundir, scriptsafe
+from ddpjob import exitcodes, fileio, rundir, scriptsafe
 from ddpjob.config import JobConfig
 from ddpjob.launch import container
 from ddpjob.launch import slurmopts
@@ -58,11 +58,11 @@ def load_template(path: str | Path | None = None) -> str:
     if path is None:
         return _default_template()
     try:  # the bounded read: a FIFO or a device named by mistake must not block sbatch
-        return rundir.read_bounded(path, TEMPLATE_LIMIT, errors="strict")
+        return fileio.read_bounded(path, TEMPLATE_LIMIT, errors="strict")
     except FileNotFoundError:
         raise UsageError(f"template '{path}' not found, expected a copy of {TEMPLATE_NAME}",
                          "copy templates/sbatch.sh.tmpl from ddpjob and pass its path") from None
-    except rundir.RecordError:
+    except fileio.RecordError:
         mode = os.stat(path).st_mode
         kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
                 "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "too large")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, freeze, jobfile, recordtypes, rundir, runlock
+from ddpjob import console, fileio, freeze, jobfile, recordtypes, rundir, runlock
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch.backends import TERMINAL, Backend, choose
 from ddpjob.ledger import attempts, events
@@ -49,7 +49,7 @@ class RunInfo:
 def last_metric(run_dir: Path) -> tuple[int | None, float | None]:
     """(step, loss) of the newest metrics record that has a loss; reads only the file's tail."""
     try:
-        lines = rundir.read_bounded(run_dir / rundir.METRICS, 65536, tail=True).splitlines()
+        lines = fileio.read_bounded(run_dir / rundir.METRICS, 65536, tail=True).splitlines()
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         return None, None
     import json
@@ -75,8 +75,8 @@ def job_record(run_dir: Path) -> dict[str, Any]:
     """job.json; for a run started by `ddpjob sbatch` + `sbatch` (no job.json), the SLURM job id
     the ranks recorded in events.jsonl."""
     if (run_dir / rundir.JOB).exists() and not (run_dir / rundir.JOB).is_file():
-        raise rundir.RecordError(f"{run_dir / rundir.JOB} is not a regular file")  # DAMAGED, never read
-    job = rundir.read_record(run_dir / rundir.JOB)
+        raise fileio.RecordError(f"{run_dir / rundir.JOB} is not a regular file")  # DAMAGED, never read
+    job = fileio.read_record(run_dir / rundir.JOB)
     if not job:
         ids = [str(e["job_id"]) for e in events.read(run_dir) if e.get("job_id")]
         if ids and re.fullmatch(r"\d+(_\d+)?", ids[-1]):
@@ -126,7 +126,7 @@ def run_info(run_dir: Path, states: dict[str, dict[str, Any]] | None = None) -> 
 
 
 def sweep_points(sweep_dir: Path) -> list[tuple[Path, str]]:
-    points = rundir.read_record(sweep_dir / SWEEP).get("points")
+    points = fileio.read_record(sweep_dir / SWEEP).get("points")
     return [(sweep_dir / str(p["id"]), " ".join(f"{k}={v}" for k, v in p["values"].items()))
             for p in (points if isinstance(points, list) else [])
             if isinstance(p, dict) and isinstance(p.get("id"), (int, str))
@@ -199,7 +199,7 @@ def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
     if root.is_dir():
         for d in sorted(root.iterdir()):
             # os.path.isfile: False for another user's run (pathlib's raises), which is passed over
-            sweep = rundir.read_record(d / SWEEP) if os.path.isfile(d / SWEEP) else None
+            sweep = fileio.read_record(d / SWEEP) if os.path.isfile(d / SWEEP) else None
             if sweep and str(sweep.get("job_id")) == target:
                 return d, True
         for d, _ in runs_under(root):

@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ddpjob import config, console, freeze, jobfile, rundir
+from ddpjob import config, console, fileio, freeze, jobfile, rundir
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import entrycheck, render
 from ddpjob.launch.backends.sbatch_slurm import SCRIPT  # RUN_DIR/job.sbatch, what a resume resubmits
@@ -35,7 +35,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
         console.warn(line)
     template = render.load_template(args.template)
     to_stdout = args.output == "-"
-    out = None if to_stdout else rundir.UserOutput(args.output)
+    out = None if to_stdout else fileio.UserOutput(args.output)
     run_dir = Path(args.run_dir or rundir.new_run_dir("runs", cfg.name)).absolute()
     # The interpreter that runs ddpjob here runs the ranks too (same venv on a shared filesystem).
     script = render.render_sbatch(cfg, run_dir=run_dir, python=os.path.abspath(sys.executable),
@@ -124,14 +124,14 @@ def _write_run_dir(run_dir: Path, cfg: config.JobConfig, script: str, reuse: boo
             if not path.exists():
                 rundir.make_dir(path, cfg.slurm.share_group)
                 made.append(path)
-        rundir.write_text_atomic(run_dir / SCRIPT, script)
+        fileio.write_text_atomic(run_dir / SCRIPT, script)
         if not (run_dir / freeze.RECORD).is_file():  # a reused run dir keeps its frozen code
             freeze.freeze(cfg, run_dir)
             made.append(run_dir / freeze.CODE)
             made.append(run_dir / freeze.RECORD)
         if not reuse:  # last: an existing config.json is replaced only once all else worked
             existed = (run_dir / rundir.CONFIG).exists()
-            rundir.write_text_atomic(run_dir / rundir.CONFIG, cfg.to_json())
+            fileio.write_text_atomic(run_dir / rundir.CONFIG, cfg.to_json())
             if not existed:
                 made.append(run_dir / rundir.CONFIG)
     except OSError as exc:

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, freeze, jobfile, rundir
+from ddpjob import config, console, fileio, freeze, jobfile, rundir
 from ddpjob.rank import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
@@ -158,14 +158,14 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, ro
     created = _make_root(root, share) if state == rundir.NEW else None
     try:
         run_dirs = [root / p.id for p in points] if points else [root]
-        earlier = rundir.read_record(root / rundir.JOB) if state != rundir.NEW else {}
+        earlier = fileio.read_record(root / rundir.JOB) if state != rundir.NEW else {}
         if earlier:  # the earlier job's supervisor state would read as this job's (its events stay)
             (root / local.LOCAL).unlink(missing_ok=True)
         for d, cfg in zip(run_dirs, cfgs):
             rundir.make_dir(d, share)
             rundir.make_dir(d / rundir.LOGS, share)
             if state != rundir.SAME:
-                rundir.write_text_atomic(d / rundir.CONFIG, cfg.to_json())
+                fileio.write_text_atomic(d / rundir.CONFIG, cfg.to_json())
             if not (d / freeze.RECORD).is_file():  # a resubmission keeps the code it was frozen with
                 freeze.freeze(cfg, d)
         log_dir = root / rundir.LOGS
@@ -175,9 +175,9 @@ def launch(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, ro
             chain = [str(j) for j in (earlier.get("job_ids") or [earlier.get("job_id")]) if j]
             records[0]["job_ids"] = [*chain, records[0]["job_id"]]
         for d, rec in zip(run_dirs, records):
-            rundir.write_json_atomic(d / rundir.JOB, rec)
+            fileio.write_json_atomic(d / rundir.JOB, rec)
         if points:
-            rundir.write_json_atomic(root / "sweep.json", {
+            fileio.write_json_atomic(root / "sweep.json", {
                 "job": str(job), "backend": backend.name,
                 "job_id": (records[0]["array"] or records[0])["job_id"],
                 "axes": {k: [p.values[k] for p in points] for k in points[0].values},

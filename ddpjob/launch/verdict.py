@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpjob import rundir
+from ddpjob import fileio, rundir
 
 # Below this relative difference at the first differing loss, the same data met other
 # arithmetic (a reduction order, a kernel); above it, the step saw other data or other draws.
@@ -155,7 +155,7 @@ def digests(run_dir: Path) -> dict[int, dict[str, Any]]:
     """rank -> its rank/probe.py record of the final save."""
     out = {}
     for path in sorted((run_dir / "verify").glob("rank-*.json")):
-        rec = rundir.read_record(path)
+        rec = fileio.read_record(path)
         if rec and path.stem[5:].isdigit():
             out[int(path.stem[5:])] = rec
     return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpjob import rundir
+from ddpjob import fileio, rundir
 from ddpjob.ledger import budget, events, policy
 
 # Two failures on one host by default ([slurm] exclude_after): once may be the job's bad luck,
@@ -243,6 +243,6 @@ def resume_point(run_dir: Path, saved: int | None) -> tuple[int, int | None]:
     """(the step the next start resumes from: `saved`, what the caller found (store/memsnap.py:
     newest_saved), else 0; steps trained past it that are lost, None: no metrics to tell)."""
     resume_at = saved or 0
-    trained = [int(r["step"]) for r in rundir.read_jsonl(run_dir / rundir.METRICS)[-50:]
+    trained = [int(r["step"]) for r in fileio.read_jsonl(run_dir / rundir.METRICS)[-50:]
                if isinstance(r.get("step"), int)]
     return resume_at, (max(0, max(trained) - resume_at) if trained else None)

@@ -4,7 +4,7 @@ and reader of the file (docs/events.md is the same list in words).
 A record is one JSON object per line: `event` (its kind), `time`, `v` (the schema version that
 wrote it; absent: written before versions, read as 1), and, for everything an attempt does,
 `job_id` and `restart` (the attempt's number within the run: attempts.py). Readers never crash
-on what they meet: a line that breaks the field types is skipped (rundir.read_jsonl), a kind this
+on what they meet: a line that breaks the field types is skipped (fileio.read_jsonl), a kind this
 ddpjob does not know or a record of a newer schema is kept for the views that can use it and
 said once (notes()).
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpjob import rundir
+from ddpjob import fileio, rundir
 
 SCHEMA = 1  # fields are only ever added; a new meaning of a field is a new version
 COMMON = ("event", "time", "v", "job_id", "restart")
@@ -85,13 +85,13 @@ def record(run_dir: str | Path, kind: str, **fields: Any) -> dict[str, Any]:
     if unknown and not k.extra:
         raise ValueError(f"event {kind!r} has no field(s) {sorted(unknown)}")
     rec = {"time": time.time(), "event": kind, "v": SCHEMA, **fields}
-    rundir.append_jsonl(Path(run_dir) / rundir.EVENTS, rec)
+    fileio.append_jsonl(Path(run_dir) / rundir.EVENTS, rec)
     return rec
 
 
 def read(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every readable record, in the order written."""
-    return rundir.read_jsonl(Path(run_dir) / rundir.EVENTS)
+    return fileio.read_jsonl(Path(run_dir) / rundir.EVENTS)
 
 
 def notes(evs: Iterable[Mapping[str, Any]]) -> str:

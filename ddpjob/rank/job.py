@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, exitcodes, rundir, runlock
+from ddpjob import console, exitcodes, fileio, rundir, runlock
 from ddpjob.ledger import events, requests
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
@@ -468,7 +468,7 @@ class Job:
                 final = self.run_dir / rundir.FINAL
                 final.mkdir(exist_ok=True)
                 weights = plain_state_dict(model) if weights is None else weights
-                rundir.write_atomic(final / "model.pt", lambda f: torch.save(weights, f))
+                fileio.write_atomic(final / "model.pt", lambda f: torch.save(weights, f))
             rundir.mark_completed(self.run_dir, step=step, **info)
             events.record(self.run_dir, "stop", reason="finished", step=step, job_id=self.job_id,
                                 restart=self.restart, **{k: v for k, v in info.items() if k == "accuracy"})

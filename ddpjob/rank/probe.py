@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType, ModuleType
 from typing import Any
 
-from ddpjob import rundir
+from ddpjob import fileio, rundir
 from ddpjob.probeplan import FOLDER, PAUSED, VARIABLE, Instruction, parse
 from ddpjob.errors import DDPJobError
 
@@ -50,7 +50,7 @@ class Probe:
         if self.instruction.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         rundir.make_dir(self.run_dir / FOLDER)
-        rundir.write_json_atomic(self.run_dir / FOLDER / PAUSED, {"step": step, "rank": self.rank,
+        fileio.write_json_atomic(self.run_dir / FOLDER / PAUSED, {"step": step, "rank": self.rank,
                                                                    "pid": os.getpid()})
         deadline = time.monotonic() + PAUSE_LIMIT_S
         while not stop.code:  # the handler sets it; the sleep is interrupted by the signal
@@ -72,7 +72,7 @@ class Probe:
                             outside.setdefault(where, digest(_generator_state(g)))
             frame = frame.f_back
         rundir.make_dir(self.run_dir / FOLDER)
-        rundir.write_json_atomic(self.run_dir / FOLDER / f"rank-{self.rank}.json", {
+        fileio.write_json_atomic(self.run_dir / FOLDER / f"rank-{self.rank}.json", {
             "state": {str(k): digest(v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()},
             "outside": outside})
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from ddpjob import console, rundir
+from ddpjob import console, fileio, rundir
 from ddpjob.errors import DDPJobError
 from ddpjob.openmetrics import Textfile
 from ddpjob.rank.trackers import Trackers
@@ -52,7 +52,7 @@ class MetricLog:
         line = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         kind = kind_of(list(line))
         self._check_once_per_step(int(step), kind, list(line))
-        rundir.append_jsonl(self._run_dir / rundir.METRICS,
+        fileio.append_jsonl(self._run_dir / rundir.METRICS,
                             {"kind": kind, "time": time.time(), "step": int(step),
                              "restart": self._restart, **line})
         if self._tb is not None:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
-from ddpjob import console, exitcodes, rundir, slurm
+from ddpjob import console, exitcodes, fileio, rundir, slurm
 from ddpjob.ledger import attempts, budget, crashes, events, policy, requests
 from ddpjob.config import JobConfig
 from ddpjob.node import hostlist, preemption
@@ -59,14 +59,14 @@ def bring_back(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> dict[str, Any]
 def _follow(run_dir: Path, old: str, new: str) -> None:
     """job.json: the successor becomes the job that status/logs/cancel follow; `job_ids` keeps
     the chain. submitit's task pickle is copied under the new id (its script loads it by id)."""
-    job = rundir.read_json(run_dir / rundir.JOB, {}) or {"backend": "slurm", "via": "sbatch"}
+    job = fileio.read_json(run_dir / rundir.JOB, {}) or {"backend": "slurm", "via": "sbatch"}
     chain = list(job.get("job_ids") or [job.get("job_id") or old])
     job.update(job_id=new, job_ids=[*chain, new])
-    rundir.write_json_atomic(run_dir / rundir.JOB, job)
+    fileio.write_json_atomic(run_dir / rundir.JOB, job)
     folder = Path(job.get("log_folder") or run_dir / rundir.LOGS)
     pickle = folder / f"{old}_submitted.pkl"
     if pickle.is_file():
-        rundir.write_atomic(folder / f"{new}_submitted.pkl", lambda f: f.write(pickle.read_bytes()))
+        fileio.write_atomic(folder / f"{new}_submitted.pkl", lambda f: f.write(pickle.read_bytes()))
 
 
 def _preempting(job_id: str) -> bool | slurm.Failed:
@@ -251,8 +251,8 @@ def _attempt_log(run_dir: Path, job_id: str) -> str:
     custom --output, a sweep's shared log folder)."""
     for name in (f"batch-{job_id}.out", f"{job_id}_0_log.err"):
         try:
-            text = rundir.read_bounded(run_dir / rundir.LOGS / name, 1 << 16, tail=True)
-        except (OSError, rundir.RecordError):
+            text = fileio.read_bounded(run_dir / rundir.LOGS / name, 1 << 16, tail=True)
+        except (OSError, fileio.RecordError):
             continue
         return text[text.rfind(ATTEMPT_MARK):] if ATTEMPT_MARK in text else text
     return ""

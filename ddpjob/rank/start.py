@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, exitcodes, freeze, jobfile, rundir, runlock, slurm
+from ddpjob import console, exitcodes, fileio, freeze, jobfile, rundir, runlock, slurm
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.node.cluster import ClusterEnv
@@ -178,13 +178,13 @@ def _record_torchrun_job(env: ClusterEnv, path: Path) -> None:
     """job.json of a run torchrun started: its backend, its job and the agent whose life is the
     job's (launch/backends/torchrun_procs.py reads it). A later torchrun given the same run dir
     adds its job; a run submitted through another backend keeps its own record."""
-    job = rundir.read_record(path / rundir.JOB)
+    job = fileio.read_record(path / rundir.JOB)
     if job and job.get("backend") != "torchrun":
         return
     if job.get("job_id") == env.job_id and job.get("pid") == env.agent_pid:
         return  # a restart round of the same agent
     ids = [str(j) for j in job.get("job_ids") or [] if j != env.job_id]
-    rundir.write_json_atomic(path / rundir.JOB, {"backend": "torchrun", "job_id": env.job_id,
+    fileio.write_json_atomic(path / rundir.JOB, {"backend": "torchrun", "job_id": env.job_id,
                                                  "job_ids": [*ids, env.job_id], "pid": env.agent_pid,
                                                  "host": env.hostname})
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddpjob import console, rundir
+from ddpjob import console, fileio, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 
@@ -166,9 +166,9 @@ class Trackers:
         self._open: dict[str, tuple[Any, Mark, dict[str, int]]] = {}  # tracker, mark, newest sent
         for name in cfg.train.trackers:
             path = folder / f"{name}.json"
-            state = rundir.read_json(path, {}) or {}
+            state = fileio.read_json(path, {}) or {}
             try:
-                tracker = KINDS_OF[name](state, lambda s, p=path: rundir.write_json_atomic(p, s), cfg, run_dir)
+                tracker = KINDS_OF[name](state, lambda s, p=path: fileio.write_json_atomic(p, s), cfg, run_dir)
                 tracker.note({"job_id": job_id, "attempts": attempts})
             except DDPJobError:
                 raise
@@ -184,7 +184,7 @@ class Trackers:
     def _catch_up(self, run_dir: Path) -> None:
         """The records after each tracker's mark, the newest of each step and kind, in step order."""
         try:
-            records = rundir.read_jsonl(run_dir / rundir.METRICS)
+            records = fileio.read_jsonl(run_dir / rundir.METRICS)
         except (ValueError, OSError) as exc:
             console.warn(f"train.trackers: metrics.jsonl unreadable ({exc}); the trackers are not caught up")
             return

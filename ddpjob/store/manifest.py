@@ -25,7 +25,7 @@ MANIFEST_LIMIT = 16 << 20  # bytes: a manifest lists a few files (a DCP one a sh
 
 def read(folder: Path) -> dict[str, Any]:
     """The parsed manifest; {} when missing, unparsable or not an object."""
-    from ddpjob.rundir import read_bounded
+    from ddpjob.fileio import read_bounded
 
     try:
         manifest = json.loads(read_bounded(folder / MANIFEST, MANIFEST_LIMIT))
@@ -46,7 +46,7 @@ def committed(root: Path) -> list[tuple[int, Path]]:
 def verify(folder: Path, step: int, config_hash: str = "", *, hashes: bool = True) -> str | None:
     """None when the checkpoint is complete and intact, else a one-line reason. hashes=False:
     every check but the sha256 of the files (cheap: what pruning uses)."""
-    from ddpjob.rundir import RecordError, read_bounded
+    from ddpjob.fileio import RecordError, read_bounded
 
     try:
         manifest = json.loads(read_bounded(folder / MANIFEST, MANIFEST_LIMIT))

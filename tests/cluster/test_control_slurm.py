@@ -14,7 +14,7 @@ import pytest
 from clirun import ddpjob, wait_for
 from ranks import LAG
 
-from ddpjob import jobfile, rundir
+from ddpjob import fileio, jobfile, rundir
 from ddpjob.launch import runs
 from ddpjob.ledger.events import read as read_events
 
@@ -32,7 +32,7 @@ def test_status_logs_cancel_ls_on_a_real_slurm_job(slurm_cluster, tmp_path):
                  "--set", "train.max_steps=100000", "--set", "train.eval_every=0",
                  cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    job_id = rundir.read_json(run / "job.json")["job_id"]
+    job_id = fileio.read_json(run / "job.json")["job_id"]
     slurmtools.submitted.append(job_id)
     wait_state(job_id, ("RUNNING",), timeout=120)
     wait_for(lambda: ddpjob("logs", str(run), "--rank", "1", cwd=tmp_path).returncode == 0, timeout=60,
@@ -63,7 +63,7 @@ def test_a_preempted_submitit_job_is_requeued_by_slurm_and_resumes(slurm_cluster
                  "--set", "train.max_steps=300", "--set", "train.eval_every=0", "--set", "train.log_every=5",
                  cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
-    job_id = rundir.read_json(run / "job.json")["job_id"]
+    job_id = fileio.read_json(run / "job.json")["job_id"]
     slurmtools.submitted.append(job_id)
     slurmtools.wait_state(job_id, ("RUNNING",), timeout=120)
     wait_for(lambda: (runs.last_metric(run)[0] or 0) >= 10, timeout=120, what="step 10")
@@ -127,7 +127,7 @@ def test_resume_of_a_cancelled_sbatch_run_finishes_it(slurm_cluster, tmp_path):
     out = subprocess.run([sys.executable, "-m", "ddpjob", "resume", str(run), "--set", "train.max_steps=12"],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    job = rundir.read_json(run / "job.json")
+    job = fileio.read_json(run / "job.json")
     assert job["via"] == "sbatch" and job["job_ids"] == [first, job["job_id"]]
     slurmtools.submitted.append(job["job_id"])
     assert slurmtools.wait_done(job["job_id"], timeout=300) == "COMPLETED"

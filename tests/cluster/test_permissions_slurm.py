@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpjob import rundir
+from ddpjob import fileio
 from test_permissions_ranks import _loose
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ def test_a_submitit_job_under_umask_002_with_share_group_keeps_its_pickle_privat
                                  "--set", "slurm.share_group=true"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(0o002))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    job_id = rundir.read_json(run / "job.json")["job_id"]
+    job_id = fileio.read_json(run / "job.json")["job_id"]
     slurmtools.submitted.append(job_id)
     assert slurmtools.wait_done(job_id, timeout=300) == "COMPLETED"
     assert list(run.glob("logs/*.pkl")) and list(run.glob("checkpoints/step-*/*.pt"))

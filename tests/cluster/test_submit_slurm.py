@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clirun import ddpjob as run_cli
-from ddpjob import rundir
+from ddpjob import fileio, rundir
 from ddpjob.ledger.events import read as read_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ def _submit_slurm(tmp_path: Path, *extra: str, timeout: float = 120) -> tuple[Pa
     out = run_cli("submit", SMOKE, "--backend", "slurm", "--run-dir", str(run), *extra, cwd=tmp_path,
                   timeout=timeout)
     assert out.returncode == 0, out.stdout + out.stderr
-    job = rundir.read_json(run / "job.json")
+    job = fileio.read_json(run / "job.json")
     slurmtools.submitted.append(job["job_id"])  # conftest cancels what a failed test leaves
     return run, job
 

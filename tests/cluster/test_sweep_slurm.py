@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from clirun import ddpjob
-from ddpjob import jobfile, rundir
+from ddpjob import fileio, jobfile, rundir
 from ddpjob.ledger.events import read as read_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,13 +33,13 @@ def test_slurm_sweep_of_two_points_is_one_job_array(slurm_cluster, tmp_path):
     while not (sweep / "sweep.json").is_file():
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
         time.sleep(0.2)
-    base = rundir.read_json(sweep / "sweep.json")["job_id"]
+    base = fileio.read_json(sweep / "sweep.json")["job_id"]
     slurmtools.submitted.append(base)
     try:
         out, err = proc.communicate(timeout=300)  # --wait: streams each point's rank 0, then returns
         assert proc.returncode == 0, out[-2000:] + err[-2000:]
         assert f"{sweep}/0: COMPLETED" in out and f"{sweep}/1: COMPLETED" in out
-        ids = [rundir.read_json(sweep / str(i) / "job.json")["job_id"] for i in range(2)]
+        ids = [fileio.read_json(sweep / str(i) / "job.json")["job_id"] for i in range(2)]
         assert ids == [f"{base}_0", f"{base}_1"]
         assert "#SBATCH --array=0-1%2" in (sweep / "0" / "job.sbatch").read_text()
         deadline = time.monotonic() + 300  # (slurmtools.wait_done takes plain job ids, not A_i)
@@ -87,13 +87,13 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
                  "--set", "checkpoint.every_steps=0", "--set", f"train.entry={json.dumps(str(entry))}",
                  cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    base = rundir.read_json(sweep / "sweep.json")["job_id"]
+    base = fileio.read_json(sweep / "sweep.json")["job_id"]
     slurmtools.submitted.append(base)
     with entry.open("a") as f:  # the live code moves on; each point keeps the code it was frozen with
         f.write("# edited after the submission\n")
     points = [sweep / str(i) for i in range(2)]
     ids = [f"{base}_{i}" for i in range(2)]
-    frozen = [rundir.read_json(p / "code.json")["hash"] for p in points]
+    frozen = [fileio.read_json(p / "code.json")["hash"] for p in points]
     for p, code in zip(points, frozen):
         assert freeze.digest(freeze.collect(jobfile.read_run_config(p))["files"]) != code  # the test can tell
     try:
@@ -128,7 +128,7 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
             assert stops[0]["reason"] == "time_limit" and stops[0]["requeued_by"] == "scontrol", stops
             assert stops[0]["job_id"] == ids[i] and stops[0]["note"] == f"requeued job {ids[i]}", stops
             assert stops[-1]["reason"] == "finished" and stops[-1]["restart"] == starts - 1, stops
-            assert rundir.read_json(p / "job.json")["job_id"] == ids[i]  # no successor job took over
+            assert fileio.read_json(p / "job.json")["job_id"] == ids[i]  # no successor job took over
             manifests = list((p / "checkpoints").glob("step-*/manifest.json"))
             assert manifests and all(json.loads(m.read_text())["code_hash"] == code for m in manifests)
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob import rundir
+from ddpjob import fileio
 from ddpjob.store.commit import CheckpointStore
 
 from clirun import ddpjob
@@ -193,7 +193,7 @@ def test_checkpoints_none_of_which_verifies_refuse_the_start_until_from_scratch(
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rejected = sorted(p.name.split("-r")[0] for p in (run / "checkpoints" / "rejected").iterdir())
     assert rejected == ["step-000000002", "step-000000004"]  # kept, never written over
-    starts = [e for e in rundir.read_jsonl(run / "events.jsonl") if e["event"] == "start"]
+    starts = [e for e in fileio.read_jsonl(run / "events.jsonl") if e["event"] == "start"]
     assert starts[-1]["resumed_step"] is None  # step 0, as asked
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*"))[-1] == "step-000000006"
 
@@ -223,7 +223,7 @@ def test_a_verified_checkpoint_that_holds_code_is_skipped_for_the_older_one(tmp_
     out = _ddpjob_run(SMOKE, "--run-dir", str(run), "--set", "train.max_steps=6", cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert not marker.exists()  # never unpickled
-    events = rundir.read_jsonl(run / "events.jsonl")
+    events = fileio.read_jsonl(run / "events.jsonl")
     rejected = [e for e in events if e["event"] == "checkpoint_rejected"]
     assert [e["step"] for e in rejected] == [4] and "posix.system" in rejected[0]["reason"], rejected
     assert [e.get("resumed_step") for e in events if e["event"] == "start"][-1] == 2

@@ -17,7 +17,7 @@ from clirun import ddpjob, wait_for
 from fake_local import fake_command, local_state, make_run
 from ranks import base_env
 
-from ddpjob import rundir
+from ddpjob import fileio
 from ddpjob.launch import runs
 from ddpjob.launch.backends import local_procs
 from ddpjob.ledger.events import read as read_events
@@ -32,8 +32,8 @@ def _kill_leftovers():
     yield
     while _started:
         run = _started.pop()
-        pids = [(rundir.read_json(run / "job.json") or {}).get("pid")]
-        pids += (rundir.read_json(run / "local.json") or {}).get("rank_pids", [])
+        pids = [(fileio.read_json(run / "job.json") or {}).get("pid")]
+        pids += (fileio.read_json(run / "local.json") or {}).get("rank_pids", [])
         for pid in filter(None, pids):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -46,7 +46,7 @@ def submit_fake(tmp_path: Path, mode: str, name: str = "run", **kw) -> Path:
     run = make_run(tmp_path / "runs", mode, name=name, **kw)
     rec = local_procs.submit_local([run], run / "logs", ["ddpjob", "submit"],
                               rank_command=fake_command(tmp_path))[0]
-    rundir.write_json_atomic(run / "job.json", rec)
+    fileio.write_json_atomic(run / "job.json", rec)
     _started.append(run)
     return run
 
@@ -56,7 +56,7 @@ def test_status_ls_logs_cancel_on_a_local_run(tmp_path):
     run = submit_fake(tmp_path, "wait")
     wait_for(lambda: local_state(run).get("state") == "RUNNING", what="RUNNING")
     wait_for(lambda: "mode wait" in (run / "logs" / "rank-1.log").read_text(), what="rank 1 log")
-    job_id = rundir.read_json(run / "job.json")["job_id"]
+    job_id = fileio.read_json(run / "job.json")["job_id"]
 
     out = ddpjob("status", str(run), cwd=tmp_path)
     assert out.returncode == 0 and "state       RUNNING" in out.stdout and job_id in out.stdout
@@ -88,11 +88,11 @@ def test_status_ls_logs_cancel_on_a_local_run(tmp_path):
 def test_cancel_of_a_local_sweep_cancels_the_running_point_and_the_pending_ones(tmp_path):
     sweep = tmp_path / "runs" / "sw"
     runs = [make_run(sweep, "wait", name=str(i)) for i in range(3)]
-    rundir.write_json_atomic(sweep / "sweep.json", {"job_id": "x", "points": [
+    fileio.write_json_atomic(sweep / "sweep.json", {"job_id": "x", "points": [
         {"id": str(i), "index": i, "values": {"train.lr": i}} for i in range(3)]})
     recs = local_procs.submit_local(runs, sweep / "logs", ["ddpjob", "submit"], rank_command=fake_command(tmp_path))
     for run, rec in zip(runs, recs):
-        rundir.write_json_atomic(run / "job.json", rec)
+        fileio.write_json_atomic(run / "job.json", rec)
         _started.append(run)
     wait_for(lambda: local_state(runs[0]).get("state") == "RUNNING", what="point 0 RUNNING")
     assert [local_state(r)["state"] for r in runs[1:]] == ["PENDING", "PENDING"]
@@ -106,7 +106,7 @@ def test_cancel_of_a_local_sweep_cancels_the_running_point_and_the_pending_ones(
 
 def test_logs_follow_keeps_going_across_a_restart_until_the_end(tmp_path):
     run = submit_fake(tmp_path, "wait")
-    pid = rundir.read_json(run / "job.json")["pid"]
+    pid = fileio.read_json(run / "job.json")["pid"]
     follower = subprocess.Popen([sys.executable, "-m", "ddpjob", "logs", str(run), "--follow"],
                                 stdout=subprocess.PIPE, text=True, cwd=tmp_path)
     wait_for(lambda: (run / "fake-r1-s0.json").is_file(), what="ranks to start")
@@ -119,13 +119,13 @@ def test_logs_follow_keeps_going_across_a_restart_until_the_end(tmp_path):
 
 def test_a_dead_supervisor_is_reported_not_trusted(tmp_path):
     run = submit_fake(tmp_path, "wait")
-    pid = rundir.read_json(run / "job.json")["pid"]
+    pid = fileio.read_json(run / "job.json")["pid"]
     wait_for(lambda: local_state(run).get("state") == "RUNNING", what="RUNNING")
     os.kill(pid, 9)  # no chance to write its final state
     os.waitpid(pid, 0)
     info = runs.run_info(run)
     assert info.state == "FAILED" and "supervisor died" in info.reason
-    for rec in rundir.read_json(run / "local.json")["rank_pids"]:  # clean up the orphaned ranks
+    for rec in fileio.read_json(run / "local.json")["rank_pids"]:  # clean up the orphaned ranks
         try:
             os.kill(rec, 9)
         except ProcessLookupError:

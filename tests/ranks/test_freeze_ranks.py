@@ -14,7 +14,7 @@ import pytest
 from clirun import ddpjob as _cli
 from ranks import LAG
 
-from ddpjob import rundir
+from ddpjob import fileio, rundir
 from ddpjob import freeze
 from ddpjob.ledger.events import read as read_events
 
@@ -45,8 +45,8 @@ def test_a_plugin_edited_after_submission(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "rank 0 never reached its 6th forward call"
         time.sleep(0.2)
     assert _cli("cancel", str(run), cwd=tmp_path, env=env).returncode == 0
-    while rundir.read_record(run / "local.json").get("state") != "CANCELLED":
-        assert time.monotonic() < deadline, rundir.read_record(run / "local.json")
+    while fileio.read_record(run / "local.json").get("state") != "CANCELLED":
+        assert time.monotonic() < deadline, fileio.read_record(run / "local.json")
         time.sleep(0.2)
     shutil.copytree(run, tmp_path / "copy", symlinks=True)
 

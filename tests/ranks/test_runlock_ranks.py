@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddpjob import jobfile, rundir, runlock
+from ddpjob import fileio, jobfile, runlock
 from ddpjob.ledger.events import read as read_events
 
 from clirun import wait_for
@@ -28,9 +28,9 @@ def _real_run(tmp_path: Path) -> Path:
     cfg = jobfile.from_dict({"name": "fake", "train": {"max_steps": 2, "threads": 1},
                             "data": {"dataset": "synthetic", "synthetic_train": 64, "synthetic_test": 16},
                             "slurm": {"tasks_per_node": 2}})
-    rundir.write_text_atomic(run / "config.json", cfg.to_json())
+    fileio.write_text_atomic(run / "config.json", cfg.to_json())
     os.chmod(run, 0o700), os.chmod(run / "logs", 0o700)
-    rundir.write_json_atomic(run / "job.json", {"backend": "local", "job_id": "local-1"})
+    fileio.write_json_atomic(run / "job.json", {"backend": "local", "job_id": "local-1"})
     return run
 
 
@@ -43,7 +43,7 @@ def test_a_second_job_is_refused_in_a_run_dir_where_one_trains(tmp_path: Path) -
         wait_for(lambda: (run / "fake-r1-s0.json").exists(), what="the first supervisor's ranks")
         before = (run / "local.json").read_bytes()
         # the probe: one bad line in events.jsonl used to make the idle check skip the run
-        rundir.append_jsonl(run / "events.jsonl", {"event": "stop", "reason": "preemption", "restart": "x"})
+        fileio.append_jsonl(run / "events.jsonl", {"event": "stop", "reason": "preemption", "restart": "x"})
         # 1. a second supervisor (the login side's check raced): it leaves no trace
         second = subprocess.run([sys.executable, "-m", "ddpjob.launch.local", str(run),
                                  "--rank-command", fake_command(tmp_path)],

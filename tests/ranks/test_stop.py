@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ddpjob import rundir
+from ddpjob import fileio
 from ddpjob.ledger.events import read as read_events
 from clirun import REPO as ROOT
 from clirun import ddpjob as run_cli
@@ -49,8 +49,8 @@ def test_stop_checkpoints_a_local_run_which_resume_finishes(tmp_path: Path) -> N
     out = run_cli("stop", str(run), cwd=tmp_path, env=env)
     assert out.returncode == 0 and "the ranks write a checkpoint at their next step and end" in out.stdout + out.stderr
     deadline = time.monotonic() + 180
-    while rundir.read_record(run / "local.json").get("state") != "STOPPED":
-        assert time.monotonic() < deadline, rundir.read_record(run / "local.json")
+    while fileio.read_record(run / "local.json").get("state") != "STOPPED":
+        assert time.monotonic() < deadline, fileio.read_record(run / "local.json")
         time.sleep(0.2)
     (stop,) = _stops(run)
     assert stop["reason"] == "user_stop" and stop["step"] == 6 + LAG, stop

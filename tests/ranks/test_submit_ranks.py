@@ -13,7 +13,7 @@ import pytest
 from ranks import LAG
 
 from clirun import ddpjob as run_cli
-from ddpjob import jobfile, rundir
+from ddpjob import fileio, jobfile, rundir
 from ddpjob.launch.backends import submitit_slurm
 from ddpjob.ledger.events import read as read_events
 
@@ -60,7 +60,7 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
     # rank 0 waits in its 6th forward call (the 6th step) until the stop signal has reached it
     first = run_cli("submit", SMOKE, *keys, cwd=tmp_path, env={**env, "DDPJOB_TEST_SIGNAL": "0:6:0:pause"})
     assert first.returncode == 0, first.stderr
-    job1 = rundir.read_json(run / "job.json")["job_id"]
+    job1 = fileio.read_json(run / "job.json")["job_id"]
     deadline = time.monotonic() + 180
     while "paused at call 6" not in (run / "logs" / "rank-0.log").read_text(errors="replace") \
             if (run / "logs" / "rank-0.log").exists() else True:
@@ -69,8 +69,8 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
     again = run_cli("submit", SMOKE, *keys, cwd=tmp_path, env=env)
     assert again.returncode == 1 and f"has job {job1} still RUNNING" in again.stderr, again.stderr
     assert run_cli("cancel", str(run), cwd=tmp_path).returncode == 0
-    while rundir.read_record(run / "local.json").get("state") != "CANCELLED":
-        assert time.monotonic() < deadline, rundir.read_record(run / "local.json")
+    while fileio.read_record(run / "local.json").get("state") != "CANCELLED":
+        assert time.monotonic() < deadline, fileio.read_record(run / "local.json")
         time.sleep(0.2)
     stop = [e for e in read_events(run) if e.get("event") == "stop" and "rank" not in e][-1]
     assert stop["step"] == 6 + LAG, stop  # the step in flight finishes, the vote's, then the checkpoint
@@ -81,7 +81,7 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
     assert "config.json updated" in second.stdout + second.stderr
     done = run_cli("resume", str(run), cwd=tmp_path, env=env)
     assert done.returncode == 1 and "has completed" in done.stderr and done.stderr.count("\n") == 1
-    job = rundir.read_json(run / "job.json")
+    job = fileio.read_json(run / "job.json")
     assert job["job_ids"] == [job1, job["job_id"]] and job["job_id"] != job1
     starts = [e for e in read_events(run) if e.get("event") == "start"]
     assert [(s["world_size"], s.get("resumed_step")) for s in starts] == [(2, None), (1, 6 + LAG)], starts

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from clirun import ddpjob
-from ddpjob import jobfile, rundir
+from ddpjob import fileio, jobfile, rundir
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -24,12 +24,12 @@ def test_local_sweep_runs_each_point_and_ls_status_show_the_grid(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     [sweep] = list((tmp_path / "runs").iterdir())
     assert sweep.name.startswith("smoke-sweep-")
-    rec = rundir.read_json(sweep / "sweep.json")
+    rec = fileio.read_json(sweep / "sweep.json")
     assert rec["axes"] == {"train.lr": [0.1, 0.05]} and [p["id"] for p in rec["points"]] == ["0", "1"]
     for i, lr in enumerate((0.1, 0.05)):
         point = sweep / str(i)
         assert jobfile.read_run_config(point).train.lr == lr
-        job = rundir.read_json(point / "job.json")
+        job = fileio.read_json(point / "job.json")
         assert job["job_id"] == f"{rec['job_id']}_{i}" and job["array"]["index"] == i
         assert rundir.completed(point) is not None
     ls = ddpjob("ls", cwd=tmp_path)

@@ -13,7 +13,7 @@ import pytest
 from clirun import ddpjob
 from fake_local import make_run
 
-from ddpjob import rundir
+from ddpjob import fileio
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import control, runs
 from ddpjob.launch.backends import slurmjobs
@@ -102,17 +102,17 @@ def test_the_json_record_of_a_run(tmp_path):
 
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
-    rundir.write_json_atomic(run / "config.json", {})
-    rundir.write_json_atomic(run / "job.json", {"backend": "slurm", "job_id": "78", "job_ids": ["77", "78"]})
+    fileio.write_json_atomic(run / "config.json", {})
+    fileio.write_json_atomic(run / "job.json", {"backend": "slurm", "job_id": "78", "job_ids": ["77", "78"]})
     for rec in ({"event": "start", "job_id": "77", "restart": 0},
                 {"event": "stop", "reason": "node_failure", "step": 10, "job_id": "77", "restart": 0,
                  "steps_lost": 3, "requeued": True, "requeued_by": "slurm", "time": 5.0, "note": "n"},
                 {"event": "stop", "reason": "crash", "rank": 1, "job_id": "77"},  # a rank's: not the ledger
                 {"event": "start", "job_id": "78", "restart": 1, "resumed_step": 10}):
-        rundir.append_jsonl(run / "events.jsonl", rec)
+        fileio.append_jsonl(run / "events.jsonl", rec)
     for rec in ({"kind": "train", "step": 12, "loss": 0.5}, {"kind": "eval", "step": 12, "eval_acc": 0.75},
                 {"kind": "eval", "step": 14, "eval_acc": 0.5}, {"kind": "train", "step": 14, "loss": math.nan}):
-        rundir.append_jsonl(run / "metrics.jsonl", rec)
+        fileio.append_jsonl(run / "metrics.jsonl", rec)
     fake_checkpoint.committed(run, 10)
     fake_checkpoint.committed(run, 14, damaged=True)
     info = runs.RunInfo(run_dir=run, backend="slurm", job_id="78", state="RUNNING", restarts=1, attempts=[0, 1],
@@ -166,7 +166,7 @@ def test_resume_waits_a_bounded_time_for_a_job_that_is_completing(tmp_path, fake
     the end (bounded), and refuses with one line only if the job is still there after it."""
     run = tmp_path / "run"
     run.mkdir()
-    rundir.write_json_atomic(run / "job.json", {"backend": "slurm", "job_id": "77"})
+    fileio.write_json_atomic(run / "job.json", {"backend": "slurm", "job_id": "77"})
     monkeypatch.setattr(runs, "sleep", lambda s: None)
     fake_slurm.answer("sacct", "77|CANCELLED by 0|0:15|n1\n")
     fake_slurm.answer("squeue", "77|COMPLETING|None\n", then=[{"stdout": "77|COMPLETING|None\n"}, {"stdout": ""}])
@@ -184,12 +184,12 @@ def test_resume_waits_a_bounded_time_for_a_job_that_is_completing(tmp_path, fake
 def _run_with(tmp_path: Path, events: list[dict], metrics: list[dict] = (), job: dict | None = None) -> Path:
     run = tmp_path / "runs" / "r"
     (run / "logs").mkdir(parents=True)
-    rundir.write_json_atomic(run / "config.json", {})
-    rundir.write_json_atomic(run / "job.json", job or {"backend": "local", "job_id": "local-1", "pid": 0})
+    fileio.write_json_atomic(run / "config.json", {})
+    fileio.write_json_atomic(run / "job.json", job or {"backend": "local", "job_id": "local-1", "pid": 0})
     for rec in events:
-        rundir.append_jsonl(run / "events.jsonl", rec)
+        fileio.append_jsonl(run / "events.jsonl", rec)
     for rec in metrics:
-        rundir.append_jsonl(run / "metrics.jsonl", rec)
+        fileio.append_jsonl(run / "metrics.jsonl", rec)
     return run
 
 
@@ -270,8 +270,8 @@ def test_a_stopped_run_finished_by_ddpjob_run_is_completed(tmp_path):
         {"event": "stop", "reason": "user_stop", "step": 7, "job_id": "local-1", "restart": 0, "time": 20.0},
         {"event": "start", "job_id": None, "restart": 0, "time": 30.0, "resumed_step": 7},
         {"event": "stop", "reason": "finished", "step": 20, "job_id": None, "restart": 0, "time": 40.0}])
-    rundir.write_json_atomic(run / "local.json", {"state": "STOPPED", "reason": "stopped by `ddpjob stop`"})
-    rundir.write_json_atomic(run / "COMPLETED", {"step": 20, "accuracy": None})
+    fileio.write_json_atomic(run / "local.json", {"state": "STOPPED", "reason": "stopped by `ddpjob stop`"})
+    fileio.write_json_atomic(run / "COMPLETED", {"step": 20, "accuracy": None})
     info = runs.run_info(run)
     assert (info.state, info.reason, info.completed) == (
         "COMPLETED", "at step 20, after job local-1 ended STOPPED", True)
@@ -302,11 +302,11 @@ def test_a_torchrun_run_s_state_comes_from_its_records_and_its_agent(tmp_path):
         agent.wait()
     info = runs.run_info(run)
     assert (info.state, info.reason) == ("FAILED", "torchrun ended without a stop recorded (killed?); see its output")
-    rundir.append_jsonl(run / "events.jsonl", {"event": "stop", "reason": "time_limit", "step": 8,
+    fileio.append_jsonl(run / "events.jsonl", {"event": "stop", "reason": "time_limit", "step": 8,
                                                "job_id": "torchrun-x", "restart": 0})
     assert (runs.run_info(run).state, runs.run_info(run).reason) == ("STOPPED", "time_limit at step 8, checkpoint written")
-    rundir.write_json_atomic(run / "job.json", {**job, "host": "elsewhere"})
-    rundir.append_jsonl(run / "events.jsonl", {"event": "start", "job_id": "torchrun-x", "restart": 1, "time": 2.0})
+    fileio.write_json_atomic(run / "job.json", {**job, "host": "elsewhere"})
+    fileio.append_jsonl(run / "events.jsonl", {"event": "start", "job_id": "torchrun-x", "restart": 1, "time": 2.0})
     info = runs.run_info(run)
     assert (info.state, info.reason, info.restarts) == (
         "UNKNOWN", "torchrun runs on elsewhere: `ddpjob status` there tells", 1)
@@ -335,7 +335,7 @@ def test_a_host_is_excluded_only_by_the_next_restart_of_a_live_slurm_job(tmp_pat
 
     assert hosts("RUNNING") == "hosts       n2 2 failures (excluded from job 77)"
     assert hosts("COMPLETED") == hosts("FAILED") == "hosts       n2 2 failures"
-    rundir.write_json_atomic(run / "job.json", {"backend": "local", "job_id": "77", "pid": 0})
+    fileio.write_json_atomic(run / "job.json", {"backend": "local", "job_id": "77", "pid": 0})
     assert hosts("RUNNING") == "hosts       n2 2 failures"
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import fake_checkpoint
 
-from ddpjob import config, exitcodes, jobfile, rundir
+from ddpjob import config, exitcodes, fileio, jobfile
 from ddpjob.ledger import budget, crashes
 from ddpjob.launch import plot
 from ddpjob.rank import requeue
@@ -97,8 +97,8 @@ def test_the_no_progress_streak_counts_attempts_that_got_nowhere_in_a_row() -> N
 
 def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
     cfg = jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, **slurm_keys}})
-    rundir.write_text_atomic(tmp_path / "config.json", cfg.to_json())
-    rundir.write_json_atomic(tmp_path / "job.json", {"backend": "slurm", "job_id": "77"})
+    fileio.write_text_atomic(tmp_path / "config.json", cfg.to_json())
+    fileio.write_json_atomic(tmp_path / "job.json", {"backend": "slurm", "job_id": "77"})
     (tmp_path / "logs").mkdir()
     return cfg, tmp_path
 
@@ -122,7 +122,7 @@ def test_a_node_lost_with_on_node_loss_continue_is_left_behind_inside_the_alloca
     nodelist = "n[1,3]" if spare else "n1"
     fake_slurm.answer("scontrol show job", f"JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None NodeList={nodelist}")
     fake_checkpoint.committed(d, 30)
-    rundir.append_jsonl(d / "events.jsonl", start("77", 0, None))
+    fileio.append_jsonl(d / "events.jsonl", start("77", 0, None))
     batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: Node failure on n2\n"
                  "srun: error: n2: task 2: Killed\nsrun: error: n1: task 0: Killed\n")
     assert requeue.after_crash(cfg, env, d, 137, in_place=True) is True
@@ -133,7 +133,7 @@ def test_a_node_lost_with_on_node_loss_continue_is_left_behind_inside_the_alloca
     assert (stop["failed_rank"], stop["failed_host"], stop["failed_how"]) == (None, "n2", "node failure")
     assert "node n2 failed" in "\n".join(plot.summary(d))
     assert requeue.restart_layout(d, env, cfg) == layout
-    rundir.append_jsonl(d / "events.jsonl", start("77", 1, 30))
+    fileio.append_jsonl(d / "events.jsonl", start("77", 1, 30))
     batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n1: task 1: Exited with exit code 1\n")
     assert requeue.after_crash(cfg, env, d, 1, in_place=True) is True
     assert [e["reason"] for e in read_events(d) if e["event"] == "stop"] == ["node_failure", "crash"]
@@ -164,14 +164,14 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     cfg, d = run_dir(tmp_path, max_failures=5)
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
     fake_checkpoint.committed(d, 30)
-    rundir.append_jsonl(d / "events.jsonl", start("77", 0, None))
+    fileio.append_jsonl(d / "events.jsonl", start("77", 0, None))
     batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: n2: task 2: Killed\n")
     assert requeue.after_crash(cfg, ENV, d, 137, in_place=True) is True
     first = [e for e in read_events(d) if e["event"] == "stop"][-1]
     assert (first["failed_rank"], first["failed_host"], first["host_fault"]) == (2, "n2", True)
     assert requeue.restart_layout(d, ENV, cfg) == (2, [])  # once is not yet the host
     fake_checkpoint.committed(d, 60)
-    rundir.append_jsonl(d / "events.jsonl", start("77", 1, 30))
+    fileio.append_jsonl(d / "events.jsonl", start("77", 1, 30))
     # the first attempt's line is still in the log: only the newest attempt's lines count
     batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n2: task 3: Bus error\n")
     assert requeue.after_crash(cfg, ENV, d, 135, in_place=True) is True
@@ -185,7 +185,7 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     assert "hosts       n2 2 failures" in lines and "excluded" not in lines, lines
     # [slurm] exclude_after = 3: two failures are not yet the host, for the decision and status
     cfg3 = jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "exclude_after": 3}})
-    rundir.write_text_atomic(d / "config.json", cfg3.to_json())
+    fileio.write_text_atomic(d / "config.json", cfg3.to_json())
     assert requeue.restart_layout(d, ENV, cfg3) == (2, [])
     lines = "\n".join(plot.summary(d, live_job="77"))
     assert "n2 2 failures" in lines and "excluded" not in lines, lines
@@ -197,8 +197,8 @@ def test_the_decision_prints_the_layout_for_the_batch_script(fake_slurm, tmp_pat
     stdout's last line, "NODES HOSTS" for `read`; the crash's story goes to the batch log."""
     cfg, d = run_dir(tmp_path, max_failures=5)
     for restart in (0, 1):
-        rundir.append_jsonl(d / "events.jsonl", {**crash("77", restart, 10, "n1"), "failed_rank": 0})
-    rundir.append_jsonl(d / "events.jsonl", start("77", 2, 10))
+        fileio.append_jsonl(d / "events.jsonl", {**crash("77", restart, 10, "n1"), "failed_rank": 0})
+    fileio.append_jsonl(d / "events.jsonl", start("77", 2, 10))
     fake_checkpoint.committed(d, 20)
     batch_log(d, "ddpjob: attempt 2: ranks on 2 node(s)\nsrun: error: n2: task 2: Killed\n")
     monkeypatch.setenv("SLURM_JOB_ID", "77")
@@ -210,7 +210,7 @@ def test_the_decision_prints_the_layout_for_the_batch_script(fake_slurm, tmp_pat
     assert out.out.splitlines()[-1] == "1 n1", out.out
     assert "excluding n1" in out.err and "rank 2 on n2: Killed" in out.err, out.err
     # with n2 failing twice as well, no node is left: the crash is not retried in the allocation
-    rundir.append_jsonl(d / "events.jsonl", {**crash("77", 3, 20, "n2"), "failed_rank": 2})
+    fileio.append_jsonl(d / "events.jsonl", {**crash("77", 3, 20, "n2"), "failed_rank": 2})
     batch_log(d, "ddpjob: attempt 3: ranks on 1 node(s), excluding n1\nsrun: error: n2: task 0: Killed\n")
     assert requeue.main([str(d), "137"]) == 137
     assert ("ddpjob: error: every node of the allocation is excluded after failing, expected one left to "
@@ -223,12 +223,12 @@ def test_a_crash_loop_ends_the_job_with_one_line(fake_slurm, tmp_path, capsys) -
     cfg, d = run_dir(tmp_path, max_failures=10, max_no_progress=3, exclude_after=0)
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
     fake_checkpoint.committed(d, 10)
-    rundir.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 15})
-    rundir.append_jsonl(d / "events.jsonl", start("77", 0, None))
+    fileio.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 15})
+    fileio.append_jsonl(d / "events.jsonl", start("77", 0, None))
     answers = []
     for restart in range(4):
         if restart:
-            rundir.append_jsonl(d / "events.jsonl", start("77", restart, 10))
+            fileio.append_jsonl(d / "events.jsonl", start("77", restart, 10))
         batch_log(d, f"ddpjob: attempt {restart}: ranks on 2 node(s)\n"
                      "srun: error: n1: task 0: Segmentation fault\n")
         answers.append(requeue.after_crash(cfg, ENV, d, 139, in_place=True))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ddpjob
-from ddpjob import rundir
+from ddpjob import fileio
 from ddpjob.ledger import attempts, budget, events
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +32,7 @@ def test_the_writer_refuses_what_the_schema_does_not_declare(tmp_path: Path) -> 
 
 def test_an_old_format_ledger_reads_as_schema_1() -> None:
     """A run dir written before records carried `v`: every reader takes it as it is."""
-    evs = rundir.read_jsonl(OLD)
+    evs = fileio.read_jsonl(OLD)
     assert evs and all("v" not in e for e in evs) and events.notes(evs) == ""
     found = attempts.of_run(evs)
     assert [a.number for a in found] == list(range(len(found))) and len(found) >= 3

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from ddpjob import jobfile, openmetrics, rundir
+from ddpjob import fileio, jobfile, openmetrics
 from ddpjob.cli import main
 from ddpjob.errors import UsageError
 
@@ -32,18 +32,18 @@ def _run(root: Path, name: str, job: str, *, crashed: bool) -> Path:
     step 10 and the second resumed from step 5 (5 steps replayed)."""
     run = root / "runs" / name
     run.mkdir(parents=True)
-    rundir.write_json_atomic(run / "config.json", {})
-    rundir.write_json_atomic(run / "job.json", {"backend": "local", "job_id": job, "submitted_at": 100.0})
+    fileio.write_json_atomic(run / "config.json", {})
+    fileio.write_json_atomic(run / "job.json", {"backend": "local", "job_id": job, "submitted_at": 100.0})
     starts = [(0, 110.0, None)] + ([(1, 130.0, 5)] if crashed else [])
     for restart, t, resumed in starts:
-        rundir.append_jsonl(run / "events.jsonl", {"event": "start", "job_id": job, "restart": restart, "time": t,
+        fileio.append_jsonl(run / "events.jsonl", {"event": "start", "job_id": job, "restart": restart, "time": t,
                                                    "launched_time": t - 5, "load_s": 1.0, "resumed_step": resumed})
         first = (resumed or 0) + 1
         last = 10 if crashed and restart == 0 else 20
         for s in range(first, last + 1):
-            rundir.append_jsonl(run / "metrics.jsonl", {"kind": "train", "step": s, "restart": restart,
+            fileio.append_jsonl(run / "metrics.jsonl", {"kind": "train", "step": s, "restart": restart,
                                                         "time": t + s - first + 1, "loss": 1.0 / s})
-        rundir.append_jsonl(run / "events.jsonl", {
+        fileio.append_jsonl(run / "events.jsonl", {
             "event": "stop", "reason": "crash" if last == 10 else "finished", "step": last, "job_id": job,
             "restart": restart, "time": t + last - first + 1})
     fake_checkpoint.committed(run, 20)

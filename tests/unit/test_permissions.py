@@ -16,7 +16,7 @@ from pathlib import Path
 import clirun
 import pytest
 
-from ddpjob import jobfile, rundir
+from ddpjob import fileio, jobfile, rundir
 from ddpjob.launch import submit
 from ddpjob.launch.backends import submitit_slurm
 
@@ -42,7 +42,7 @@ def test_sbatch_run_dir_modes_ignore_the_umask(share: bool, dmode: int, fmode: i
     assert code and all(v == (dmode if (d / k).is_dir() else fmode) for k, v in code.items())
     rest = {k: v for k, v in modes.items() if k not in code}
     assert rest == {".": dmode, "logs": dmode, "config.json": fmode, "job.sbatch": fmode}
-    rundir.append_jsonl(d / rundir.EVENTS, {"event": "start"})
+    fileio.append_jsonl(d / rundir.EVENTS, {"event": "start"})
     assert (d / rundir.EVENTS).stat().st_mode & 0o777 == fmode
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import fake_checkpoint
 
-from ddpjob import jobfile, rundir
+from ddpjob import fileio, jobfile
 from ddpjob.launch import local
 from ddpjob.ledger import budget, crashes, policy
 from ddpjob.ledger.events import read as read_events
@@ -110,13 +110,13 @@ def _run(tmp_path: Path, name: str) -> Path:
     d.mkdir()
     cfg = jobfile.from_dict({"name": "t", "slurm": {"nodes": 1, "tasks_per_node": 2, "max_failures": 2,
                                                    "exclude_after": 0}})
-    rundir.write_text_atomic(d / "config.json", cfg.to_json())
+    fileio.write_text_atomic(d / "config.json", cfg.to_json())
     fake_checkpoint.committed(d, 10)
     return d
 
 
 def _rank_error(d: Path, job_id: str, error_class: str) -> None:
-    rundir.append_jsonl(d / "events.jsonl", {
+    fileio.append_jsonl(d / "events.jsonl", {
         "event": "stop", "reason": "crash", "rank": 1, "host": "n1", "job_id": job_id, "restart": 0,
         "error": "ddpjob: error: rank 1: your code raised RuntimeError: boom at train.py:9", "step": 12,
         "error_class": error_class, "exception": "RuntimeError", "where": "train.py:9"})
@@ -137,7 +137,7 @@ def test_the_slurm_and_local_deciders_agree(ending: str, fake_slurm, tmp_path: P
     srun_says, code, error_class = ENDINGS[ending]
     # SLURM: the batch shell's decision after srun failed, inside the allocation
     slurm_dir = _run(tmp_path, "slurm")
-    rundir.append_jsonl(slurm_dir / "events.jsonl", {"event": "start", "job_id": "77", "restart": 0,
+    fileio.append_jsonl(slurm_dir / "events.jsonl", {"event": "start", "job_id": "77", "restart": 0,
                                                     "time": 1.0, "source": "slurm"})
     if error_class:
         _rank_error(slurm_dir, "77", error_class)
@@ -151,7 +151,7 @@ def test_the_slurm_and_local_deciders_agree(ending: str, fake_slurm, tmp_path: P
     # local: the supervisor saw rank 1 end with `code`
     local_dir = _run(tmp_path, "local")
     sup = local.Supervisor(local_dir, "local-1")
-    rundir.append_jsonl(local_dir / "events.jsonl", {"event": "start", "job_id": "local-1", "restart": 0,
+    fileio.append_jsonl(local_dir / "events.jsonl", {"event": "start", "job_id": "local-1", "restart": 0,
                                                     "time": 1.0, "source": "local"})
     if error_class:
         _rank_error(local_dir, "local-1", error_class)

@@ -15,7 +15,7 @@ import pytest
 
 import fake_checkpoint
 
-from ddpjob import config, jobfile, rundir, slurm
+from ddpjob import config, fileio, jobfile, slurm
 from ddpjob.launch import control, phases, plot, runs
 from ddpjob.node import preemption
 from ddpjob.rank import requeue
@@ -30,9 +30,9 @@ ENV = ClusterEnv(source="slurm", job_id="77", restart_count=0)
 
 def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
     cfg = jobfile.from_dict({"name": "t", "slurm": {"max_requeues": 3, **slurm_keys}})
-    rundir.write_text_atomic(tmp_path / "config.json", cfg.to_json())
-    rundir.write_text_atomic(tmp_path / "job.sbatch", "#!/bin/bash\n")
-    rundir.write_json_atomic(tmp_path / "job.json", {"backend": "slurm", "job_id": "77"})
+    fileio.write_text_atomic(tmp_path / "config.json", cfg.to_json())
+    fileio.write_text_atomic(tmp_path / "job.sbatch", "#!/bin/bash\n")
+    fileio.write_json_atomic(tmp_path / "job.json", {"backend": "slurm", "job_id": "77"})
     return cfg, tmp_path
 
 
@@ -155,7 +155,7 @@ def test_submitit_successor_gets_the_task_pickle_under_its_id(fake_slurm, tmp_pa
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "77_submitted.pkl").write_bytes(b"task")
-    rundir.write_json_atomic(d / "job.json", {"backend": "slurm", "job_id": "77", "log_folder": str(logs)})
+    fileio.write_json_atomic(d / "job.json", {"backend": "slurm", "job_id": "77", "log_folder": str(logs)})
     fake_slurm.answer("scontrol requeue", rc=1, stderr="Requeue of job is disabled").answer("sbatch", "80")
     requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 3)
     assert (logs / "80_submitted.pkl").read_bytes() == b"task"
@@ -186,11 +186,11 @@ def sweep_point(tmp_path: Path, task: int) -> tuple[config.JobConfig, Path, Path
     """SWEEP/<task>: job.sbatch is submitit's script of the whole array; the pickles are in SWEEP/logs."""
     (tmp_path / str(task)).mkdir()
     cfg, d = run_dir(tmp_path / str(task))
-    rundir.write_text_atomic(d / "job.sbatch", "#!/bin/bash\n#SBATCH --array=0-1%2\n")
+    fileio.write_text_atomic(d / "job.sbatch", "#!/bin/bash\n#SBATCH --array=0-1%2\n")
     logs = tmp_path / "logs"
     logs.mkdir(exist_ok=True)
     (logs / f"548_{task}_submitted.pkl").write_bytes(b"point %d" % task)
-    rundir.write_json_atomic(d / "job.json", {"backend": "slurm", "job_id": f"548_{task}", "log_folder": str(logs),
+    fileio.write_json_atomic(d / "job.json", {"backend": "slurm", "job_id": f"548_{task}", "log_folder": str(logs),
                                               "array": {"job_id": "548", "index": task, "count": 2}})
     return cfg, d, logs
 
@@ -280,7 +280,7 @@ def test_a_crash_is_retried_only_within_max_failures(fake_slurm, tmp_path, max_f
     cfg, d = run_dir(tmp_path, max_failures=max_failures)
     fake_checkpoint.committed(d, 10)
     fake_checkpoint.committed(d, 12, damaged=True)  # a resume skips it: so does the ledger
-    rundir.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 13})
+    fileio.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 13})
     fake_slurm.answer("scontrol requeue")
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
     assert requeue.after_crash(cfg, ENV, d, 1) is requeued
@@ -327,14 +327,14 @@ def test_the_sigterm_of_our_own_requeue_waits_until_the_crash_is_recorded(fake_s
 
 def test_the_ledger_in_status(tmp_path) -> None:
     d = tmp_path
-    rundir.append_jsonl(d / "events.jsonl", {"event": "start", "time": 100.0, "restart": 0, "job_id": "77"})
-    rundir.append_jsonl(d / "events.jsonl", {"event": "signal", "time": 130.0, "signal_time": 120.0,
+    fileio.append_jsonl(d / "events.jsonl", {"event": "start", "time": 100.0, "restart": 0, "job_id": "77"})
+    fileio.append_jsonl(d / "events.jsonl", {"event": "signal", "time": 130.0, "signal_time": 120.0,
                                              "rank": 1, "job_id": "77", "restart": 0, "at_step": 7})
-    rundir.append_jsonl(d / "events.jsonl", {"event": "stop", "time": 131.0, "reason": "preemption",
+    fileio.append_jsonl(d / "events.jsonl", {"event": "stop", "time": 131.0, "reason": "preemption",
                                              "step": 9, "steps_lost": 1, "job_id": "77", "restart": 0,
                                              "requeued": True, "requeued_by": "successor",
                                              "next_job_id": "78"})
-    rundir.append_jsonl(d / "events.jsonl", {"event": "start", "time": 165.0, "restart": 1,
+    fileio.append_jsonl(d / "events.jsonl", {"event": "start", "time": 165.0, "restart": 1,
                                              "job_id": "78", "resumed_step": 9})
     [(line, took)] = plot.ledger(read_events(d))
     assert line == ("preemption at step 9 (job 77), steps lost 1, successor -> job 78, "
@@ -357,7 +357,7 @@ def test_the_recovery_phases_from_the_events(tmp_path) -> None:
          "launched_time": 133.5, "load_s": 1.25},
         {"event": "first_step", "time": 141.75, "step": 10, "job_id": "77", "restart": 1},
     ]:
-        rundir.append_jsonl(d / "events.jsonl", rec)
+        fileio.append_jsonl(d / "events.jsonl", rec)
     events = read_events(d)
     i = next(n for n, e in enumerate(events) if e["event"] == "stop")
     assert phases.recovery(events, i) == {"stop vote": 0.25, "save": 1.75, "exit": 0.5, "requeue": 11.0,
@@ -415,11 +415,11 @@ def sacct_time(t: float) -> str:
 
 
 def started(d: Path, job_id: str, restart: int, t: float) -> None:
-    rundir.append_jsonl(d / "events.jsonl", {"event": "start", "time": t, "restart": restart,
+    fileio.append_jsonl(d / "events.jsonl", {"event": "start", "time": t, "restart": restart,
                                              "job_id": job_id, "source": "slurm"})
     if not (d / "checkpoints").is_dir():
         fake_checkpoint.committed(d, 10)
-    rundir.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 13})
+    fileio.append_jsonl(d / "metrics.jsonl", {"kind": "train", "step": 13})
 
 
 @pytest.mark.parametrize("max_failures", [0, 1])
@@ -498,7 +498,7 @@ def test_budgets_count_the_job_chain_so_a_new_submission_starts_fresh(fake_slurm
                 {"event": "stop", "reason": "preemption", "requeued": True, "requeued_by": "successor",
                  "next_job_id": "71", "job_id": "70", "restart": 1},
                 {"event": "stop", "reason": "crash", "requeued": True, "job_id": "71", "restart": 2}):
-        rundir.append_jsonl(d / "events.jsonl", rec)
+        fileio.append_jsonl(d / "events.jsonl", rec)
     assert budget.used(read_events(d), "71") == (1, 2)  # 71 succeeds 70: one chain
     assert budget.used(read_events(d), "90") == (0, 0)  # `ddpjob resume` submitted 90: fresh budgets
     # its attempt goes on from the run's: 3, not 0 again (ledger/attempts.py)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, rundir
+from ddpjob import console, fileio, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.launch.backends import TERMINAL, JobState
@@ -60,8 +60,8 @@ def skip_if_pending(run_dir: Path, state: str, reason: str) -> bool:
     """A sweep point not started yet: marked CANCELLED, which its supervisor skips."""
     if state != "PENDING" or not (run_dir / LOCAL).is_file():
         return False
-    rec = rundir.read_record(run_dir / LOCAL)
-    rundir.write_json_atomic(run_dir / LOCAL, {**rec, "state": "CANCELLED", "reason": reason})
+    rec = fileio.read_record(run_dir / LOCAL)
+    fileio.write_json_atomic(run_dir / LOCAL, {**rec, "state": "CANCELLED", "reason": reason})
     return True
 
 
@@ -90,7 +90,7 @@ class LocalBackend:
         return {}  # no queue: the supervisor starts the ranks at once
 
     def state(self, run_dir: Path, job: dict[str, Any], known: dict[str, dict[str, Any]] | None) -> JobState:
-        rec = rundir.read_record(run_dir / LOCAL) or None
+        rec = fileio.read_record(run_dir / LOCAL) or None
         alive = pid_alive(job.get("pid"))
         if rec is None:
             return JobState("PENDING" if alive else "FAILED",

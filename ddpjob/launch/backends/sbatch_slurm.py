@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, rundir, slurm
+from ddpjob import console, fileio, rundir, slurm
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch import render
@@ -41,7 +41,7 @@ class SbatchBackend(SlurmJobs):
             raise UsageError("a `ddpjob sbatch` script runs one run dir, not a sweep",
                              "use `ddpjob submit --sweep` for a job array")
         run = run_dirs[0]
-        rundir.write_text_atomic(run / SCRIPT, self.script(cfgs[0], run))
+        fileio.write_text_atomic(run / SCRIPT, self.script(cfgs[0], run))
         return [self.sbatch(run, command)]
 
     def sbatch(self, run: Path, command: list[str]) -> dict[str, Any]:
@@ -59,13 +59,13 @@ class SbatchBackend(SlurmJobs):
         state = rundir.check_reuse(run.absolute(), cfg)
         script = self.script(cfg, run)
         self.preflight(cfg, run)
-        rundir.write_text_atomic(run / SCRIPT, script)
+        fileio.write_text_atomic(run / SCRIPT, script)
         if state != rundir.SAME:
-            rundir.write_text_atomic(run / rundir.CONFIG, cfg.to_json())
+            fileio.write_text_atomic(run / rundir.CONFIG, cfg.to_json())
         rec = self.sbatch(run, command)
         chain = [str(j) for j in (job.get("job_ids") or [job.get("job_id")]) if j]
         rec = {**rec, "job_ids": [*chain, rec["job_id"]]}
-        rundir.write_json_atomic(run / rundir.JOB, {k: rec[k] for k in ("backend", "via", "job_id", "job_ids",
+        fileio.write_json_atomic(run / rundir.JOB, {k: rec[k] for k in ("backend", "via", "job_id", "job_ids",
                                                                        "submitted_at", "command")})
         return str(rec["job_id"])
 

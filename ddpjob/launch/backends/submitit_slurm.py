@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, freeze, rundir, scriptsafe, validate
+from ddpjob import console, fileio, freeze, rundir, scriptsafe, validate
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import container
@@ -193,7 +193,7 @@ class SubmititBackend(SlurmJobs):
         script = Path(jobs[0].paths.submission_file).read_text()
         records = []
         for i, (job, d) in enumerate(zip(jobs, run_dirs)):
-            rundir.write_text_atomic(d / "job.sbatch", script)
+            fileio.write_text_atomic(d / "job.sbatch", script)
             rec = {"backend": self.name, "job_id": job.job_id, "submitted_at": time.time(),
                    "command": command, "log_folder": str(log_folder), "array": None}
             if len(run_dirs) > 1:
