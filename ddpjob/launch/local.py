@@ -244,10 +244,14 @@ class Supervisor:
             else:
                 state, reason = "FAILED", self.gave_up or f"exit codes {codes}"
             self.stop_warm()
-            self.write(state, reason=reason, exit_codes=codes)
             memsnap.remove_job(self.run_dir, self.job_id, memsnap.base_of(self.cfg))  # the ranks' in-memory snapshots
             events.record(self.run_dir, "local_end", source="local-supervisor", job_id=self.job_id,
                           restart=self.attempt, state=state, reason=reason)
+            # The run dir is free before local.json says the job ended: a `ddpjob resume` that reads
+            # the end must not find the lock still held (it would refuse the run as in use)
+            if self.lock is not None:
+                self.lock.release()
+            self.write(state, reason=reason, exit_codes=codes)
             log(f"{state}: {reason}")
             return state
 

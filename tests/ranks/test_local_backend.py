@@ -215,3 +215,25 @@ def test_submit_local_wait_trains_to_completion_with_two_ranks(tmp_path):
     assert [e.get("warm") for e in read_events(run) if e["event"] == "start"] == [True]
     assert (run / "logs" / "warm-local.log").is_file()
     print(f"local 2-rank smoke (6 steps) took {time.monotonic() - t0:.1f}s")
+
+
+def test_the_run_dir_is_free_once_local_json_says_the_job_ended(tmp_path, monkeypatch):
+    """A `ddpjob resume` that reads STOPPED / COMPLETED in local.json must find the run dir's lock
+    free: the supervisor lets go of it before it writes the end (seen as a refused resume)."""
+    from ddpjob import runlock
+    from ddpjob.launch import local
+
+    run = make_run(tmp_path, "ok", tasks=1)
+    sup = local.Supervisor(run, "local-7", command=[*fake_command(tmp_path).split(), str(run)])
+    sup.lock = runlock.RunLock.take(run, "local supervisor of job local-7")
+    seen = []
+    write = local.Supervisor.write
+
+    def spy(self, state, **extra):
+        seen.append((state, runlock.holder(run)))
+        write(self, state, **extra)
+
+    monkeypatch.setattr(local.Supervisor, "write", spy)
+    assert sup.run() == "COMPLETED"
+    assert seen[-1] == ("COMPLETED", None), seen
+    assert all(holder is not None for state, holder in seen[:-1]), seen  # held while it ran
