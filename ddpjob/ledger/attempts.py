@@ -30,11 +30,15 @@ def next_number(evs: Iterable[Mapping[str, Any]]) -> int:
     return 1 + max((n for e in evs if (n := _number(e)) is not None), default=-1)
 
 
-def current(evs: Sequence[Mapping[str, Any]], job_id: Any) -> int:
+def current(evs: Sequence[Mapping[str, Any]], job_id: Any, *, starting: bool = False) -> int:
     """The attempt `job_id` runs now: its newest attempt that has records but no end yet (a
-    crash being decided, a start whose ranks died before their first record), else a new one."""
+    crash being decided, a start whose ranks died before their first record), else a new one.
+    `starting`: asked by a start (rank 0 under the run lock), so an open attempt whose loop
+    already began (its `start` record) was an earlier round that ended unseen (torchrun's agent
+    restarting its ranks): this start is a new attempt."""
     ended = {(str(e.get("job_id")), _number(e)) for e in evs
-             if events.is_decision(e) or e.get("event") in _ENDS}
+             if events.is_decision(e) or e.get("event") in _ENDS
+             or (starting and e.get("event") == "start")}
     mine = [n for e in evs if str(e.get("job_id")) == str(job_id) and (n := _number(e)) is not None
             and e.get("event") not in ("stop_request", "cancel")]
     for n in reversed(mine):

@@ -357,13 +357,13 @@ def record_unseen(run_dir: Path, job_id: str | None) -> list[dict[str, Any]]:
     return written
 
 
-def attempt_of(env: ClusterEnv, evs: list[dict[str, Any]]) -> int:
+def attempt_of(env: ClusterEnv, evs: list[dict[str, Any]], *, starting: bool = False) -> int:
     """This rank's attempt number (ledger/attempts.py): the one the local supervisor took for its
     ranks (DDPJOB_RESTART_COUNT), else the job's current one in the run's ledger (every rank
     reads the same: rank 0 decides it under the run lock at the start and broadcasts it)."""
     if "DDPJOB_RESTART_COUNT" in env.ddpjob_vars:
         return env.restart_count
-    return attempts.current(evs, env.job_id)
+    return attempts.current(evs, env.job_id, starting=starting)
 
 
 def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, str | None]:
@@ -374,7 +374,7 @@ def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, st
         for rec in record_unseen(run_dir, env.job_id):
             console.print0(f"ddpjob: the previous attempt ended unseen: {rec['reason']} ({rec['note']})")
     evs = events.read(run_dir)  # after the unseen ends are on record: this attempt is a new one
-    restart = attempt_of(env, evs)
+    restart = attempt_of(env, evs, starting=True)
     requeues, failures = budget.used(evs, env.job_id)
     s = cfg.slurm
     why = None

@@ -78,6 +78,8 @@ def test_attempts_are_numbered_once_across_requeue_restart_in_place_and_resume(t
     assert [(a.number, a.job_id, a.ended_by) for a in attempts.of_run(evs)] == [
         (0, "7", "preemption"), (1, "7", "crash"), (2, "7", "user_stop"), (3, "9", None)]
     assert budget.used(evs, "7") == (1, 1) and budget.used(evs, "9") == (0, 0)
+    # torchrun's agent starts its ranks again after a round it did not see end: a new attempt
+    assert attempts.current(evs, "9") == 3 and attempts.current(evs, "9", starting=True) == 4
 
 
 def test_no_module_tests_a_records_shape_by_hand() -> None:
