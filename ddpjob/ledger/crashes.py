@@ -141,7 +141,8 @@ def classify(culprit: Culprit | None, evs: Sequence[dict[str, Any]], job_id: Any
             where = e.get("where") if isinstance(e.get("where"), str) else None
             exc = e.get("exception") if isinstance(e.get("exception"), str) else None
             step = e.get("step") if isinstance(e.get("step"), int) else None
-            what = (f"{exc} at {where}" if exc and where else exc or _short(str(e.get("error"))))
+            # the exception at the user's line, else the rank's one line (a setting ddpjob refused)
+            what = f"{exc} at {where}" if exc and where else _short(str(e.get("error")))
             rank = e.get("rank") if isinstance(e.get("rank"), int) else "?"
             return cls, f"rank {rank}'s {what}" + ("" if step is None else f" at step {step}"), where
     if culprit is not None:

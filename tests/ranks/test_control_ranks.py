@@ -182,7 +182,7 @@ def test_a_torchrun_run_with_a_killed_rank_is_shown_completed_with_its_two_attem
     row = next(line.split() for line in ddpjob("ls", cwd=tmp_path).stdout.splitlines() if line.startswith("runs/"))
     assert row == [f"runs/{run.name}", "torchrun", job_id, "COMPLETED", "30", "1"], row
     status = ddpjob("status", str(run), cwd=tmp_path).stdout
-    for line in (f"job         {job_id} (torchrun)", "state       COMPLETED", "restarts    1",
+    for line in (f"job         {job_id} (torchrun)", "state       COMPLETED", "restarts    1 (attempts 0-1)",
                  "restarts    1: resumed at step 10 after crash", "completed   yes"):
         assert line in status.splitlines(), status
     (rec,) = [json.loads(line) for line in ddpjob("status", "--json", str(run), cwd=tmp_path).stdout.splitlines()]

@@ -35,8 +35,8 @@ DATA = dict(dataset="synthetic", synthetic_train=1280, synthetic_test=256, augme
 STEPS, STEPS_PER_EPOCH, EVERY = 80, 20, 10
 
 
-def job_file(folder: Path) -> Path:
-    return write_job(folder / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5),
+def job_file(folder: Path, **slurm: Any) -> Path:
+    return write_job(folder / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5, **slurm),
                      train=TRAIN, data=DATA, checkpoint=dict(every_steps=EVERY, keep_last=3))
 
 
@@ -49,12 +49,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder / "run"
 
 
-def submit_local(tmp_path: Path, **env: str) -> tuple[Path, int]:
+def submit_local(tmp_path: Path, slurm: dict[str, Any] | None = None, **env: str) -> tuple[Path, int]:
     """`ddpjob submit --backend local`; returns the run dir and the supervisor's pid."""
     run_dir = tmp_path / "run"
     full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
     full.update(job_env(**env))
-    out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job_file(tmp_path)),
+    out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job_file(tmp_path, **(slurm or {}))),
                           "--backend", "local", "--run-dir", str(run_dir)], capture_output=True,
                          text=True, cwd=tmp_path, env=full, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -152,7 +152,7 @@ def test_local_run_interrupted_three_ways_is_bit_exact(tmp_path: Path, reference
 @pytest.mark.slow
 def test_killed_rank_fails_the_run_fast_and_a_damaged_newest_checkpoint_is_skipped(
         tmp_path: Path, reference: Path) -> None:
-    run_dir, sup = submit_local(tmp_path)
+    run_dir, sup = submit_local(tmp_path, dict(max_failures=0))  # never retried: it fails
     wait("step 25", lambda: step_of(run_dir, 0) >= 25, sup)
     pids = supervisor(run_dir)["rank_pids"]
     os.kill(pids[1], signal.SIGKILL)
