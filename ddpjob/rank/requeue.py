@@ -108,7 +108,7 @@ def _node_failed(env: ClusterEnv, signal_time: float | None) -> bool:
     return False
 
 
-def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int, *,
+def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int | None, *,
                restart: int = 0, signal_step: int | None = None,
                signal_time: float | None = None, lag: int = 0,
                times: dict[str, float] | None = None) -> bool | None:
@@ -146,13 +146,13 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
                              requeues=requeues, failures=failures, run=str(run_dir))
         fields.update(carry_out(cfg, env, run_dir, policy.decide(facts, policy.Limits.of(cfg)), fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
-    lost = None if signal_step is None else max(0, step - signal_step - 1 - lag)
+    lost = None if signal_step is None or step is None else max(0, step - signal_step - 1 - lag)
     events.record(run_dir, "stop", reason=reason, step=step, job_id=env.job_id, restart=restart,
                   incarnation=env.restart_count, steps_lost=lost, signal_time=signal_time, **(times or {}),
                   **fields)
     note = fields.get("note")
-    console.print0(f"ddpjob: stopped at step {step} ({reason}); checkpoint written"
-                   + (f"; {note}" if note else ""))
+    said = f"stopped at step {step} ({reason}); checkpoint written" if step is not None else f"stopped ({reason})"
+    console.print0(f"ddpjob: {said}" + (f"; {note}" if note else ""))
     return fields["requeued"]
 
 

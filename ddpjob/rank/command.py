@@ -1,0 +1,268 @@
+"""A plain command as the entry ([train] command, docs/commands.md): each rank's `ddpjob run`
+runs the user's program as one child process (no shell; no torch and no process group here: the
+program forms its own at MASTER_ADDR:MASTER_PORT), with torchrun's variables.
+
+runner._train hands over here. Rank 0 takes the run lock, checks the budgets and records the
+start (as init() does for the API); the child runs, its output passed through and watched for a
+hang; a stop signal reaches it as [train] command_signal, then SIGKILL after command_grace_s.
+Its ending (ending(): pure) becomes this rank's exit: 0 done (COMPLETED), a stop for a requeue
+(rank 0 decides through requeue.after_stop), a crash with this rank's crash record (the
+traceback's exception and file:line named), or death by the same signal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ddpjob import console, exitcodes, rundir, runlock
+from ddpjob.config import JobConfig
+from ddpjob.errors import DDPJobError
+from ddpjob.ledger import events, policy
+from ddpjob.node import preemption
+from ddpjob.node.cluster import ClusterEnv, command_environ, process_started
+from ddpjob.rank import requeue
+
+POLL_S = 0.1
+TAIL_CHARS = 32768  # of the child's stderr, kept for its last traceback
+HEARTBEATS = "heartbeats"  # RUN_DIR/heartbeats/rank-N: the file a program touches each step
+
+_FRAME = re.compile(r'\s*File "(.+)", line ([0-9]+)(?:, in .*)?')
+_RANK_PREFIX = re.compile(r"^\[rank[0-9]+\]: ")  # torch.distributed's excepthook marks each line
+_EXCEPTION = re.compile(r"([A-Za-z_][A-Za-z0-9_.]*)(?:: (.*))?")
+# A collective that failed because a peer is gone (its process died, its node left): the peer's
+# end is the crash, this rank's exception only follows from it (as the API's ClusterFailure)
+_PEER_GONE = re.compile(r"DistBackendError|DistNetworkError|DistStoreError|Connection (?:closed|reset) by peer"
+                        r"|Broken pipe|NCCL communicator was aborted|[Ww]atchdog caught collective operation timeout")
+
+
+@dataclass(frozen=True)
+class Raised:
+    """The last Python traceback a program printed: its exception and the innermost frame of its
+    own code (not the interpreter's library or an installed package), where one is shown."""
+
+    exception: str  # "ValueError" (a module-qualified name without its module)
+    message: str
+    where: str | None  # "train.py:42"
+
+
+def _library(path: str) -> bool:
+    folders = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return (path.startswith("<") or "/site-packages/" in path or "/dist-packages/" in path
+            or any(path.startswith(d.rstrip("/") + "/") for d in folders))
+
+
+def last_traceback(text: str) -> Raised | None:
+    """The last traceback in a program's stderr (a chained exception's last part is the one that
+    ended it), or None where none was printed."""
+    lines = [_RANK_PREFIX.sub("", line, count=1) for line in text.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    frames: list[tuple[str, str]] = []
+    for line in lines[starts[-1] + 1:]:
+        if m := _FRAME.fullmatch(line):
+            frames.append((m.group(1), m.group(2)))
+        elif line[:1] in (" ", "\t", ""):
+            continue  # the frame's source line, the caret markers
+        elif m := _EXCEPTION.fullmatch(line):
+            theirs = [f for f in frames if not _library(f[0])] or frames
+            where = f"{os.path.basename(theirs[-1][0])}:{theirs[-1][1]}" if theirs else None
+            return Raised(m.group(1).rsplit(".", 1)[-1], " ".join((m.group(2) or "").split())[:300], where)
+        else:
+            break
+    return None
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How this rank ends after its program did: its exit status, whether it stopped for a requeue
+    (rank 0 records the stop), the fields of its crash record (None: no crash), and the signal it
+    dies by (the program's own death, passed on so that srun / the supervisor see it)."""
+
+    code: int
+    stop: bool = False
+    crash: dict[str, Any] | None = None
+    signum: int | None = None
+
+
+def ending(returncode: int, *, requeue_exit: int, stopped: bool, hang_s: float | None = None,
+           stderr_tail: str = "") -> Ending:
+    """The program's exit status -> this rank's ending. 0: done. `requeue_exit`, or any ending
+    after ddpjob sent the stop signal (a program that does not catch it dies of it): a stop for a
+    requeue. Killed by a signal: what the cluster broke (infrastructure). Another status: the
+    user's, named after its traceback where it printed one. `hang_s`: ddpjob ended it as hung."""
+    if hang_s is not None:
+        return Ending(exitcodes.ERROR, crash={
+            "error": f"the command stopped making progress: no output or heartbeat for {hang_s:.0f} s",
+            "error_class": policy.INFRASTRUCTURE})
+    if returncode == 0:
+        return Ending(exitcodes.OK)
+    if returncode == requeue_exit or stopped:
+        return Ending(exitcodes.REQUEUE, stop=True)
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return Ending(128 - returncode, crash={"error": f"the command was killed by {name}",
+                                               "error_class": policy.INFRASTRUCTURE}, signum=-returncode)
+    raised = last_traceback(stderr_tail)
+    if raised is None:
+        return Ending(exitcodes.ERROR, crash={"error": f"command exited with status {returncode} "
+                                                       "(no Python traceback on its stderr)",
+                                              "error_class": policy.USER})
+    at = f" at {raised.where}" if raised.where else ""
+    if _PEER_GONE.search(f"{raised.exception}: {raised.message}"):
+        return Ending(exitcodes.ERROR, crash={
+            "error": f"a peer of the command's process group is gone: {raised.exception}: {raised.message[:200]}{at}",
+            "error_class": policy.INFRASTRUCTURE, "exception": raised.exception})
+    return Ending(exitcodes.ERROR, crash={
+        "error": f"your code raised {raised.exception}: {raised.message}{at} (the command exited with status "
+                 f"{returncode})", "error_class": policy.USER, "exception": raised.exception,
+        **({"where": raised.where} if raised.where else {})})
+
+
+@dataclass
+class _Output:
+    """The child's stdout and stderr passed through to this rank's, the time of the last byte,
+    and stderr's tail."""
+
+    last: float = field(default_factory=time.time)
+    tail: str = ""
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def follow(self, src: IO[bytes], dst: IO[bytes], keep: bool) -> None:
+        def pump() -> None:
+            while chunk := os.read(src.fileno(), 65536):
+                self.last = time.time()
+                dst.write(chunk)
+                dst.flush()
+                if keep:
+                    self.tail = (self.tail + chunk.decode("utf-8", "replace"))[-TAIL_CHARS:]
+        thread = threading.Thread(target=pump, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=5.0)  # a grandchild may hold the pipe open: do not wait for it
+
+
+def _child_signals(cfg: JobConfig) -> None:
+    """In the child before exec: the command's stop signal at its default action, SLURM's other
+    stop signals ignored (SLURM signals every process of the step: they are ddpjob's to turn into
+    the one the program expects). A program's own handler replaces either."""
+    own = preemption.signal_number(cfg.train.command_signal)
+    for name in (cfg.slurm.signal, "TERM"):
+        if preemption.signal_number(name) != own:
+            signal.signal(preemption.signal_number(name), signal.SIG_IGN)
+    signal.signal(own, signal.SIG_DFL)
+
+
+def _last_step(run_dir: Path) -> int | None:
+    """The newest step the program wrote to DDPJOB_METRICS, where it writes any."""
+    steps = [r["step"] for r in rundir.read_jsonl(run_dir / rundir.METRICS)
+             if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
+    return steps[-1] if steps else None
+
+
+def _begin(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, runlock.RunLock | None]:
+    """This attempt's number, and rank 0's hold on the run dir: the lock, the unseen ends and the
+    budgets (requeue.check_start, as init() does), the start record. The other ranks read the
+    number from the ledger (attempts.current: the attempt without an end yet, else the next)."""
+    if not env.is_rank0:
+        return requeue.attempt_of(env, events.read(run_dir)), None
+    lock = runlock.RunLock.take(run_dir, f"{env.source} job {env.job_id or '-'} (rank 0, command)")
+    restart, why = requeue.check_start(cfg, env, run_dir)
+    if why:
+        lock.release()
+        raise DDPJobError(f"this is restart {restart} of run {run_dir.name}: {why}",
+                          "raise the budget in [slurm], or find out why the job keeps stopping "
+                          "(`ddpjob status RUN_DIR` lists every stop)")
+    events.record(run_dir, "start", job_id=env.job_id, restart=restart, source=env.source,
+                  world_size=env.world_size, host=env.hostname, launched_time=process_started())
+    return restart, lock
+
+
+def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
+    """Run the command on this rank to its end; this rank's exit status (or death by the
+    signal that killed the program)."""
+    t = cfg.train
+    stop = preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
+    restart, lock = _begin(cfg, env, run_dir)
+    beat = run_dir / HEARTBEATS / f"rank-{env.rank}"
+    beat.parent.mkdir(exist_ok=True)
+    child_env = command_environ(env, {
+        "DDPJOB_RUN_DIR": str(run_dir), "DDPJOB_ATTEMPT": str(restart),
+        "DDPJOB_METRICS": str(run_dir / rundir.METRICS), "DDPJOB_HEARTBEAT": str(beat)})
+    try:
+        child = subprocess.Popen(list(t.command), env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 preexec_fn=lambda: _child_signals(cfg))
+    except OSError as exc:
+        if lock is not None:
+            lock.release()
+        raise DDPJobError(f"train.command {t.command[0]!r} cannot be started on {env.hostname} ({exc.strerror}), "
+                          "expected a program on the nodes' PATH or a path from the working directory "
+                          f"{os.getcwd()}", "fix train.command (it runs without a shell)") from None
+    out = _Output()
+    out.follow(child.stdout, sys.stdout.buffer, keep=False)  # type: ignore[arg-type]
+    out.follow(child.stderr, sys.stderr.buffer, keep=True)  # type: ignore[arg-type]
+    console.print0(f"ddpjob: attempt {restart}: running {' '.join(t.command)[:200]} (pid {child.pid})")
+    sent: float | None = None  # when the stop signal went to the program
+    hung: float | None = None
+    while child.poll() is None:
+        now = time.time()
+        if stop.code != preemption.NONE and sent is None:
+            sent = now
+            child.send_signal(preemption.signal_number(t.command_signal))
+        heard = max(out.last, beat.stat().st_mtime if beat.exists() else 0.0)
+        if sent is None and hung is None and t.command_hang_s > 0 and now - heard > t.command_hang_s:
+            hung = t.command_hang_s
+            print(f"ddpjob: rank {env.rank}: no output or heartbeat for {hung:.0f} s: ending the command "
+                  f"({signal.Signals(preemption.signal_number(t.command_signal)).name}, then SIGKILL after {t.command_grace_s:.0f} s)",
+                  file=sys.stderr, flush=True)
+            sent = now
+            child.send_signal(preemption.signal_number(t.command_signal))
+        if sent is not None and now - sent > t.command_grace_s:
+            child.kill()
+        time.sleep(POLL_S)
+    out.join()
+    end = ending(child.returncode, requeue_exit=t.command_requeue_exit, stopped=stop.code != preemption.NONE,
+                 hang_s=hung, stderr_tail=out.tail)
+    stop.uninstall()
+    return _finish(cfg, env, run_dir, restart, end, stop, lock)
+
+
+def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: Ending, stop: Any,
+            lock: runlock.RunLock | None) -> int:
+    """Record the ending (rank 0: the run's completion or the stop's decision; any rank: its
+    crash) and leave as it says."""
+    step = _last_step(run_dir)
+    if end.crash is not None:
+        events.record(run_dir, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
+                      restart=restart, step=step, **end.crash)
+        print(f"ddpjob: rank {env.rank} on {env.hostname}: {end.crash['error']}", file=sys.stderr, flush=True)
+    elif env.is_rank0 and end.code == exitcodes.OK:
+        rundir.mark_completed(run_dir, step=step)
+        console.print0(f"ddpjob: the command finished (exit 0): {run_dir} is COMPLETED")
+    elif env.is_rank0 and end.stop:
+        code = stop.code if stop.code != preemption.NONE else preemption.REQUEUE
+        requeue.after_stop(cfg, env, run_dir, code, step, restart=restart, signal_time=stop.time)
+    if lock is not None:
+        lock.release()
+    if end.signum is not None:
+        if end.signum != signal.SIGKILL:
+            signal.signal(end.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), end.signum)  # dies here where the default action is to end
+    return end.code
