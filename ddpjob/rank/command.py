@@ -35,6 +35,7 @@ from ddpjob.rank import requeue
 
 POLL_S = 0.1
 TAIL_CHARS = 32768  # of the child's stderr, kept for its last traceback
+FINAL_LINES = 200  # a traceback that begins within them is the program's last words
 HEARTBEATS = "heartbeats"  # RUN_DIR/heartbeats/rank-N: the file a program touches each step
 
 _FRAME = re.compile(r'\s*File "(.+)", line ([0-9]+)(?:, in .*)?')
@@ -96,28 +97,30 @@ class Ending:
     signum: int | None = None
 
 
-def ending(returncode: int, *, requeue_exit: int, stopped: bool, hang_s: float | None = None,
-           stderr_tail: str = "") -> Ending:
-    """The program's exit status -> this rank's ending. 0: done. `requeue_exit`, or any ending
-    after ddpjob sent the stop signal (a program that does not catch it dies of it): a stop for a
-    requeue. Killed by a signal: what the cluster broke (infrastructure). Another status: the
-    user's, named after its traceback where it printed one. `hang_s`: ddpjob ended it as hung."""
+def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: int = signal.SIGTERM,
+           killed: bool = False, hang_s: float | None = None, stderr_tail: str = "") -> Ending:
+    """The program's exit status -> this rank's ending. 0: done. `requeue_exit`, or death by the
+    stop signal once ddpjob sent it (`stopped`: a program that does not catch it dies of it) or by
+    ddpjob's SIGKILL after the grace (`killed`; SLURM's own SIGKILL ending a step is no stop): a
+    stop for a requeue. Its stderr ending with a Python traceback: a crash named after it (the
+    user's, or infrastructure where it says a peer is gone). Killed by a signal: what the cluster
+    broke (infrastructure). Another status: the user's. `hang_s`: ddpjob ended it as hung."""
     if hang_s is not None:
         return Ending(exitcodes.ERROR, crash={
             "error": f"the command stopped making progress: no output or heartbeat for {hang_s:.0f} s",
             "error_class": policy.INFRASTRUCTURE})
     if returncode == 0:
         return Ending(exitcodes.OK)
-    if returncode == requeue_exit or stopped:
+    # Its last words a traceback: it raised, whatever signal came while it was ending (srun ends
+    # the step with SIGTERM once a peer died, and that peer's death is what made it raise)
+    raised = last_traceback("\n".join(stderr_tail.splitlines()[-FINAL_LINES:]))
+    if returncode == requeue_exit or (raised is None and ((stopped and returncode == -stop_signal)
+                                                          or (killed and returncode == -signal.SIGKILL))):
         return Ending(exitcodes.REQUEUE, stop=True)
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return Ending(128 - returncode, crash={"error": f"the command was killed by {name}",
+    if returncode < 0 and raised is None:
+        return Ending(128 - returncode, crash={"error": f"the command {_how(returncode)}",
                                                "error_class": policy.INFRASTRUCTURE}, signum=-returncode)
-    raised = last_traceback(stderr_tail)
+    raised = raised or last_traceback(stderr_tail)
     if raised is None:
         return Ending(exitcodes.ERROR, crash={"error": f"command exited with status {returncode} "
                                                        "(no Python traceback on its stderr)",
@@ -128,9 +131,18 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, hang_s: float |
             "error": f"a peer of the command's process group is gone: {raised.exception}: {raised.message[:200]}{at}",
             "error_class": policy.INFRASTRUCTURE, "exception": raised.exception})
     return Ending(exitcodes.ERROR, crash={
-        "error": f"your code raised {raised.exception}: {raised.message}{at} (the command exited with status "
-                 f"{returncode})", "error_class": policy.USER, "exception": raised.exception,
+        "error": f"your code raised {raised.exception}: {raised.message}{at} (the command "
+                 f"{_how(returncode)})", "error_class": policy.USER, "exception": raised.exception,
         **({"where": raised.where} if raised.where else {})})
+
+
+def _how(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    try:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"was killed by signal {-returncode}"
 
 
 @dataclass
@@ -221,6 +233,7 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
     console.print0(f"ddpjob: attempt {restart}: running {' '.join(t.command)[:200]} (pid {child.pid})")
     sent: float | None = None  # when the stop signal went to the program
     hung: float | None = None
+    killed = False  # ddpjob's SIGKILL after the grace
     while child.poll() is None:
         now = time.time()
         if stop.code != preemption.NONE and sent is None:
@@ -234,11 +247,13 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
                   file=sys.stderr, flush=True)
             sent = now
             child.send_signal(preemption.signal_number(t.command_signal))
-        if sent is not None and now - sent > t.command_grace_s:
+        if sent is not None and now - sent > t.command_grace_s and not killed:
+            killed = True
             child.kill()
         time.sleep(POLL_S)
     out.join()
     end = ending(child.returncode, requeue_exit=t.command_requeue_exit, stopped=stop.code != preemption.NONE,
+                 stop_signal=preemption.signal_number(t.command_signal), killed=killed and hung is None,
                  hang_s=hung, stderr_tail=out.tail)
     stop.uninstall()
     return _finish(cfg, env, run_dir, restart, end, stop, lock)

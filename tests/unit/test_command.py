@@ -70,6 +70,10 @@ def test_exit_statuses_map_to_the_ranks_ending() -> None:
     assert ending(0, requeue_exit=3, stopped=False).code == exitcodes.OK
     assert ending(3, requeue_exit=3, stopped=False).stop
     assert ending(-signal.SIGTERM, requeue_exit=3, stopped=True).stop  # died of the stop signal: requeue
+    assert ending(-signal.SIGKILL, requeue_exit=3, stopped=True, killed=True).stop  # still saving after the grace
+    assert not ending(-signal.SIGKILL, requeue_exit=3, stopped=True).stop  # SLURM's kill of the step
+    # a status after a stop is no stop: a peer's end failed the collective while srun ended the step
+    assert not ending(1, requeue_exit=3, stopped=True).stop
     killed = ending(-signal.SIGKILL, requeue_exit=3, stopped=False)
     assert killed.signum == signal.SIGKILL and killed.crash == {
         "error": "the command was killed by SIGKILL", "error_class": policy.INFRASTRUCTURE}
@@ -81,6 +85,10 @@ def test_exit_statuses_map_to_the_ranks_ending() -> None:
     peer = ending(1, requeue_exit=3, stopped=False, stderr_tail="Traceback (most recent call last):\n"
                   '  File "t.py", line 5, in <module>\nRuntimeError: Connection closed by peer [127.0.0.1]:1\n').crash
     assert peer is not None and peer["error_class"] == policy.INFRASTRUCTURE
+    # srun's SIGTERM to the step after a peer died, while this one was raising its failed collective
+    ended = ending(-signal.SIGTERM, requeue_exit=3, stopped=True, stderr_tail="Traceback (most recent call last):\n"
+                   '  File "t.py", line 5, in <module>\nRuntimeError: Connection reset by peer\n')
+    assert not ended.stop and ended.crash is not None and ended.crash["error_class"] == policy.INFRASTRUCTURE
     hung = ending(-9, requeue_exit=3, stopped=False, hang_s=30).crash
     assert hung is not None and "no output or heartbeat for 30 s" in hung["error"]
     assert hung["error_class"] == policy.INFRASTRUCTURE
