@@ -81,6 +81,8 @@ def test_a_preempted_command_resumes_its_own_checkpoint_and_finishes(tmp_path: P
     row = json.loads(ddpjob("ls", "--runs-root", str(tmp_path), "--json", check=True).stdout.splitlines()[0])
     assert row["restarts"] == 1 and [a["restart"] for a in row["goodput"]["attempts"]] == [0, 1], row
     assert row["goodput"]["seconds"]["productive"] > 0 and row["stops"], row
+    plot = ddpjob("plot", str(run_dir), "-o", str(tmp_path / "plot.png"), check=True).stdout
+    assert "1 restart marker(s)" in plot and (tmp_path / "plot.png").stat().st_size > 0, plot
 
 
 def test_a_killed_rank_of_a_command_restarts_in_place(tmp_path: Path) -> None:

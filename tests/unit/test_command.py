@@ -105,3 +105,26 @@ def test_the_child_gets_torchruns_variables_and_ddpjobs() -> None:
         "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
         "MASTER_ADDR": "n1", "PATH": "/bin", "DDPJOB_ATTEMPT": "2"}
     assert out["MASTER_PORT"] == str(env.master_port)
+
+
+def test_words_after_dashes_become_the_command_of_submit_and_sbatch_only() -> None:
+    from ddpjob.cli import _command_after_dashes
+
+    assert _command_after_dashes(["submit", "j.toml", "--nodes", "2", "--", "python", "a b.py", "--x"]) == (
+        ["submit", "j.toml", "--nodes", "2"], ["python", "a b.py", "--x"])
+    assert _command_after_dashes(["--debug", "sbatch", "j.toml", "-o", "x", "--", "t"])[1] == ["t"]
+    assert _command_after_dashes(["status", "run"]) == (["status", "run"], [])
+    for bad, says in ((["run", "j.toml", "--", "x"], "not `ddpjob run`"), (["submit", "j.toml", "--"], "nothing follows")):
+        with pytest.raises(UsageError) as err:
+            _command_after_dashes(bad)
+        assert says in err.value.line()
+
+
+def test_doctor_warns_when_the_grace_outlasts_slurms_window() -> None:
+    from ddpjob.launch.doctor import command_grace
+
+    cfg = _cfg(command=["python", "t.py"], command_grace_s=60)
+    short = command_grace(cfg, "low", "20", 5)
+    assert short.status == "warn" and "GraceTime 20 s of 'low' (preemption)" in short.detail, short
+    ok = command_grace(_cfg(command=["python", "t.py"], command_grace_s=15), "low", "20", 5)
+    assert ok.status == "pass", ok
