@@ -224,9 +224,13 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
     except OSError as exc:
         if lock is not None:
             lock.release()
-        raise DDPJobError(f"train.command {t.command[0]!r} cannot be started on {env.hostname} ({exc.strerror}), "
+        err = DDPJobError(f"train.command {t.command[0]!r} cannot be started on {env.hostname} ({exc.strerror}), "
                           "expected a program on the nodes' PATH or a path from the working directory "
-                          f"{os.getcwd()}", "fix train.command (it runs without a shell)") from None
+                          f"{os.getcwd()}", "fix train.command (it runs without a shell)")
+        # the user's setting: not retried (a rank crash record without a class reads as the cluster's)
+        events.record(run_dir, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
+                      restart=restart, error=err.line(), error_class=policy.USER, exception=type(exc).__name__)
+        raise err from None
     out = _Output()
     out.follow(child.stdout, sys.stdout.buffer, keep=False)  # type: ignore[arg-type]
     out.follow(child.stderr, sys.stderr.buffer, keep=True)  # type: ignore[arg-type]

@@ -27,11 +27,11 @@ SCRIPT = TESTS / "command_scripts" / "plain_train.py"
 STEPS = 12
 
 
-def submit(tmp_path: Path, **env: str) -> tuple[Path, int]:
+def submit(tmp_path: Path, command: list[str] | None = None, **env: str) -> tuple[Path, int]:
     """`ddpjob submit --backend local` of the script on 2 ranks; the run dir and the supervisor's pid."""
     job = write_job(tmp_path / "job.toml", slurm=dict(nodes=1, tasks_per_node=2),
-                    train=dict(command=[sys.executable, str(SCRIPT), "--out_dir", str(tmp_path / "out"),
-                                        "--max_steps", str(STEPS)]))
+                    train=dict(command=command or [sys.executable, str(SCRIPT), "--out_dir", str(tmp_path / "out"),
+                                                   "--max_steps", str(STEPS)]))
     run_dir = tmp_path / "run"
     ddpjob("submit", str(job), "--backend", "local", "--run-dir", str(run_dir), cwd=tmp_path,
            env=without_job_env(job_env(**env)), check=True)
@@ -108,3 +108,12 @@ def test_a_bug_raised_by_the_command_fails_the_run_naming_its_line(tmp_path: Pat
     assert f"ValueError at plain_train.py:{line}" in decision[0]["line"], decision
     assert f"ValueError at plain_train.py:{line}" in (run_dir / "logs" / "supervisor.log").read_text()
     assert len(local(run_dir)["history"]) == 1  # not retried
+
+
+def test_a_command_that_cannot_start_fails_once_with_one_line(tmp_path: Path) -> None:
+    run_dir, _ = submit(tmp_path, command=[str(tmp_path / "no-such-program"), "--x"])
+    assert ended(run_dir) == "FAILED"
+    decision = [e for e in events(run_dir, "stop") if "rank" not in e]
+    assert len(decision) == 1 and (decision[0]["verdict"], decision[0]["action"]) == ("user", "end"), decision
+    assert "no-such-program' cannot be started" in log(run_dir, 0) + log(run_dir, 1)
+    assert len(local(run_dir)["history"]) == 1
