@@ -161,7 +161,7 @@ class TrainConfig:
     args: Match[tuple[str, ...]] = ()  # sys.argv[1:] of the entry
     # A plain command instead of an entry (docs/commands.md): each rank runs it as one child process,
     # no shell, with torchrun's variables; e.g. ["python", "train.py", "--out_dir", "out"]
-    command: Match[tuple[str, ...]] = ()
+    command: MatchIfSet[tuple[str, ...]] = ()
     command_signal: Free[str] = "TERM"  # what the command gets before the time limit and on preemption
     command_grace_s: Free[float] = 60.0  # then this long to save and exit, then SIGKILL
     command_requeue_exit: Free[int] = 3  # the command's exit status that means "requeue me"
