@@ -7,7 +7,8 @@ for status/plot), DDPJOB_HEARTBEAT (touched each step) and DDPJOB_ATTEMPT.
 Test hooks (never a timer): DDPJOB_TEST_AT="RANK:STEP:ATTEMPT:HOW" (RANK "*" = every rank,
 ATTEMPT "" = any) acts after step STEP: HOW = "pause" prints "paused at step N" and waits until
 the stop signal came (the test signals the supervisor on that line); "kill" SIGKILLs this
-process; "raise" raises a ValueError (a bug of the script's own).
+process; "raise" raises a ValueError (a bug of the script's own); "hang" stops for good, silent,
+deaf to the stop signal (ddpjob's hang watch ends it).
 """
 
 import argparse
@@ -91,6 +92,9 @@ while step < args.max_steps:
             os.kill(os.getpid(), signal.SIGKILL)
         elif how == "raise":
             raise ValueError(f"a bug at step {step}")
+        elif how == "hang":
+            while True:
+                time.sleep(0.5)
     # every rank stops at the same step: a signal seen by any rank counts for all
     flag = torch.tensor([1 if stop else 0])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)

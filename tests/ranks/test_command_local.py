@@ -27,11 +27,12 @@ SCRIPT = TESTS / "command_scripts" / "plain_train.py"
 STEPS = 12
 
 
-def submit(tmp_path: Path, command: list[str] | None = None, **env: str) -> tuple[Path, int]:
+def submit(tmp_path: Path, command: list[str] | None = None, train: dict[str, Any] | None = None,
+           **env: str) -> tuple[Path, int]:
     """`ddpjob submit --backend local` of the script on 2 ranks; the run dir and the supervisor's pid."""
     job = write_job(tmp_path / "job.toml", slurm=dict(nodes=1, tasks_per_node=2),
                     train=dict(command=command or [sys.executable, str(SCRIPT), "--out_dir", str(tmp_path / "out"),
-                                                   "--max_steps", str(STEPS)]))
+                                                   "--max_steps", str(STEPS)], **(train or {})))
     run_dir = tmp_path / "run"
     ddpjob("submit", str(job), "--backend", "local", "--run-dir", str(run_dir), cwd=tmp_path,
            env=without_job_env(job_env(**env)), check=True)
@@ -117,3 +118,16 @@ def test_a_command_that_cannot_start_fails_once_with_one_line(tmp_path: Path) ->
     assert len(decision) == 1 and (decision[0]["verdict"], decision[0]["action"]) == ("user", "end"), decision
     assert "no-such-program' cannot be started" in log(run_dir, 0) + log(run_dir, 1)
     assert len(local(run_dir)["history"]) == 1
+
+
+def test_a_silent_hung_command_is_ended_and_restarted_in_place(tmp_path: Path) -> None:
+    """Rank 1's script stops for good after step 6, silent and deaf to SIGTERM (rank 0's waits in
+    its all-reduce, silent too): after command_hang_s without output or heartbeat each rank sends
+    SIGTERM, SIGKILL after the grace, and records the hang; restarted in place, it finishes."""
+    run_dir, _ = submit(tmp_path, train=dict(command_hang_s=30, command_grace_s=2), DDPJOB_TEST_AT="1:6:0:hang")
+    assert ended(run_dir) == "COMPLETED", log(run_dir, 0) + log(run_dir, 1)
+    hung = [e for e in events(run_dir, "stop") if e.get("rank") == 1]
+    assert hung and "no output or heartbeat for 30 s" in hung[0]["error"], hung
+    crash = [e for e in events(run_dir, "stop") if "rank" not in e]
+    assert len(crash) == 1 and (crash[0]["verdict"], crash[0]["action"]) == ("infrastructure", "restart"), crash
+    assert "at step 5" in log(run_dir, 0)  # resumed from the script's checkpoint of step 5
