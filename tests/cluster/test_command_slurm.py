@@ -45,8 +45,9 @@ def ddpjob(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> clirun.s
 
 
 def rank_log(run: Path, rank: int) -> str:
-    path = run / "logs" / f"rank-{rank}.log"
-    return path.read_text(errors="replace") if path.exists() else ""
+    """The rank's log: rank-R.log (`ddpjob sbatch`), submitit's JOB_R_log.out/err (`ddpjob submit`)."""
+    paths = [run / "logs" / f"rank-{rank}.log", *sorted((run / "logs").glob(f"*_{rank}_log.*"))]
+    return "".join(p.read_text(errors="replace") for p in paths if p.is_file())
 
 
 def decisions(run: Path) -> list[dict[str, Any]]:
