@@ -12,6 +12,7 @@ traceback's exception and file:line named), or death by the same signal.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -28,7 +29,7 @@ from typing import IO, Any
 from ddpjob import console, exitcodes, rundir, runlock
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
-from ddpjob.ledger import events, policy
+from ddpjob.ledger import crashes, events, policy
 from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv, command_environ, process_started
 from ddpjob.rank import requeue
@@ -191,8 +192,9 @@ def _last_step(run_dir: Path) -> int | None:
 
 def _begin(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, runlock.RunLock | None]:
     """This attempt's number, and rank 0's hold on the run dir: the lock, the unseen ends and the
-    budgets (requeue.check_start, as init() does), the start record. The other ranks read the
-    number from the ledger (attempts.current: the attempt without an end yet, else the next)."""
+    budgets (requeue.check_start, as init() does; the start record follows: _Start). The other
+    ranks read the number from the ledger (attempts.current: the attempt without an end yet, else
+    the next)."""
     if not env.is_rank0:
         return requeue.attempt_of(env, events.read(run_dir)), None
     lock = runlock.RunLock.take(run_dir, f"{env.source} job {env.job_id or '-'} (rank 0, command)")
@@ -202,9 +204,54 @@ def _begin(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, runlock
         raise DDPJobError(f"this is restart {restart} of run {run_dir.name}: {why}",
                           "raise the budget in [slurm], or find out why the job keeps stopping "
                           "(`ddpjob status RUN_DIR` lists every stop)")
-    events.record(run_dir, "start", job_id=env.job_id, restart=restart, source=env.source,
-                  world_size=env.world_size, host=env.hostname, launched_time=process_started())
     return restart, lock
+
+
+@dataclass
+class _Start:
+    """Rank 0's start record of the attempt, written once the program logged its first step of
+    this attempt (`resumed_step` = the step before it: where its own checkpoint took it; the
+    time from the launch to there is the ledger's start-up), else when it ended (`resumed_step`
+    = the newest step logged before). The crash loop and the goodput ledger read it."""
+
+    run_dir: Path
+    env: ClusterEnv
+    restart: int
+    launched: float | None = field(default_factory=process_started)
+    offset: int = 0  # of metrics.jsonl, read so far
+    done: bool = False
+
+    def first_step(self) -> int | None:
+        path = self.run_dir / rundir.METRICS
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.offset)
+                text = f.read()
+        except OSError:
+            return None
+        text = text[:text.rfind(b"\n") + 1]  # whole lines only: the program may be mid-write
+        self.offset += len(text)
+        for line in text.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            step = rec.get("step") if isinstance(rec, dict) else None
+            if rec.get("restart") == self.restart and isinstance(step, int) and not isinstance(step, bool):
+                return step
+        return None
+
+    def record(self, resumed: int | None) -> None:
+        if self.done or not self.env.is_rank0:
+            return
+        self.done = True
+        events.record(self.run_dir, "start", job_id=self.env.job_id, restart=self.restart, source=self.env.source,
+                      world_size=self.env.world_size, host=self.env.hostname, launched_time=self.launched,
+                      **({"resumed_step": resumed} if resumed else {}))
+
+    def poll(self) -> None:
+        if not self.done and self.env.is_rank0 and (step := self.first_step()) is not None:
+            self.record(step - 1)
 
 
 def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
@@ -213,6 +260,9 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
     t = cfg.train
     stop = preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
     restart, lock = _begin(cfg, env, run_dir)
+    begun = _Start(run_dir, env, restart)
+    if env.is_rank0:
+        begun.first_step()  # what earlier attempts logged is not this one's first step
     beat = run_dir / HEARTBEATS / f"rank-{env.rank}"
     beat.parent.mkdir(exist_ok=True)
     child_env = command_environ(env, {
@@ -239,6 +289,7 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
     hung: float | None = None
     killed = False  # ddpjob's SIGKILL after the grace
     while child.poll() is None:
+        begun.poll()
         now = time.time()
         if stop.code != preemption.NONE and sent is None:
             sent = now
@@ -256,6 +307,8 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
             child.kill()
         time.sleep(POLL_S)
     out.join()
+    begun.poll()
+    begun.record(crashes.command_saved(run_dir))
     end = ending(child.returncode, requeue_exit=t.command_requeue_exit, stopped=stop.code != preemption.NONE,
                  stop_signal=preemption.signal_number(t.command_signal), killed=killed and hung is None,
                  hang_s=hung, stderr_tail=out.tail)

@@ -210,13 +210,16 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
         # ranks get theirs from the survivors, store/peers.py): the newest all folders left hold
         saved, from_snapshot = memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None,
                                                    memsnap.base_of(cfg))
+        if cfg.train.command:  # it resumes from its own checkpoint: its newest step is what ddpjob sees
+            saved, from_snapshot = crashes.command_saved(run_dir), False
         resume_at, steps_lost = crashes.resume_point(run_dir, saved)
         facts = crashes.facts(evs, env.job_id, restart, culprit, resume_at=resume_at, steps_lost=steps_lost,
                               from_snapshot=from_snapshot,
                               here=in_place, hosts_left=not in_place or restart_layout(run_dir, env, cfg, culprit) is not None,
                               lost_hosts=lost, run=str(run_dir),
                               stop_requested=requests.stop_requested(run_dir, env.job_id),
-                              exclude_after=cfg.slurm.exclude_after if in_place else 0)
+                              exclude_after=cfg.slurm.exclude_after if in_place else 0,
+                              own_checkpoint=bool(cfg.train.command))
         verdict = policy.decide(facts, policy.Limits.of(cfg))
         why = (f"node(s) {','.join(lost)} left allocation {env.job_id}" if lost
                else f"ranks exited with status {status}")

@@ -92,6 +92,9 @@ def test_a_killed_rank_of_a_command_restarts_in_place(tmp_path: Path) -> None:
     crash = [e for e in events(run_dir, "stop") if "rank" not in e]
     assert len(crash) == 1 and crash[0]["reason"] == "crash" and crash[0]["verdict"] == "infrastructure", crash
     assert crash[0]["action"] == "restart", crash
+    assert "restarting in place from the command's own checkpoint (it had logged step 8)" in crash[0]["line"], crash
+    # the attempt's start record: where the script's own checkpoint took it (its first step, less one)
+    assert [s.get("resumed_step") for s in events(run_dir, "start")] == [None, 5]
     mine = [e for e in events(run_dir, "stop") if e.get("rank") == 1]
     assert mine and mine[0]["error"] == "the command was killed by SIGKILL", mine
     # saved every 5 steps: the restart resumes from step 5 and replays 6..8
