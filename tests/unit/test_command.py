@@ -128,3 +128,10 @@ def test_doctor_warns_when_the_grace_outlasts_slurms_window() -> None:
     assert short.status == "warn" and "GraceTime 20 s of 'low' (preemption)" in short.detail, short
     ok = command_grace(_cfg(command=["python", "t.py"], command_grace_s=15), "low", "20", 5)
     assert ok.status == "pass", ok
+
+
+def test_a_commands_crash_verdict_resumes_from_its_own_checkpoint() -> None:
+    facts = policy.Facts("crash", policy.INFRASTRUCTURE, "rank 1 on n2: killed by SIGKILL", here=True,
+                         resume_at=8, steps_lost=0, own_checkpoint=True)
+    line = policy.decide(facts, policy.Limits()).line
+    assert line.startswith("restarting in place from the command's own checkpoint (it had logged step 8);"), line
