@@ -183,13 +183,6 @@ def _child_signals(cfg: JobConfig) -> None:
     signal.signal(own, signal.SIG_DFL)
 
 
-def _last_step(run_dir: Path) -> int | None:
-    """The newest step the program wrote to DDPJOB_METRICS, where it writes any."""
-    steps = [r["step"] for r in rundir.read_jsonl(run_dir / rundir.METRICS)
-             if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
-    return steps[-1] if steps else None
-
-
 def _begin(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, runlock.RunLock | None]:
     """This attempt's number, and rank 0's hold on the run dir: the lock, the unseen ends and the
     budgets (requeue.check_start, as init() does; the start record follows: _Start). The other
@@ -312,7 +305,6 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
     end = ending(child.returncode, requeue_exit=t.command_requeue_exit, stopped=stop.code != preemption.NONE,
                  stop_signal=preemption.signal_number(t.command_signal), killed=killed and hung is None,
                  hang_s=hung, stderr_tail=out.tail)
-    stop.uninstall()
     return _finish(cfg, env, run_dir, restart, end, stop, lock)
 
 
@@ -320,7 +312,7 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
             lock: runlock.RunLock | None) -> int:
     """Record the ending (rank 0: the run's completion or the stop's decision; any rank: its
     crash) and leave as it says."""
-    step = _last_step(run_dir)
+    step = crashes.command_saved(run_dir)
     if end.crash is not None:
         events.record(run_dir, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
                       restart=restart, step=step, **end.crash)
@@ -333,6 +325,8 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
         requeue.after_stop(cfg, env, run_dir, code, step, restart=restart, signal_time=stop.time)
     if lock is not None:
         lock.release()
+    # only now: `scontrol requeue` of this job signals its step, this process too, while it records
+    stop.uninstall()
     if end.signum is not None:
         if end.signum != signal.SIGKILL:
             signal.signal(end.signum, signal.SIG_DFL)
