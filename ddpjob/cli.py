@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -215,6 +216,23 @@ def console() -> NoReturn:
     sys.exit(code)
 
 
+def _command_after_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`ddpjob submit|sbatch JOB.toml [flags] -- PROGRAM ARGS...`: what follows `--` is the job's
+    [train] command (docs/commands.md), each word one argument as the shell handed it over."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    head, command = argv[:cut], argv[cut + 1:]
+    verb = next((a for a in head if not a.startswith("-")), None)
+    if verb not in ("submit", "sbatch"):
+        raise UsageError(f"`--` followed by a command is for `ddpjob submit` and `ddpjob sbatch`, not "
+                         f"`ddpjob {verb or ''}`".rstrip(), "set [train] command in the job file")
+    if not command:
+        raise UsageError("nothing follows `--`, expected the command to run on every rank",
+                         "e.g. `ddpjob submit job.toml -- python train.py --out_dir out`")
+    return head, command
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # torch.distributed.launch (legacy, without --use-env) puts --local-rank=N *before* the
@@ -223,7 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv.append(argv.pop(0))
     debug = "--debug" in argv
     try:
+        argv, command = _command_after_dashes(argv)
         args = build_parser().parse_args(argv)
+        if command:
+            args.overrides.append("train.command=" + json.dumps(command, ensure_ascii=False))
         return args.func(args)
     except DDPJobError as exc:
         if debug:

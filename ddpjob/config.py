@@ -171,6 +171,13 @@ class TrainConfig:
     # step budget, its log interval): left out of the hash. The list itself is part of the run's
     # identity once set (declared at submission); at its default () the hash is what runs had
     user_free: MatchIfSet[tuple[str, ...]] = ()
+    # A plain command instead of an entry (docs/commands.md): each rank runs it as one child process,
+    # no shell, with torchrun's variables; e.g. ["python", "train.py", "--out_dir", "out"]
+    command: MatchIfSet[tuple[str, ...]] = ()
+    command_signal: Free[str] = "TERM"  # what the command gets before the time limit and on preemption
+    command_grace_s: Free[float] = 60.0  # then this long to save and exit, then SIGKILL
+    command_requeue_exit: Free[int] = 3  # the command's exit status that means "requeue me"
+    command_hang_s: Free[float] = 1800.0  # no output nor heartbeat this long: a hang (0: off)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from ddpjob.errors import UsageError
 from ddpjob.modelnames import model_problem
 
 if TYPE_CHECKING:
-    from ddpjob.config import JobConfig
+    from ddpjob.config import JobConfig, TrainConfig
 
 CONTAINER_RUNTIMES = ("pyxis", "apptainer", "singularity")  # launch/container.py
 SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP", "URG", "XCPU", "QUIT", "ALRM")
@@ -177,6 +177,33 @@ def _container(cfg: JobConfig) -> None:
                "paths, expected no comma and at most one colon", "e.g. \"/scratch/data:/data\"")
 
 
+def _command(t: TrainConfig) -> None:
+    """[train] command: argv of a program run without a shell (no quoting: each entry is one
+    argument as it is), instead of an entry; its signal, grace, requeue status and hang watch."""
+    if not t.command:
+        return
+    _check(t.entry == "" and not t.args, f"train.command and train.entry {t.entry or '(args)'!r} are both set, "
+           "expected one of them", "drop train.entry/train.args (a command carries its own arguments)")
+    _check(t.command[0] != "", "train.command's first entry is empty, expected the program to run",
+           'e.g. command = ["python", "train.py"]')
+    for arg in t.command:
+        scriptsafe.one_line(arg, "train.command entry", "split it into several list entries")
+    # a string is read as a one-entry list; no shell splits it, so "python train.py" names no program
+    _check(len(t.command) > 1 or not re.search(r"\s", t.command[0]), f"train.command is the one string "
+           f"{t.command[0][:80]!r}, expected a list of arguments (it runs without a shell, nothing splits it)",
+           "write it as a list: command = " + str(t.command[0].split()[:4]).replace("'", '"'))
+    _check(canonical_signal(t.command_signal) in SIGNALS, f"train.command_signal {t.command_signal!r} is "
+           f"not a signal ddpjob sends, expected one of {', '.join(SIGNALS)}", 'e.g. command_signal = "TERM"')
+    _check(0 <= t.command_grace_s <= 86400, f"train.command_grace_s is {t.command_grace_s}, expected "
+           "0 to 86400 seconds", "e.g. command_grace_s = 60")
+    _check(0 <= t.command_hang_s <= 7 * 86400, f"train.command_hang_s is {t.command_hang_s}, expected "
+           "0 (off) to 604800 seconds", "e.g. command_hang_s = 1800")
+    _check(2 <= t.command_requeue_exit <= 125 and t.command_requeue_exit != 1,
+           f"train.command_requeue_exit is {t.command_requeue_exit}, expected an exit status from 2 to "
+           "125 (0 means done, 1 is Python's error exit, 126+ the shell's and signals')",
+           "e.g. command_requeue_exit = 3")
+
+
 def canonical_signal(name: str) -> str:
     """'sigusr2' -> 'USR2': how [slurm] signal is stored once validated (jobfile.from_dict), and
     so how sbatch, submitit and the ranks get it."""
@@ -223,6 +250,7 @@ def _train_data(cfg: JobConfig) -> None:
                f"train.metrics_textfile {t.metrics_textfile!r} is not a .prom file, expected a file name "
                "node_exporter's textfile collector reads (*.prom)",
                "e.g. metrics_textfile = \"/var/lib/node_exporter/textfile/myrun.prom\"")
+    _command(t)
     for key, v in (("train.pretrained", t.pretrained), ("data.root", d.root),
                    ("train.metrics_textfile", t.metrics_textfile), ("checkpoint.init_from", cfg.checkpoint.init_from)):
         scriptsafe.path_text(v, key, f"set {key} to a plain path")

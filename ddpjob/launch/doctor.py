@@ -171,7 +171,28 @@ def _partition_checks(cfg: JobConfig) -> list[Check]:
     elif nodes:
         out.append(Check("cpus", PASS, f"{cpus} per node, nodes have up to {most}"))
     out.append(_preemption_check(cfg, name, part))
+    if cfg.train.command:
+        kill = re.search(r"\bKillWait\s*=\s*(\d+)", _text(slurm.run(["scontrol", "show", "config"], timeout=20)))
+        out.append(command_grace(cfg, name, part.get("GraceTime", ""), int(kill.group(1)) if kill else None))
     return out
+
+
+def command_grace(cfg: JobConfig, name: str, grace_time: str, kill_wait: int | None) -> Check:
+    """[train] command_grace_s against what SLURM leaves a signalled program before SIGKILL: on a
+    preemption GraceTime, before the time limit signal_lead_s + KillWait (docs/commands.md)."""
+    t, s = cfg.train, cfg.slurm
+    windows = {f"GraceTime {grace_time} s of '{name}' (preemption)": int(grace_time)} if grace_time.isdigit() \
+        and int(grace_time) > 0 else {}
+    if kill_wait is not None:
+        windows[f"slurm.signal_lead_s {s.signal_lead_s} + KillWait {kill_wait} s (time limit)"] = \
+            s.signal_lead_s + kill_wait
+    short = [f"{what}" for what, secs in windows.items() if t.command_grace_s > secs]
+    if short:
+        return Check("command grace", WARN, f"train.command_grace_s = {t.command_grace_s:g} s is longer than "
+                     f"{' and '.join(short)}: SLURM's SIGKILL comes first", "lower train.command_grace_s to "
+                     f"{min(windows.values())} s or less, and make the program save within it")
+    return Check("command grace", PASS, f"train.command_grace_s = {t.command_grace_s:g} s fits "
+                 + (", ".join(windows) or "(no SLURM window known)"))
 
 
 def _preemption_check(cfg: JobConfig, name: str, part: dict[str, str]) -> Check:

@@ -278,10 +278,13 @@ class Supervisor:
         culprit = crashes.with_rank_error(crashes.from_returncode(rank, socket.gethostname(), code),
                                           evs, self.job_id, self.attempt)
         saved, from_snapshot = memsnap.newest_saved(self.run_dir, self.job_id, memsnap.base_of(self.cfg))
+        if self.cfg.train.command:  # it resumes from its own checkpoint: its newest step is what ddpjob sees
+            saved, from_snapshot = crashes.command_saved(self.run_dir), False
         resume_at, lost = crashes.resume_point(self.run_dir, saved)
         facts = crashes.facts(evs, self.job_id, self.attempt, culprit, resume_at=resume_at, steps_lost=lost,
                               from_snapshot=from_snapshot, here=True, run=str(self.run_dir),
-                              stop_requested=requests.stop_requested(self.run_dir, self.job_id))
+                              stop_requested=requests.stop_requested(self.run_dir, self.job_id),
+                              own_checkpoint=bool(self.cfg.train.command))
         verdict = policy.decide(facts, policy.Limits.of(self.cfg))
         retry = verdict.action != policy.END
         note = f"rank exit codes {codes}; {verdict.line}"

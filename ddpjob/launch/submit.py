@@ -66,8 +66,11 @@ def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, j
     _doctor_checks(cfgs, where, on_slurm=False)
     backend.dry_run(cfg, job, where, [where / p.id for p in points])  # the script first
     # what each rank then runs: a wrong script is the first thing to spot before submitting
-    console.info(f"# train.entry: {entry.describe(cfg.train.entry)}; train.args: "
-                 f"{shlex.join(cfg.train.args) or '(none)'}")
+    if cfg.train.command:  # shown as a shell would need it typed; it runs without one
+        console.info(f"# train.command (each rank, no shell): {shlex.join(cfg.train.command)}")
+    else:
+        console.info(f"# train.entry: {entry.describe(cfg.train.entry)}; train.args: "
+                     f"{shlex.join(cfg.train.args) or '(none)'}")
     console.table("per-rank view", RANK_COLUMNS, rank_rows(cfg, backend))
     if points:
         console.table("sweep points", ["point", "values"],

@@ -153,7 +153,7 @@ def classify(culprit: Culprit | None, evs: Sequence[dict[str, Any]], job_id: Any
 def facts(evs: Sequence[dict[str, Any]], job_id: Any, restart: int, culprit: Culprit | None, *,
           resume_at: int, steps_lost: int | None, from_snapshot: bool, here: bool, hosts_left: bool = True,
           lost_hosts: Sequence[str] = (), run: str = "RUN", stop_requested: bool = False,
-          exclude_after: int = 0) -> policy.Facts:
+          exclude_after: int = 0, own_checkpoint: bool = False) -> policy.Facts:
     """What the policy needs to know about a crash of attempt (job_id, restart), from the run's
     ledger and what the decider saw (the culprit, the resume point, the hosts left; with
     `exclude_after`, the decider can leave a failing host out of the restart)."""
@@ -178,7 +178,7 @@ def facts(evs: Sequence[dict[str, Any]], job_id: Any, restart: int, culprit: Cul
     return policy.Facts("node_failure" if lost_hosts else "crash", cls, what, stop_requested, requeues, failures,
                         streak, again, here, hosts_left, resume_at, steps_lost, from_snapshot, run,
                         signal_of(culprit) if not lost_hosts else None, where,
-                        quarantine=again and same_host and exclude_after > 0)
+                        quarantine=again and same_host and exclude_after > 0, own_checkpoint=own_checkpoint)
 
 
 def _short(error: str) -> str:
@@ -238,6 +238,15 @@ def no_progress(evs: Sequence[dict[str, Any]], chain: set[str] | None, now: tupl
             streak, point = 0, None
         last_from = step if isinstance(step, int) else last_from
     return streak, point
+
+
+def command_saved(run_dir: Path) -> int | None:
+    """A [train] command run's resume point as far as ddpjob can see: the newest step its program
+    logged (docs/commands.md; it resumes from its own checkpoint, at most there), so that a crash
+    after progress is no crash loop."""
+    steps = [r["step"] for r in fileio.read_jsonl(run_dir / rundir.METRICS)[-50:]
+             if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
+    return max(steps) if steps else None
 
 
 def resume_point(run_dir: Path, saved: int | None) -> tuple[int, int | None]:

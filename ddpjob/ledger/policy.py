@@ -72,6 +72,7 @@ class Facts:
     # `again` on the same host, where the decider can leave a host out (crashes.excluded): a
     # bad host's to answer for (the quarantine), not a loop of the job's own
     quarantine: bool = False
+    own_checkpoint: bool = False  # a [train] command: it resumes from its own checkpoint (resume_at: its newest step)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,8 @@ class Verdict:
 
 
 def _resumes(f: Facts) -> str:
+    if f.own_checkpoint:
+        return "from the command's own checkpoint" + ("" if f.resume_at is None else f" (it had logged step {f.resume_at})")
     if f.resume_at is None:
         return "from the newest checkpoint"
     where = "the snapshot" if f.from_snapshot else "the checkpoint"

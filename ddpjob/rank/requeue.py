@@ -108,7 +108,7 @@ def _node_failed(env: ClusterEnv, signal_time: float | None) -> bool:
     return False
 
 
-def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int, *,
+def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int | None, *,
                restart: int = 0, signal_step: int | None = None,
                signal_time: float | None = None, lag: int = 0,
                times: dict[str, float] | None = None) -> bool | None:
@@ -146,13 +146,13 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
                              requeues=requeues, failures=failures, run=str(run_dir))
         fields.update(carry_out(cfg, env, run_dir, policy.decide(facts, policy.Limits.of(cfg)), fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
-    lost = None if signal_step is None else max(0, step - signal_step - 1 - lag)
+    lost = None if signal_step is None or step is None else max(0, step - signal_step - 1 - lag)
     events.record(run_dir, "stop", reason=reason, step=step, job_id=env.job_id, restart=restart,
                   incarnation=env.restart_count, steps_lost=lost, signal_time=signal_time, **(times or {}),
                   **fields)
     note = fields.get("note")
-    console.print0(f"ddpjob: stopped at step {step} ({reason}); checkpoint written"
-                   + (f"; {note}" if note else ""))
+    said = f"stopped at step {step} ({reason}); checkpoint written" if step is not None else f"stopped ({reason})"
+    console.print0(f"ddpjob: {said}" + (f"; {note}" if note else ""))
     return fields["requeued"]
 
 
@@ -210,13 +210,16 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
         # ranks get theirs from the survivors, store/peers.py): the newest all folders left hold
         saved, from_snapshot = memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None,
                                                    memsnap.base_of(cfg))
+        if cfg.train.command:  # it resumes from its own checkpoint: its newest step is what ddpjob sees
+            saved, from_snapshot = crashes.command_saved(run_dir), False
         resume_at, steps_lost = crashes.resume_point(run_dir, saved)
         facts = crashes.facts(evs, env.job_id, restart, culprit, resume_at=resume_at, steps_lost=steps_lost,
                               from_snapshot=from_snapshot,
                               here=in_place, hosts_left=not in_place or restart_layout(run_dir, env, cfg, culprit) is not None,
                               lost_hosts=lost, run=str(run_dir),
                               stop_requested=requests.stop_requested(run_dir, env.job_id),
-                              exclude_after=cfg.slurm.exclude_after if in_place else 0)
+                              exclude_after=cfg.slurm.exclude_after if in_place else 0,
+                              own_checkpoint=bool(cfg.train.command))
         verdict = policy.decide(facts, policy.Limits.of(cfg))
         why = (f"node(s) {','.join(lost)} left allocation {env.job_id}" if lost
                else f"ranks exited with status {status}")

@@ -86,6 +86,10 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
     argv = list(sys.argv[1:]) if argv is None else list(argv)
     env = ClusterEnv.from_environ(argv=argv)  # this rank's, read once: init() adds the GPU count
     console.set_rank(env.rank)
+    if cfg.train.command:  # a plain program, not an entry: no torch, no process group of ours
+        from ddpjob.rank import command
+
+        return command.run(cfg, _command_dir(cfg, env, run_dir, wanted_dir), env)
     from ddpjob.node import preemption
 
     # Flag-only handlers first: a signal during the (slow) start must not kill the process.
@@ -94,6 +98,16 @@ def _train(cfg: JobConfig, run_dir: Path | None, wanted_dir: Path | None,
                           allow_code_change=allow_code_change, from_scratch=from_scratch, env=env)
     with start.launched(launch):
         return _run_entry(cfg, run_dir, env, stop)
+
+
+def _command_dir(cfg: JobConfig, env: ClusterEnv, run_dir: Path | None, wanted: Path | None) -> Path:
+    """A command run's dir: the one given, else (one rank: nobody to agree with) a new one."""
+    if run_dir is not None:
+        return run_dir
+    if env.world_size > 1:
+        raise UsageError(f"train.command runs on {env.world_size} ranks without a run directory, expected "
+                         "one every rank shares", "pass --run-dir RUN_DIR, or submit the job (`ddpjob submit`)")
+    return rundir.prepare((wanted or rundir.new_run_dir("runs", cfg.name)).resolve(), cfg)
 
 
 def _run_entry(cfg: JobConfig, run_dir: Path | None, env: ClusterEnv, stop: Any) -> int:

@@ -1,0 +1,149 @@
+"""A plain torchrun-style script as the entry ([train] command, docs/commands.md) on the real
+SLURM test cluster: tests/command_scripts/plain_train.py on 2 nodes x 1 task, its own checkpoint.
+
+- `ddpjob sbatch` + real sbatch: preempted once by a `high` job on both nodes while rank 1
+  pauses after step 7 (SIGTERM reaches the script, it saves and exits 3; rank 0 asks SLURM,
+  requeues); the next attempt resumes from the script's checkpoint; COMPLETED; `status` and
+  `ls --json` show the attempts and the goodput;
+- `ddpjob sbatch`: rank 1 SIGKILLed after step 8: restarted in place inside the allocation,
+  resumed from the script's checkpoint of step 5, COMPLETED;
+- `ddpjob submit` (submitit): the same preemption, requeued, COMPLETED from the checkpoint;
+- `ddpjob submit`: a ValueError raised by the script on every rank: FAILED, the verdict line
+  naming plain_train.py's line, not retried.
+Every stop is caused at a step (the script's DDPJOB_TEST_AT hook), never by a timer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import clirun
+from clirun import TESTS, job_env, wait_for, without_job_env
+from ranks import write_job
+from runlogs import events, lines
+from test_preemption_slurm import preempt, release
+
+pytestmark = pytest.mark.cluster
+
+SCRIPT = TESTS / "command_scripts" / "plain_train.py"
+STEPS = 14
+
+
+def job_file(folder: Path) -> Path:
+    return write_job(folder / "job.toml", slurm=dict(nodes=2, tasks_per_node=1, time="00:10:00", max_requeues=3),
+                     train=dict(command=[sys.executable, str(SCRIPT), "--out_dir", str(folder / "out"),
+                                         "--max_steps", str(STEPS)]))
+
+
+def ddpjob(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> clirun.subprocess.CompletedProcess:
+    return clirun.ddpjob(*argv, cwd=cwd, env=without_job_env(env), timeout=180, check=True)
+
+
+def rank_log(run: Path, rank: int) -> str:
+    """The rank's log: rank-R.log (`ddpjob sbatch`), submitit's JOB_R_log.out/err (`ddpjob submit`)."""
+    paths = [run / "logs" / f"rank-{rank}.log", *sorted((run / "logs").glob(f"*_{rank}_log.*"))]
+    return "".join(p.read_text(errors="replace") for p in paths if p.is_file())
+
+
+def decisions(run: Path) -> list[dict[str, Any]]:
+    return [e for e in events(run, "stop") if "rank" not in e]
+
+
+def preempted_at_step_7(run: Path, jid: str, tmp_path: Path) -> None:
+    """Rank 1 waits after step 7 until its stop signal: a `high` job on both nodes preempts the
+    job; the stop is a preemption, requeued; the job starts again once the high job is done."""
+    import slurmtools
+
+    wait_for(lambda: "paused at step 7" in rank_log(run, 1), 300, "rank 1 to pause",
+             alive=lambda: slurmtools.active(jid), whose=f"job {jid}")
+    high = preempt(jid, tmp_path, "high")
+    stop = wait_for(lambda: decisions(run), 240, "the preemption's stop")[0]
+    assert (stop["reason"], stop["requeued"]) == ("preemption", True), stop
+    slurmtools.wait_state(jid, {"PENDING"}, timeout=90)
+    assert slurmtools.wait_done(high, timeout=180) == "COMPLETED"
+    release(jid)
+
+
+def assert_resumed(run: Path, at: int) -> None:
+    assert f"at step {at}" in rank_log(run, 0) and "resumed from" in rank_log(run, 0), rank_log(run, 0)
+
+
+def test_sbatch_command_is_preempted_requeued_and_completes(
+        slurm_cluster: Any, tmp_path: Path) -> None:
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job_file(tmp_path)), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
+    # attempt 0: rank 1 pauses after step 7 until the preemption's SIGTERM
+    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path,
+                            env=job_env(DDPJOB_TEST_AT="1:7:0:pause"))
+    preempted_at_step_7(run, jid, tmp_path)
+    assert slurmtools.wait_done(jid, 600) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
+    assert (run / "COMPLETED").is_file()
+    assert_resumed(run, 7)
+    steps = [(r["restart"], r["step"]) for r in lines(run / "metrics.jsonl")]
+    assert steps == [(0, s) for s in range(1, 8)] + [(1, s) for s in range(8, STEPS + 1)], steps
+    info = json.loads(ddpjob("status", str(run), "--json", cwd=tmp_path).stdout)
+    assert info["state"] == "COMPLETED" and info["restarts"] >= 1, info
+    assert [a["restart"] for a in info["goodput"]["attempts"]] == [0, 1], info["goodput"]
+    row = json.loads(ddpjob("ls", "--runs-root", str(tmp_path), "--json", cwd=tmp_path).stdout.splitlines()[0])
+    assert row["goodput"]["seconds"]["productive"] > 0 and row["state"] == "COMPLETED", row
+
+
+def test_sbatch_command_with_a_killed_rank_restarts_in_place(slurm_cluster: Any, tmp_path: Path) -> None:
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job_file(tmp_path)), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
+    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=job_env(DDPJOB_TEST_AT="1:8:0:kill"))
+    assert slurmtools.wait_done(jid, 600) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
+    crash = decisions(run)
+    assert len(crash) == 1 and (crash[0]["reason"], crash[0]["verdict"], crash[0]["action"]) == (
+        "crash", "infrastructure", "restart"), crash
+    assert crash[0]["failed_rank"] == 1 and "SIGKILL" in crash[0]["line"] + crash[0].get("failed_how", ""), crash
+    assert_resumed(run, 5)  # the script saves every 5 steps
+    assert [r["step"] for r in lines(run / "metrics.jsonl") if r["restart"] == 1] == list(range(6, STEPS + 1))
+    text = ddpjob("status", str(run), cwd=tmp_path).stdout
+    assert "COMPLETED" in text and "goodput" in text, text
+
+
+def test_submit_command_is_preempted_requeued_and_completes(slurm_cluster: Any, tmp_path: Path) -> None:
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    run = tmp_path / "run"
+    ddpjob("submit", str(job_file(tmp_path)), "--backend", "slurm", "--run-dir", str(run), cwd=tmp_path,
+           env=job_env(DDPJOB_TEST_AT="1:7:0:pause"))
+    jid = json.loads((run / "job.json").read_text())["job_id"]
+    slurmtools.submitted.append(jid)
+    preempted_at_step_7(run, jid, tmp_path)
+    assert slurmtools.wait_done(jid, 600) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
+    assert (run / "COMPLETED").is_file()
+    assert_resumed(run, 7)
+    assert [r["step"] for r in lines(run / "metrics.jsonl") if r["restart"] == 1] == list(range(8, STEPS + 1))
+
+
+def test_submit_command_that_raises_fails_with_the_verdict_naming_its_line(slurm_cluster: Any, tmp_path: Path) -> None:
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    line = next(n for n, text in enumerate(SCRIPT.read_text().splitlines(), 1) if 'raise ValueError(f"a bug' in text)
+    run = tmp_path / "run"
+    ddpjob("submit", str(job_file(tmp_path)), "--backend", "slurm", "--run-dir", str(run), cwd=tmp_path,
+           env=job_env(DDPJOB_TEST_AT="*:4::raise"))
+    jid = json.loads((run / "job.json").read_text())["job_id"]
+    slurmtools.submitted.append(jid)
+    assert slurmtools.wait_done(jid, 600) in ("FAILED", "COMPLETED")  # submitit's task ends the job
+    decision = wait_for(lambda: decisions(run), 60, "the crash's decision")
+    assert len(decision) == 1 and (decision[0]["verdict"], decision[0]["action"]) == ("user", "end"), decision
+    assert f"ValueError at plain_train.py:{line}" in decision[0]["line"], decision
+    assert not (run / "COMPLETED").exists()
+    text = ddpjob("status", str(run), cwd=tmp_path).stdout
+    assert f"plain_train.py:{line}" in text, text
