@@ -171,12 +171,21 @@ def test_requeued_after_finish_exits_0_without_training(tmp_path: Path) -> None:
 
 
 def test_restart_beyond_max_requeues_stops_with_one_line(tmp_path: Path) -> None:
+    """The job came back a fourth time (SLURM may requeue by itself) with max_requeues = 3 spent:
+    the start is refused with one line, counted from the run's ledger (ledger/budget.py)."""
+    from ddpjob import jobfile, rundir
+    from ddpjob.ledger import events as ledger
+
     job = _job(tmp_path, max_steps=3)
     out = tmp_path / "run"
-    codes, r = run([str(job), "--run-dir", str(out)], 1, tmp_path / "logs", restart=4)
+    rundir.prepare(out, jobfile.resolve(job, [], {}))
+    for n in range(4):  # four requeues of job "test" on record
+        ledger.record(out, "stop", reason="preemption", job_id="test", restart=n, requeued=True,
+                      requeued_by="scontrol")
+    codes, r = run([str(out)], 1, tmp_path / "logs", restart=4)
     assert codes == [1], r.output()
     err = [x for x in r.output(0).splitlines() if x.startswith("ddpjob: error:")]
-    assert len(err) == 1 and "restart 4" in err[0] and "max_requeues = 3" in err[0]
+    assert len(err) == 1 and "restart 4" in err[0] and "max_requeues = 3" in err[0], err
 
 
 def test_killed_rank_ends_the_others(tmp_path: Path) -> None:
