@@ -52,7 +52,8 @@ def assert_one_history(run: Path, cwd: Path, first: dict[str, Any] | None = None
     record = json.loads(ddpjob("status", str(run), "--json", cwd=cwd).stdout)
     assert (record["restarts"], record["attempts"]) == (5, numbers), record
     assert [a["restart"] for a in record["goodput"]["attempts"]] == numbers, record["goodput"]["attempts"]
-    [row] = [r for r in ddpjob("ls", "--json", cwd=cwd).stdout.splitlines() if json.loads(r)["run_dir"] == str(run)]
+    [row] = [r for r in ddpjob("ls", "--json", "--runs-root", str(run.parent), cwd=cwd).stdout.splitlines()
+             if json.loads(r)["run_dir"] == str(run)]
     assert json.loads(row)["attempts"] == numbers
     out = ddpjob("plot", str(run), "-o", str(cwd / "curves.png"), cwd=cwd).stdout
     assert [f"restart {n}:" in out for n in numbers[1:]] == [True] * 5, out
