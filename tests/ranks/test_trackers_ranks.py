@@ -74,7 +74,7 @@ def test_one_tracker_run_across_a_preemption_a_restart_in_place_and_a_resume(tmp
     env = without_job_env(job_env(DDPJOB_TEST_SIGNAL="1:8:0:term,1:9:1:kill,1:4:2:crash", WANDB_MODE="offline",
                                   WANDB_SILENT="true", MLFLOW_ALLOW_FILE_STORE="true"))
     out = ddpjob("submit", str(job), "--backend", "local", "--run-dir", str(run), "--wait", cwd=tmp_path, env=env)
-    assert out.returncode == 1 and ": FAILED (exit codes [" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 1 and ": FAILED (not retried: rank 1's RuntimeError" in out.stdout, out.stdout + out.stderr
     out = ddpjob("resume", str(run), "--wait", cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
 
