@@ -154,7 +154,7 @@ def _run_entry(cfg: JobConfig, run_dir: Path | None, env: ClusterEnv, stop: Any)
             if reported is not raised:
                 traceback.print_exc()  # the rank's log keeps the whole story
         where = job.run_dir if job is not None else run_dir
-        if where is not None and not isinstance(reported, SystemExit):
+        if where is not None and not isinstance(reported, (SystemExit, start.StartRefused)):
             why = reported.line() if isinstance(reported, DDPJobError) else _one_line(reported)
             step = job.current_step if job is not None else None
             events.record(where, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,

@@ -26,6 +26,11 @@ from ddpjob.node.cluster import ClusterEnv
 from ddpjob.rank.job import Job
 
 
+class StartRefused(DDPJobError):
+    """A start the budgets refuse (requeue.check_start): its `budget` record is the attempt's
+    decision already, so no rank records a crash for it."""
+
+
 class AlreadyCompleted(SystemExit):
     """Raised by `init()` when the run dir holds a finished run: nothing to do, exit 0."""
 
@@ -168,7 +173,7 @@ def _check_budget(cfg: JobConfig, env: ClusterEnv, path: Path, ctx: Any) -> tupl
         raise runlock.Busy(*busy)
     if why:
         ctx.destroy(barrier_timeout_s=1.0)
-        raise DDPJobError(f"this is restart {restart} of run {path.name}: {why}",
+        raise StartRefused(f"this is restart {restart} of run {path.name}: {why}",
                           "raise the budget in [slurm], or find out why the job keeps stopping "
                           "(`ddpjob status RUN_DIR` lists every stop)")
     return int(restart), lock

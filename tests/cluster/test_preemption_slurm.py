@@ -248,7 +248,7 @@ def test_sbatch_job_through_time_limit_preemption_and_a_killed_rank_is_bit_exact
     t0 = time.monotonic()
     times: dict[str, float] = {}
     run = tmp_path / "run"
-    job = job_file(tmp_path)
+    job = job_file(tmp_path, max_failures=0)  # the killed rank ends the job: `ddpjob resume` takes it on
     ddpjob("sbatch", str(job), "--time", "00:02:00", "-o", str(tmp_path / "job.sbatch"),
            "--run-dir", str(run), "--set", "train.tensorboard=true", cwd=tmp_path)
     script = (tmp_path / "job.sbatch").read_text()

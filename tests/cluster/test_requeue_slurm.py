@@ -81,7 +81,8 @@ def test_a_crash_is_retried_only_within_max_failures(slurm_cluster: Any, tmp_pat
     slurmtools.cluster_free(timeout=300)
     job = write_job(tmp_path / "job.toml", train={**TRAIN, "max_steps": 40}, data=DATA,
                     checkpoint=CHECKPOINT,
-                    slurm={**SLURM, "nodes": 1, "tasks_per_node": 2, "max_failures": max_failures})
+                    slurm={**SLURM, "nodes": 1, "tasks_per_node": 2, "max_failures": max_failures,
+                           "retry_user_errors": True})  # the budget is what this tests, not the verdict
     # rank 1 raises in its 25th training forward call (step 13), first incarnation only
     run, jid = sbatch(tmp_path, job, DDPJOB_TEST_SIGNAL="1:25:0:crash")
     assert slurmtools.wait_done(jid, 600) == final

@@ -60,7 +60,8 @@ def test_hostile_run_dir_survives_real_sbatch_and_srun(slurm_cluster, tmp_path: 
     python = base / "py thon"
     python.write_text(RECORDER)
     python.chmod(0o755)
-    cfg = jobfile.resolve(REPO / "jobs/smoke.toml", [], {"nodes": 2, "tasks_per_node": 1})
+    # no warm-start server (it would run the recorder too): the ranks' own srun line is what is checked
+    cfg = jobfile.resolve(REPO / "jobs/smoke.toml", ["slurm.warm_start=false"], {"nodes": 2, "tasks_per_node": 1})
     script = tmp_path / "x.sbatch"
     script.write_text(render.render_sbatch(cfg, run_dir=run, python=str(python)))
     job_id = slurmtools.submit(script, cwd=tmp_path)
