@@ -16,7 +16,7 @@ import fake_checkpoint
 from ddpjob import fileio, jobfile
 from ddpjob.launch import local
 from ddpjob.ledger import budget, crashes, policy
-from ddpjob.ledger.events import read as read_events
+from ddpjob.ledger.events import read as read_events, record as record_event
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.rank import requeue
 
@@ -166,3 +166,47 @@ def test_the_slurm_and_local_deciders_agree(ending: str, fake_slurm, tmp_path: P
     assert budget.used(read_events(slurm_dir), "77") == budget.used(read_events(local_dir), "local-1") == (
         (0, 1) if retried else (0, 0))
     assert crashes.HOST.fullmatch(str(slurm_stop["failed_host"]))
+
+
+# How rank 0's checkpointed stop came about: (its stop code, a `ddpjob stop` asked first, the
+# requeues the submission spent) -> whether the job comes back
+STOPS = {
+    "time limit": (2, False, 0, True),  # preemption.REQUEUE: the job's warning signal
+    "preemption": (3, False, 0, True),  # preemption.PREEMPTED while SLURM preempts the job
+    "ddpjob stop": (2, True, 0, False),
+    "max_requeues spent": (2, False, 2, False),
+}
+
+
+@pytest.mark.parametrize("case", list(STOPS))
+def test_both_backends_bring_a_stopped_job_back_alike(case: str, fake_slurm, tmp_path: Path) -> None:
+    """A stop with a checkpoint: rank 0 decides on SLURM (rank/requeue.after_stop), the local
+    supervisor after the ranks exit 3 (launch/local.Supervisor.after_stop); the same facts give
+    the same answer through the one policy."""
+    from ddpjob.ledger import requests
+
+    code, asked, spent, back = STOPS[case]
+    dirs = {}
+    for name, job_id in (("slurm", "77"), ("local", "local-1")):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = jobfile.from_dict({"name": "t", "slurm": {"max_requeues": 2}})
+        fileio.write_text_atomic(d / "config.json", cfg.to_json())
+        for n in range(spent):
+            record_event(d, "stop", reason="preemption", job_id=job_id, restart=n, requeued=True,
+                         requeued_by="scontrol")
+        if asked:
+            requests.ask_stop(d, job_id, spent)
+        dirs[name] = d
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING PreemptTime=2026-01-01T00:00:00")
+    fake_slurm.answer("scontrol requeue")
+    env = ClusterEnv(source="slurm", job_id="77", restart_count=0)
+    slurm_back = requeue.after_stop(jobfile.read_run_config(dirs["slurm"]), env, dirs["slurm"], code, 9,
+                                    restart=spent)
+    # the local run: rank 0 records its stop (the supervisor decides), then the supervisor
+    local_env = ClusterEnv(source="local", job_id="local-1", restart_count=spent)
+    requeue.after_stop(jobfile.read_run_config(dirs["local"]), local_env, dirs["local"], code, 9, restart=spent)
+    sup = local.Supervisor(dirs["local"], "local-1")
+    sup.attempt = spent
+    local_back = sup.after_stop().action == policy.REQUEUE
+    assert (slurm_back is True) == local_back == back, (slurm_back, local_back)
