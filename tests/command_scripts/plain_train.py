@@ -49,6 +49,18 @@ if os.path.exists(ckpt_path):  # init_from = 'resume'
     print(f"resumed from {ckpt_path} at step {step}", flush=True)
 model = torch.nn.parallel.DistributedDataParallel(model)
 
+
+def end() -> None:
+    """Let go of the group before the interpreter ends: DDP holds it, and its gloo threads met
+    the interpreter's finalization now and then ("terminate called without an active exception",
+    SIGABRT after the last step, seen under load)."""
+    global model
+    del model
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+
 rank_at, step_at, attempt_at, how = (os.environ.get("DDPJOB_TEST_AT", "") + ":::").split(":")[:4]
 armed = rank_at in ("*", str(rank)) and attempt_at in ("", str(attempt))
 
@@ -101,11 +113,11 @@ while step < args.max_steps:
     if flag.item():
         save()
         print(f"stopping at step {step} for a requeue", flush=True)
-        dist.destroy_process_group()
+        end()
         sys.exit(args.requeue_exit)
     if step % args.save_every == 0:
         save()
 
 save()
 print(f"done at step {step}", flush=True)
-dist.destroy_process_group()
+end()
