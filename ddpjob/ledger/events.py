@@ -118,8 +118,3 @@ def is_rank_crash(e: Mapping[str, Any]) -> bool:
 
 def of_attempt(e: Mapping[str, Any], job_id: Any, restart: Any) -> bool:
     return str(e.get("job_id")) == str(job_id) and e.get("restart") == restart
-
-
-def decisions(evs: Iterable[Mapping[str, Any]], job_ids: set[str] | None = None) -> list[Mapping[str, Any]]:
-    """The decisions, of the jobs in `job_ids` only when given."""
-    return [e for e in evs if is_decision(e) and (job_ids is None or str(e.get("job_id")) in job_ids)]

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ranks import write_job
-from test_history_local import ACTIONS, DATA, TRAIN, assert_one_history
-from test_preemption_slurm import ddpjob, events, job_env, release, train_records
+from test_history_local import ACTIONS, DATA, TRAIN, assert_the_sequence
+from test_preemption_slurm import ddpjob, job_env, release
 from test_requeue_slurm import sbatch
 
 SLURM = dict(nodes=2, tasks_per_node=2, time="00:10:00", signal_lead_s=60)
@@ -60,16 +59,8 @@ def test_every_view_tells_one_history_on_slurm(slurm_cluster: Any, tmp_path: Pat
         slurmtools.submitted.extend(jobs)  # conftest cancels what a failed test leaves
         state = wait_state(run, jobs, tmp_path)
     assert state == "COMPLETED"
-    stops = [e for e in events(run, "stop") if "rank" not in e]
-    assert [(s["restart"], s["reason"]) for s in stops] == [
-        (0, "user_stop"), (1, "time_limit"), (2, "crash"), (3, "user_stop"), (4, "time_limit"), (5, "finished")]
-    assert stops[2]["action"] == "restart" and (stops[2]["failed_rank"], stops[2]["failed_host"]) == (1, "n1")
-    record = assert_one_history(run, tmp_path)
-    twice = sum(n - 1 for n in Counter(r["step"] for r in train_records(run)).values())
-    assert twice == stops[2]["steps_lost"] and twice > 0, (twice, stops[2])
-    gp = record["goodput"]
-    assert abs(gp["replayed_steps"] - twice) <= 1, (gp["replayed_steps"], twice)
-    assert abs(sum(gp["seconds"].values()) - gp["wall_s"]) <= 0.01 * gp["wall_s"], gp
+    stops, gp = assert_the_sequence(run, tmp_path)
+    assert (stops[2]["failed_rank"], stops[2]["failed_host"]) == (1, "n1")
     # the queue and the run's span, against sacct's Submit/Start/End of every start of every job
     starts = sorted(t for j in jobs for t in slurmtools.sacct_times(j))
     assert abs(gp["begin"] - starts[0][0]) <= 1 and abs(gp["end"] - starts[-1][2]) <= 1, (gp, starts)

@@ -8,19 +8,17 @@ cluster are in tests/cluster/test_defaults_slurm.py."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from clirun import ddpjob, job_env
+from clirun import ddpjob
 from ranks import write_job
 from runlogs import events
-from test_failure import DATA, TRAIN, assert_same_as_reference, reference  # noqa: F401  (fixture)
+from test_failure import DATA, TRAIN, assert_same_as_reference, reference, submit_wait  # noqa: F401  (fixture)
 
 CHECKPOINT = dict(every_steps=10, keep_last=3)  # no snapshot_every: "auto", on by default now
 
@@ -31,13 +29,7 @@ def submit(tmp_path: Path, **env: str) -> tuple[Path, subprocess.CompletedProces
                     checkpoint=CHECKPOINT)
     text = job.read_text()
     assert "max_failures" not in text and "retry_user_errors" not in text, text
-    run_dir = tmp_path / "run"
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
-    full.update(job_env(**env))
-    out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job), "--backend", "local",
-                          "--run-dir", str(run_dir), "--wait"], capture_output=True, text=True, cwd=tmp_path,
-                         env=full, timeout=600)
-    return run_dir, out
+    return submit_wait(tmp_path, job, **env)
 
 
 def decisions(run_dir: Path) -> list[dict[str, Any]]:

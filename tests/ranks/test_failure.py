@@ -188,17 +188,23 @@ def test_killed_rank_fails_the_run_fast_and_a_damaged_newest_checkpoint_is_skipp
           f"resumed from {previous}, {replayed} steps trained twice with identical losses")
 
 
-def restarted_run(tmp_path: Path, checkpoint: dict[str, Any], **env: str) -> Path:
-    """`ddpjob submit --backend local --wait` of the job with max_failures = 1 and `checkpoint`,
-    the test plugins' `env` set (a kill at a chosen step); returns the run dir of the finished run."""
-    job = write_job(tmp_path / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5, max_failures=1),
-                    train=TRAIN, data=DATA, checkpoint=checkpoint)
+def submit_wait(tmp_path: Path, job: Path, **env: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`ddpjob submit JOB --backend local --wait` into tmp_path/run with the test plugins' `env`
+    (a kill at a chosen step); the run dir and how the command ended."""
     run_dir = tmp_path / "run"
     full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DDPJOB_"))}
     full.update(job_env(**env))
     out = subprocess.run([sys.executable, "-m", "ddpjob", "submit", str(job), "--backend", "local",
                           "--run-dir", str(run_dir), "--wait"], capture_output=True, text=True, cwd=tmp_path,
                          env=full, timeout=600)
+    return run_dir, out
+
+
+def restarted_run(tmp_path: Path, checkpoint: dict[str, Any], **env: str) -> Path:
+    """The job with max_failures = 1 and `checkpoint` through submit_wait; the finished run's dir."""
+    job = write_job(tmp_path / "job.toml", slurm=dict(nodes=1, tasks_per_node=2, max_requeues=5, max_failures=1),
+                    train=TRAIN, data=DATA, checkpoint=checkpoint)
+    run_dir, out = submit_wait(tmp_path, job, **env)
     assert out.returncode == 0, out.stdout + out.stderr
     return run_dir
 

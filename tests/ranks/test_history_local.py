@@ -60,6 +60,23 @@ def assert_one_history(run: Path, cwd: Path, first: dict[str, Any] | None = None
     return record
 
 
+def assert_the_sequence(run: Path, cwd: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The six stops in order, every view's attempts (assert_one_history), and goodput's replayed
+    steps against the steps trained twice; returns the decisions and goodput's record."""
+    stops = [e for e in events(run, "stop") if "rank" not in e]
+    assert [(s["restart"], s["reason"]) for s in stops] == [
+        (0, "user_stop"), (1, "time_limit"), (2, "crash"), (3, "user_stop"), (4, "time_limit"), (5, "finished")]
+    assert stops[2]["action"] == "restart" and stops[2]["verdict"] == "infrastructure", stops[2]
+    record = assert_one_history(run, cwd)
+    # the steps trained twice: those the kill lost, replayed by attempt 3 from its snapshot
+    twice = sum(n - 1 for n in Counter(r["step"] for r in train_records(run)).values())
+    assert twice == stops[2]["steps_lost"] and twice > 0, (twice, stops[2])
+    gp = record["goodput"]
+    assert abs(gp["replayed_steps"] - twice) <= 1, (gp["replayed_steps"], twice)
+    assert abs(sum(gp["seconds"].values()) - gp["wall_s"]) <= 0.01 * gp["wall_s"], gp
+    return stops, gp
+
+
 @pytest.mark.slow
 def test_every_view_tells_one_history_across_stop_resume_requeue_and_a_kill(tmp_path: Path) -> None:
     (tmp_path / "actions").write_text(ACTIONS)
@@ -72,14 +89,4 @@ def test_every_view_tells_one_history_across_stop_resume_requeue_and_a_kill(tmp_
     for _ in range(2):  # each `ddpjob resume` runs until the next `ddpjob stop`, then to the end
         out = cli("resume", str(run), "--wait", cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    stops = [e for e in events(run, "stop") if "rank" not in e]
-    assert [(s["restart"], s["reason"]) for s in stops] == [
-        (0, "user_stop"), (1, "time_limit"), (2, "crash"), (3, "user_stop"), (4, "time_limit"), (5, "finished")]
-    assert stops[2]["action"] == "restart" and stops[2]["verdict"] == "infrastructure", stops[2]
-    record = assert_one_history(run, tmp_path)
-    # the steps trained twice: those the kill lost, replayed by attempt 3 from its snapshot
-    twice = sum(n - 1 for n in Counter(r["step"] for r in train_records(run)).values())
-    assert twice == stops[2]["steps_lost"] and twice > 0, (twice, stops[2])
-    gp = record["goodput"]
-    assert abs(gp["replayed_steps"] - twice) <= 1, (gp["replayed_steps"], twice)
-    assert abs(sum(gp["seconds"].values()) - gp["wall_s"]) <= 0.01 * gp["wall_s"], gp
+    assert_the_sequence(run, tmp_path)

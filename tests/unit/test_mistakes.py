@@ -22,6 +22,7 @@ from ddpjob.rank.job import UserTable
 from ddpjob.rank.records import MetricLog
 from ddpjob.store import perrank
 from ddpjob.store.state import check_state
+from mistakes_script import Offsets  # the user's own per-rank object of the ranks test
 
 
 def test_user_keys_never_read_are_named_with_the_key_they_miss() -> None:
@@ -55,17 +56,6 @@ def test_a_second_record_of_a_kind_for_one_step_is_said_once(tmp_path: Path, cap
     assert err == ["ddpjob: warning: job.log(1, lr=...) writes a second train record for step 1: `ddpjob plot` "
                    "and `status` expect one train record per step. Hint: log a step's values in one call, "
                    "job.log(step, loss=..., lr=...); name evaluation values eval_* (an eval record)"]
-
-
-class Offsets:
-    def __init__(self, seed: int) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"gen": self.gen.get_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.gen.set_state(state["gen"])
 
 
 def test_an_own_object_that_differs_between_ranks_is_said() -> None:
