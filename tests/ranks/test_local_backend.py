@@ -197,6 +197,25 @@ def test_submit_local_detaches_a_supervisor(tmp_path):
     wait_for(lambda: pid_gone(pid) or os.waitpid(pid, os.WNOHANG)[0] == pid, what="supervisor exit")
 
 
+def test_a_supervisor_read_while_it_execs_is_alive():
+    """Popen returns before the child's exec has laid out its command line: read then, the
+    /proc line is empty. verify's first poll took that for a dead supervisor and a run that had
+    not started for FAILED (CI, 2026-11-28); pid_alive waits the exec out."""
+    from ddpjob.launch.backends.local_procs import pid_alive
+
+    seen = []
+    for _ in range(40):
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "ddpjob-marker"])
+        try:
+            seen.append(pid_alive(p.pid, "ddpjob-marker"))
+            assert not pid_alive(p.pid, "another-marker")  # still someone else's process
+        finally:
+            p.kill()
+            p.wait()
+    assert all(seen), f"{seen.count(False)} of {len(seen)} live processes read as gone"
+    assert not pid_alive(p.pid, "ddpjob-marker")  # reaped: gone
+
+
 def test_submit_local_wait_trains_to_completion_with_two_ranks(tmp_path):
     """The README's main command, shortened: real `ddpjob run` ranks on gloo."""
     run = tmp_path / "smoke"

@@ -23,18 +23,30 @@ from ddpjob.slurm import Incarnation
 from ddpjob.launch.local import LOCAL, rank_command  # the supervisor's state file, what each rank runs
 
 SUPERVISOR = "ddpjob.launch.local"
+EXEC_WAIT_S = 2.0  # the longest a started process may show no command line (pid_alive)
 
 
 def pid_alive(pid: int | None, marker: str = SUPERVISOR) -> bool:
-    """Alive, not a zombie, and still our supervisor (pids are reused)."""
+    """Alive, not a zombie, and still our supervisor (pids are reused).
+
+    A process in the middle of its exec has no command line yet: the kernel closes the
+    parent's CLOEXEC pipe, so Popen returns, before it lays out the new argv. A reader right
+    after a submit (verify, `status`) saw that empty line as "gone" on a loaded machine; it
+    waits out the exec instead (35 ms at most, measured on the 2-core test VM)."""
     if not pid:
         return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and marker in cmdline
+    deadline = time.monotonic() + EXEC_WAIT_S
+    while True:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        if stat.rsplit(")", 1)[-1].split()[0] == "Z":
+            return False
+        if raw or time.monotonic() > deadline:  # a kernel thread's line stays empty: not ours
+            return marker in raw.replace(b"\0", b" ").decode(errors="replace")
+        time.sleep(0.005)
 
 
 def submit_local(run_dirs: list[Path], log_dir: Path, command: list[str],
