@@ -17,50 +17,20 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from ddpjob import console, modelnames, slurm
+from ddpjob import console, slurm
 from ddpjob.config import JobConfig
 from ddpjob.jobfile import resolve
 from ddpjob.validate import parse_time_s
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.node import cluster
-from ddpjob.store import manifest, memsnap
+from ddpjob.launch import entrycheck
+from ddpjob.launch.checks import FAIL, PASS, WARN, Check, one_cell, output, raise_on_failures, records
+from ddpjob.launch.restartchecks import restart_checks
 
-PASS, WARN, FAIL = "pass", "warn", "fail"
 MIN_LEAD_S = 30  # below this, a checkpoint of anything but a tiny model may not finish in time
 TOOLS = ("sbatch", "srun", "scontrol", "sacct")
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str  # pass | warn | fail
-    detail: str
-    hint: str = ""
-
-
-def raise_on_failures(checks: Sequence[Check]) -> None:
-    """The first failed check as the one-line DDPJobError the CLI prints."""
-    for c in checks:
-        if c.status == FAIL:
-            raise DDPJobError(f"preflight check '{c.name}' failed: {c.detail}", c.hint)
-
-
-def _text(res: slurm.Result) -> str:
-    """A command's output, or why it failed (missing, timeout): what a check shows."""
-    return (res.stdout + res.stderr).strip() or res.error
-
-
-def _one(text: str, limit: int = 160) -> str:  # command output as part of one table cell
-    return " ".join(text.split())[:limit]
-
-
-def _records(text: str) -> list[dict[str, str]]:
-    """`scontrol show ... -o` output: one record per line of Key=Value tokens."""
-    return [dict(t.split("=", 1) for t in line.split() if "=" in t) for line in text.splitlines()
-            if "=" in line]
 
 
 def _limit_s(value: str) -> int | None:  # MaxTime: "UNLIMITED" / "INFINITE" or a SLURM time
@@ -85,19 +55,19 @@ def cluster_checks() -> list[Check]:
                       "without SLURM, use `ddpjob submit --backend local`")]
     out = [Check("slurm commands", PASS, " ".join(TOOLS) + " found")]
     res = slurm.run(["scontrol", "ping"], timeout=20)
-    text = _text(res)
+    text = output(res)
     if not res.ok or " UP" not in text:
-        return out + [Check("controller", FAIL, f"`scontrol ping`: {_one(text) or res.rc}",
+        return out + [Check("controller", FAIL, f"`scontrol ping`: {one_cell(text) or res.rc}",
                             "slurmctld is down or unreachable; ask the cluster admins")]
-    out.append(Check("controller", PASS, _one(text)))
+    out.append(Check("controller", PASS, one_cell(text)))
     res = slurm.run(["sacct", "-n", "-X", "-S", "now"], timeout=20)
-    text = _text(res)
+    text = output(res)
     out.append(Check("accounting", PASS, "sacct answers (finished and requeued jobs are visible)")
                if res.ok else
-               Check("accounting", WARN, f"sacct fails: {_one(text)}",
+               Check("accounting", WARN, f"sacct fails: {one_cell(text)}",
                      "ask the admins for accounting (slurmdbd); `ddpjob status` then only "
                      "knows what the run dir records"))
-    text = _text(slurm.run(["scontrol", "show", "config"], timeout=20))
+    text = output(slurm.run(["scontrol", "show", "config"], timeout=20))
     m = re.search(r"\bJobRequeue\s*=\s*(\d)", text)
     if m and m.group(1) == "1":
         out.append(Check("requeue policy", PASS, "JobRequeue=1: batch jobs may be requeued"))
@@ -114,8 +84,8 @@ def cluster_checks() -> list[Check]:
 # ------------------------------------------------------------------ job-level checks
 def _partition_checks(cfg: JobConfig) -> list[Check]:
     s = cfg.slurm
-    text = _text(slurm.run(["scontrol", "show", "partition", "-o"], timeout=20))
-    parts = _records(text)
+    text = output(slurm.run(["scontrol", "show", "partition", "-o"], timeout=20))
+    parts = records(text)
     found = [p for p in parts if (p.get("PartitionName") == s.partition if s.partition
                                   else p.get("Default") == "YES")]
     if not found:
@@ -146,8 +116,8 @@ def _partition_checks(cfg: JobConfig) -> list[Check]:
                Check("time limit", FAIL, f"slurm.time = {s.time}, above '{name}' MaxTime "
                      f"{part.get('MaxTime')}", f"set slurm.time <= {part.get('MaxTime')}: "
                      "the job checkpoints and requeues itself at the limit anyway"))
-    ntext = _text(slurm.run(["scontrol", "show", "node", "-o"], timeout=20))
-    nodes = [n for n in _records(ntext) if name in n.get("Partitions", "").split(",")]
+    ntext = output(slurm.run(["scontrol", "show", "node", "-o"], timeout=20))
+    nodes = [n for n in records(ntext) if name in n.get("Partitions", "").split(",")]
     gres = {n.get("NodeName", "?"): _gpus(n.get("Gres", "")) for n in nodes}
     if s.gpus_per_node:
         fit = [n for n, g in gres.items() if g >= s.gpus_per_node]
@@ -172,7 +142,7 @@ def _partition_checks(cfg: JobConfig) -> list[Check]:
         out.append(Check("cpus", PASS, f"{cpus} per node, nodes have up to {most}"))
     out.append(_preemption_check(cfg, name, part))
     if cfg.train.command:
-        kill = re.search(r"\bKillWait\s*=\s*(\d+)", _text(slurm.run(["scontrol", "show", "config"], timeout=20)))
+        kill = re.search(r"\bKillWait\s*=\s*(\d+)", output(slurm.run(["scontrol", "show", "config"], timeout=20)))
         out.append(command_grace(cfg, name, part.get("GraceTime", ""), int(kill.group(1)) if kill else None))
     return out
 
@@ -359,186 +329,10 @@ def cheap_checks(cfg: JobConfig, *, on_slurm: bool = True, runs_root: str | Path
     return out + _partition_checks(cfg) + _signal_checks(cfg, measured_s) + [port_check()]
 
 
-# ------------------------------------------------------------------ restart in place
-# A rank's host memory before its model and data: torch 2.14.1 (the CUDA build) + ddpjob's rank
-# layer peaked at 636 MiB RSS on the 2-core test VM (/usr/bin/time -v); CUDA's host side adds
-# about 2 GiB more (an estimate: its libraries and context). Activations are not counted.
-RANK_BASE = {"cpu": 650 << 20, "gpu": 3 << 30}
-OPTIMIZER_SLOTS = {"sgd": 1, "adamw": 2}  # fp32 values per parameter: momentum; Adam's two moments
-RNG_BYTES = 64 << 10  # a rank's RNG file and the plain values, rounded up
-IMAGE_BYTES = 3 * 32 * 32  # a CIFAR-format image as uint8, on the device
-
-
-def _slurm_mem(text: str) -> int | None:
-    """A SLURM memory size ("4000" MB, "32G", "4000M", "UNLIMITED", "0") in bytes, or None."""
-    m = re.fullmatch(r"(\d+)([KMGT]?)B?", text.strip().upper())
-    if not m or int(m.group(1)) == 0:
-        return None
-    return int(m.group(1)) << {"K": 10, "": 20, "M": 20, "G": 30, "T": 40}[m.group(2)]
-
-
-def state_estimate(cfg: JobConfig, runs_root: Path) -> tuple[int | None, str]:
-    """(bytes of one rank's snapshot, how that was found). Measured from the newest checkpoint of
-    an earlier run of this job (its files, with the RNG file twice: each snapshot keeps a peer's
-    too); else, for the built-in trainer, estimated from the model's parameter count (fp32
-    weights + the optimizer's per-parameter state + the RNG); else unknown."""
-    manifests = sorted(runs_root.glob(f"{cfg.name}-*/checkpoints/step-*/manifest.json"),
-                       key=lambda p: p.stat().st_mtime)
-    for m in reversed(manifests[-5:]):
-        files = manifest.read(m.parent).get("files", {})
-        sizes = {n: int(f.get("size", 0)) for n, f in files.items() if isinstance(f, dict)}
-        ranks = [v for n, v in sizes.items() if re.fullmatch(r"rank-\d+\.pt", n)]
-        if sizes:
-            total = sum(v for n, v in sizes.items() if not re.fullmatch(r"rank-\d+\.pt", n))
-            return total + 2 * max(ranks, default=0), f"measured from {m.parent}"
-    t = cfg.train
-    params = modelnames.PARAMS.get(t.model)
-    if t.entry or params is None:
-        return None, ("unknown (a train.entry of your own and no earlier run of this job to measure): "
-                      "the ranks measure it at their first snapshot")
-    slots = 0 if t.optimizer == "sgd" and t.momentum == 0 else OPTIMIZER_SLOTS.get(t.optimizer, 2)
-    return (params * 4 * (1 + slots) + RNG_BYTES,
-            f"estimated: {t.model} has {params / 1e6:.2f} M parameters x 4 bytes x (weights + "
-            f"{slots} {t.optimizer} slot(s)) + RNG")
-
-
-def rank_use(cfg: JobConfig, state: int | None) -> int:
-    """One rank's expected host memory without snapshots: RANK_BASE, and on CPUs the model
-    (weights, gradients, optimizer state: state + gradients ~ state + weights) and the data set."""
-    if cfg.slurm.gpus_per_node:
-        return RANK_BASE["gpu"]
-    d = cfg.data
-    images = {"cifar10": 60_000, "synthetic": d.synthetic_train + d.synthetic_test}.get(d.dataset, 0)
-    params = modelnames.PARAMS.get(cfg.train.model, 0) if not cfg.train.entry else 0
-    return RANK_BASE["cpu"] + (state or 0) + params * 4 + images * IMAGE_BYTES
-
-
-def _snapshots_on(cfg: JobConfig) -> bool:  # as the ranks decide (memsnap.for_rank, StateStore)
-    return memsnap.interval(cfg) != 0 and cfg.train.strategy != "fsdp"
-
-
-def snapshot_room_check(cfg: JobConfig, state: tuple[int | None, str], room: int | None,
-                        where: str) -> Check:
-    """The folder's free `room` (measured `where`) against the node's ranks x kept snapshots x
-    state: memsnap.keep_for, the rule the ranks apply at their first snapshot."""
-    folder = cfg.checkpoint.snapshot_dir
-    if not _snapshots_on(cfg):
-        why = ("strategy = \"fsdp\"" if cfg.train.strategy == "fsdp" else "snapshot_every = 0"
-               if cfg.checkpoint.snapshot_every != "auto" else
-               "snapshot_every = \"auto\" with slurm.max_failures = 0: no restart in place")
-        return Check("snapshot room", PASS, f"no in-memory snapshots ({why}): nothing is kept in {folder}")
-    size, how = state
-    if size is None:
-        return Check("snapshot room", PASS, f"snapshot size {how}; {memsnap.size_text(room or 0)} free in {folder} {where}")
-    ranks = cfg.slurm.tasks_per_node
-    full = memsnap.need(size, ranks)
-    sums = f"{ranks} rank(s) x {memsnap.KEEP + 1} x {memsnap.size_text(size)} = {memsnap.size_text(full)} ({how})"
-    if room is None:
-        return Check("snapshot room", WARN, f"{sums}; {folder} could not be measured {where}",
-                     "check that checkpoint.snapshot_dir exists on the nodes (df)")
-    keep = memsnap.keep_for(size, ranks, room, None)
-    if keep == memsnap.KEEP:
-        return Check("snapshot room", PASS, f"{sums} fits: {memsnap.size_text(room)} free in {folder} {where}")
-    hint = (f"free room in {folder}, or point checkpoint.snapshot_dir at a larger node-local tmpfs, "
-            "or fewer tasks_per_node")
-    if keep:
-        return Check("snapshot room", WARN, f"{sums}, {memsnap.size_text(room)} free in {folder} {where}: the ranks "
-                     "will keep 1 snapshot instead of 2", hint)
-    return Check("snapshot room", FAIL, f"{sums}, only {memsnap.size_text(room)} free in {folder} {where}: the "
-                 "ranks will take no snapshots, a restart in place resumes from the last checkpoint", hint)
-
-
-def shm_privacy_check(config_text: str, folder: str) -> Check:
-    """Whether SLURM gives each job its own /dev/shm (job_container/tmpfs, namespace/tmpfs): the
-    snapshots then end with the job, which in-place restarts (same job) do not mind."""
-    m = re.search(r"\bJobContainerType\s*=\s*(\S+)", config_text)
-    if not m:
-        return Check("private /dev/shm", WARN, "JobContainerType not found in `scontrol show config`",
-                     "check `scontrol show config | grep JobContainerType`")
-    kind, where = m.group(1), folder.rstrip("/") + "/"
-    if kind.endswith("/tmpfs") and where.startswith(("/dev/shm/", "/tmp/")):  # what the plugin mounts
-        return Check("private /dev/shm", PASS, f"{folder} is private to each job ({kind}): a snapshot "
-                     "lives as long as the job, so it serves a restart inside the allocation, never a requeue")
-    return Check("private /dev/shm", PASS, f"{folder} is shared by the node's jobs (JobContainerType="
-                 f"{kind}): the job's snapshots are its user's only (0700) and removed at its end")
-
-
-def memory_limit(cfg: JobConfig, part: dict[str, str], config: dict[str, str],
-                 nodes: Sequence[dict[str, str]]) -> tuple[int | None, str]:
-    """(bytes per node the job may use, where that comes from): slurm.mem, else the partition's
-    (then the cluster's) DefMemPerNode / DefMemPerCPU x CPUs, capped by MaxMemPerNode; else the
-    nodes' memory (RealMemory where SLURM tracks memory, else what is free on them now)."""
-    s = cfg.slurm
-    cpus = s.cpus_per_task * s.tasks_per_node
-    limit, src = (_slurm_mem(s.mem), f"slurm.mem = {s.mem}") if s.mem else (None, "")
-    for rec in (part, config):
-        if limit is None and _slurm_mem(rec.get("DefMemPerNode", "")):
-            limit, src = _slurm_mem(rec["DefMemPerNode"]), f"DefMemPerNode={rec['DefMemPerNode']}"
-        if limit is None and _slurm_mem(rec.get("DefMemPerCPU", "")):
-            limit = (_slurm_mem(rec["DefMemPerCPU"]) or 0) * cpus
-            src = f"DefMemPerCPU={rec['DefMemPerCPU']} x {cpus} CPU(s)"
-    cap = next((_slurm_mem(r["MaxMemPerNode"]) for r in (part, config) if _slurm_mem(r.get("MaxMemPerNode", ""))), None)
-    if cap is not None and (limit is None or cap < limit):
-        limit, src = cap, f"MaxMemPerNode={memsnap.size_text(cap)}"
-    if limit is not None:
-        return limit, src
-    tracked = "MEMORY" in config.get("SelectTypeParameters", "").upper()
-    key = "RealMemory" if tracked else "FreeMem"
-    sizes = [_slurm_mem(n.get(key, "")) for n in nodes]
-    known = [v for v in sizes if v]
-    if not known:
-        return None, "no memory limit found"
-    return min(known), ("the nodes' RealMemory: no --mem, no DefMem" if tracked else
-                        "the nodes' FreeMem: SLURM sets no memory limit here")
-
-
-def memory_check(cfg: JobConfig, state: int | None, limit: tuple[int | None, str]) -> Check:
-    """The node's ranks' expected use plus their snapshots (tmpfs pages count against the job's
-    memory cgroup, and each rank holds one copy in its snapshot pool) against the job's limit."""
-    mem, src = limit
-    s = cfg.slurm
-    ranks = s.tasks_per_node
-    use = ranks * rank_use(cfg, state)
-    snaps = 0 if not _snapshots_on(cfg) or state is None else ranks * state + memsnap.need(state, ranks)
-    sums = f"{ranks} rank(s) ~ {memsnap.size_text(use)}" + (f" + snapshots {memsnap.size_text(snaps)}" if snaps else "")
-    if mem is None:
-        return Check("memory limit", WARN, f"{sums}; {src}", "set slurm.mem (e.g. \"16G\")")
-    if use > mem:
-        return Check("memory limit", FAIL, f"{sums} per node, above the limit {memsnap.size_text(mem)} ({src}): "
-                     "the ranks would be killed for memory", "raise slurm.mem, or fewer tasks_per_node")
-    if use + snaps > mem:
-        keep = memsnap.keep_for(state or 0, ranks, None, mem - use - ranks * (state or 0))
-        return Check("memory limit", WARN, f"{sums} per node, above the limit {memsnap.size_text(mem)} ({src}): the "
-                     f"ranks will keep {'1 snapshot instead of 2' if keep else 'no snapshots'}",
-                     "raise slurm.mem to restart in place from a snapshot")
-    return Check("memory limit", PASS, f"{sums} per node, within {memsnap.size_text(mem)} ({src})")
-
-
-def restart_checks(cfg: JobConfig, runs_root: Path, node_room: tuple[int | None, str] | None = None) -> list[Check]:
-    """What a restart in place needs: room for the snapshots (`node_room`: measured on a node by
-    srun_check, else here), /dev/shm private or not, the memory limit. One line each."""
-    state = state_estimate(cfg, runs_root)
-    if node_room is None:
-        node_room = (memsnap.room(Path(cfg.checkpoint.snapshot_dir)),
-                     "here (`--srun` measures it on a node)")
-    config_text = _text(slurm.run(["scontrol", "show", "config"], timeout=20))
-    config = dict(re.findall(r"^(\w+)\s*=\s*(\S+)", config_text, re.M))
-    name = cfg.slurm.partition
-    parts = _records(_text(slurm.run(["scontrol", "show", "partition", "-o"], timeout=20)))
-    part = next((p for p in parts if (p.get("PartitionName") == name if name else p.get("Default") == "YES")), {})
-    nodes = [n for n in _records(_text(slurm.run(["scontrol", "show", "node", "-o"], timeout=20)))
-             if part.get("PartitionName", "") in n.get("Partitions", "").split(",")]
-    return [snapshot_room_check(cfg, state, *node_room),
-            shm_privacy_check(config_text, cfg.checkpoint.snapshot_dir),
-            memory_check(cfg, state[0], memory_limit(cfg, part, config, nodes))]
-
-
 def code_checks(cfg: JobConfig) -> list[Check]:
     """train.entry and checkpoint.init_from, as the login node can see them (launch/entrycheck.py)."""
-    from ddpjob.launch import entrycheck
-
     init_from = entrycheck.init_from_check(cfg)
-    return [Check("entry", *entrycheck.entry_check(cfg))] + ([Check("init_from", *init_from)] if init_from else [])
+    return [entrycheck.entry_check(cfg)] + ([init_from] if init_from else [])
 
 
 def container_check(cfg: JobConfig) -> Check:
@@ -588,7 +382,7 @@ def node_step(cfg: JobConfig, runs_root: Path, timeout_s: float = 120,
     t0 = time.monotonic()
     res = slurm.run([*cmd, "sh", "-c", script, "sh", *wanted, f"d:{cfg.checkpoint.snapshot_dir}"],
                     timeout=timeout_s)
-    text = _text(res)
+    text = output(res)
     lines = text.splitlines()
     missing = [x.removeprefix("missing:") for x in lines if x.startswith("missing:")]
     node = next((x.removeprefix("node:") for x in lines if x.startswith("node:")), "?")
@@ -602,7 +396,7 @@ def node_step(cfg: JobConfig, runs_root: Path, timeout_s: float = 120,
         return Check("compute node", FAIL, f"not visible/writable from compute node {node}: "
                      f"{', '.join(missing)}", "put the run dir and data.root on a filesystem "
                      "shared with the nodes (not /tmp or a local disk)"), room
-    return Check("compute node", WARN, f"srun did not run ({_one(text) or res.rc})",
+    return Check("compute node", WARN, f"srun did not run ({one_cell(text) or res.rc})",
                  "the partition may be busy; try again, or run `srun -N1 true` yourself"), None
 
 

@@ -4,7 +4,8 @@ function), and checkpoint.init_from exists. Nothing is imported or run: the modu
 way `import` would find it (importlib's PathFinder, over the working directory and sys.path) and
 its source is parsed; torch stays out (the login side never imports it).
 
-Part of `ddpjob doctor`'s cheap checks (doctor.cheap_checks), which `submit` runs first.
+Part of `ddpjob doctor`'s cheap checks (doctor.cheap_checks), which `submit` runs first; each
+answer is a launch/checks.Check.
 """
 
 from __future__ import annotations
@@ -18,45 +19,43 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ddpjob.launch.checks import FAIL, PASS, WARN, Check
+
 if TYPE_CHECKING:
     from ddpjob.config import JobConfig
 
-# (status, detail, hint): doctor.py makes its Check of it (this module imports nothing of doctor's)
-Finding = tuple[str, str, str]
-PASS, WARN, FAIL = "pass", "warn", "fail"  # doctor.PASS, WARN, FAIL
 
-
-def entry_check(cfg: JobConfig) -> Finding:
+def entry_check(cfg: JobConfig) -> Check:
     entry = cfg.train.entry
     if not entry:
-        return (PASS, "the built-in trainer", "")
+        return Check("entry", PASS, "the built-in trainer")
     if entry.endswith(".py"):
         problem = _parse_problem(Path(entry))
         if problem:
-            return (FAIL, f"train.entry script {entry} does not parse: {problem}",
+            return Check("entry", FAIL, f"train.entry script {entry} does not parse: {problem}",
                          f"fix {entry}, then submit again")
-        return (PASS, f"{entry} parses", "")
+        return Check("entry", PASS, f"{entry} parses")
     module, _, func = entry.partition(":")
     source = _find_module(module)
     if source is None:
         # a container's or a `module load`'s package may exist only on the nodes
         elsewhere = bool(cfg.slurm.container or cfg.slurm.setup)
-        return (WARN if elsewhere else FAIL,
+        return Check("entry", WARN if elsewhere else FAIL,
                      f"train.entry module '{module}' is not importable here (searched the working "
                      "directory and sys.path)" + (", expected it on the nodes" if elsewhere else ""),
                      "run ddpjob from the folder that holds the package, or install it")
     if source.suffix != ".py":  # compiled or built in: nothing to parse
-        return (PASS, f"{module} found ({source.name})", "")
+        return Check("entry", PASS, f"{module} found ({source.name})")
     problem = _parse_problem(source)
     if problem:
-        return (FAIL, f"train.entry module {source} does not parse: {problem}",
+        return Check("entry", FAIL, f"train.entry module {source} does not parse: {problem}",
                      f"fix {source}, then submit again")
     names = _top_level_names(source)
     if names is not None and func not in names:
         close = difflib.get_close_matches(func, sorted(names), n=1)
-        return (FAIL, f"train.entry '{entry}': {source} defines no '{func}'",
+        return Check("entry", FAIL, f"train.entry '{entry}': {source} defines no '{func}'",
                      (f"did you mean '{close[0]}'? " if close else "") + f"define `def {func}():` in {source}")
-    return (PASS, f"{module}:{func} is defined in {source}", "")
+    return Check("entry", PASS, f"{module}:{func} is defined in {source}")
 
 
 # [train] keys that ddpjob itself reads for any entry (api.py, node/): the rest are the built-in
@@ -89,14 +88,14 @@ def unused_overrides(cfg: JobConfig, overrides: list[str]) -> list[str]:
             f"(--set user.{k}=...)" for k in keys if not re.search(rf"\b{re.escape(k)}\b", text)]
 
 
-def init_from_check(cfg: JobConfig) -> Finding | None:
+def init_from_check(cfg: JobConfig) -> Check | None:
     source = cfg.checkpoint.init_from
     if not source:
         return None
     if not os.path.exists(source):
-        return (FAIL, f"checkpoint.init_from '{source}' does not exist",
+        return Check("init_from", FAIL, f"checkpoint.init_from '{source}' does not exist",
                      "give a run dir, RUN/checkpoints/step-N or a weights file (relative to where you submit)")
-    return (PASS, f"{source} exists", "")
+    return Check("init_from", PASS, f"{source} exists")
 
 
 def _parse_problem(path: Path) -> str:

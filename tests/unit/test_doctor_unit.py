@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import doctor
+from ddpjob.launch import checks as checks_mod, doctor, restartchecks
 from test_doctor import checks, job
 
 
@@ -30,7 +30,7 @@ def test_gres_and_record_parsing() -> None:
     assert doctor._gpus("gpu:4") == 4
     assert doctor._gpus("gpu:a100:4(S:0-1)") == 4
     assert doctor._gpus("gpu:a100:2,gpu:v100:2(S:0),mps:100") == 4
-    recs = doctor._records("NodeName=n1 Gres=gpu:2 OS=Linux 6.1 #1 SMP Partitions=low,high\n\n"
+    recs = checks_mod.records("NodeName=n1 Gres=gpu:2 OS=Linux 6.1 #1 SMP Partitions=low,high\n\n"
                            "NodeName=n2 Gres=(null)\n")
     assert [r["NodeName"] for r in recs] == ["n1", "n2"] and recs[0]["Partitions"] == "low,high"
     assert doctor._limit_s("UNLIMITED") is None and doctor._limit_s("1-00:00:00") == 86400
@@ -77,62 +77,62 @@ def _cfg(*sets: str):  # noqa: ANN202 - a JobConfig
 
 def test_snapshot_size_is_measured_from_an_earlier_run_else_estimated_from_the_model(tmp_path: Path) -> None:
     cfg = _cfg()
-    size, how = doctor.state_estimate(cfg, tmp_path)
+    size, how = restartchecks.state_estimate(cfg, tmp_path)
     params = 11_689_512  # resnet18 (modelnames.PARAMS), SGD with momentum: weights + 1 slot
-    assert size == params * 4 * 2 + doctor.RNG_BYTES and how.startswith("estimated: resnet18 has 11.69 M")
-    assert doctor.state_estimate(_cfg("train.optimizer=adamw"), tmp_path)[0] == params * 4 * 3 + doctor.RNG_BYTES
-    assert doctor.state_estimate(_cfg("train.momentum=0"), tmp_path)[0] == params * 4 + doctor.RNG_BYTES
-    assert doctor.state_estimate(_cfg("train.entry=train.py"), tmp_path)[0] is None
+    assert size == params * 4 * 2 + restartchecks.RNG_BYTES and how.startswith("estimated: resnet18 has 11.69 M")
+    assert restartchecks.state_estimate(_cfg("train.optimizer=adamw"), tmp_path)[0] == params * 4 * 3 + restartchecks.RNG_BYTES
+    assert restartchecks.state_estimate(_cfg("train.momentum=0"), tmp_path)[0] == params * 4 + restartchecks.RNG_BYTES
+    assert restartchecks.state_estimate(_cfg("train.entry=train.py"), tmp_path)[0] is None
     step = tmp_path / "ddpjob-20260101-000000-abcd" / "checkpoints" / "step-000000010"
     step.mkdir(parents=True)
     files = {"model.pt": 1000, "optimizer.pt": 900, "rank-0.pt": 50, "rank-1.pt": 60}
     (step / "manifest.json").write_text(json.dumps({"files": {n: {"size": v, "sha256": "x"} for n, v in files.items()}}))
-    size, how = doctor.state_estimate(_cfg("train.entry=train.py"), tmp_path)
+    size, how = restartchecks.state_estimate(_cfg("train.entry=train.py"), tmp_path)
     assert size == 1000 + 900 + 2 * 60 and how == f"measured from {step}"  # a peer's RNG file too
 
 
 def test_snapshot_room_passes_warns_at_one_and_fails_at_none() -> None:
     cfg = _cfg()
     state = (100 << 20, "given")
-    c = doctor.snapshot_room_check(cfg, state, 600 << 20, "on n1")
+    c = restartchecks.snapshot_room_check(cfg, state, 600 << 20, "on n1")
     assert c.status == doctor.PASS and "2 rank(s) x 3 x 100 MiB = 600 MiB (given) fits: 600 MiB free in /dev/shm on n1" in c.detail
-    c = doctor.snapshot_room_check(cfg, state, 500 << 20, "on n1")
+    c = restartchecks.snapshot_room_check(cfg, state, 500 << 20, "on n1")
     assert c.status == doctor.WARN and "keep 1 snapshot instead of 2" in c.detail
-    c = doctor.snapshot_room_check(cfg, state, 300 << 20, "on n1")
+    c = restartchecks.snapshot_room_check(cfg, state, 300 << 20, "on n1")
     assert c.status == doctor.FAIL and "take no snapshots" in c.detail and "snapshot_dir" in c.hint
-    off = doctor.snapshot_room_check(_cfg("slurm.max_failures=0"), state, 0, "on n1")
+    off = restartchecks.snapshot_room_check(_cfg("slurm.max_failures=0"), state, 0, "on n1")
     assert off.status == doctor.PASS and "max_failures = 0" in off.detail
-    fsdp = doctor.snapshot_room_check(_cfg("train.strategy=fsdp"), state, 0, "on n1")
+    fsdp = restartchecks.snapshot_room_check(_cfg("train.strategy=fsdp"), state, 0, "on n1")
     assert fsdp.status == doctor.PASS and 'no in-memory snapshots (strategy = "fsdp")' in fsdp.detail
 
 
 def test_private_shm_from_the_job_container_plugin() -> None:
-    c = doctor.shm_privacy_check("JobContainerType       = job_container/tmpfs\n", "/dev/shm")
+    c = restartchecks.shm_privacy_check("JobContainerType       = job_container/tmpfs\n", "/dev/shm")
     assert c.status == doctor.PASS and "private to each job" in c.detail and "never a requeue" in c.detail
-    c = doctor.shm_privacy_check("JobContainerType = job_container/none\n", "/dev/shm")
+    c = restartchecks.shm_privacy_check("JobContainerType = job_container/none\n", "/dev/shm")
     assert c.status == doctor.PASS and "shared by the node's jobs" in c.detail
-    assert doctor.shm_privacy_check("", "/dev/shm").status == doctor.WARN
+    assert restartchecks.shm_privacy_check("", "/dev/shm").status == doctor.WARN
 
 
 def test_the_memory_limit_comes_from_mem_else_the_partition_else_the_nodes() -> None:
     nodes = [{"RealMemory": "2000", "FreeMem": "900"}, {"RealMemory": "4000", "FreeMem": "3000"}]
-    assert doctor._slurm_mem("32G") == 32 << 30 and doctor._slurm_mem("4000") == 4000 << 20
-    assert doctor._slurm_mem("UNLIMITED") is None and doctor._slurm_mem("0") is None
-    assert doctor.memory_limit(_cfg("slurm.mem=3G"), {"DefMemPerNode": "1000"}, {}, nodes) == (3 << 30, "slurm.mem = 3G")
-    assert doctor.memory_limit(_cfg(), {"DefMemPerCPU": "500"}, {"DefMemPerNode": "9000"}, nodes)[0] == 1000 << 20
-    assert doctor.memory_limit(_cfg(), {}, {"DefMemPerNode": "9000", "MaxMemPerNode": "8000"}, nodes)[0] == 8000 << 20
-    assert doctor.memory_limit(_cfg(), {}, {"SelectTypeParameters": "CR_Core_Memory"}, nodes)[0] == 2000 << 20
-    limit, src = doctor.memory_limit(_cfg(), {}, {"SelectTypeParameters": "CR_CORE"}, nodes)
+    assert restartchecks._slurm_mem("32G") == 32 << 30 and restartchecks._slurm_mem("4000") == 4000 << 20
+    assert restartchecks._slurm_mem("UNLIMITED") is None and restartchecks._slurm_mem("0") is None
+    assert restartchecks.memory_limit(_cfg("slurm.mem=3G"), {"DefMemPerNode": "1000"}, {}, nodes) == (3 << 30, "slurm.mem = 3G")
+    assert restartchecks.memory_limit(_cfg(), {"DefMemPerCPU": "500"}, {"DefMemPerNode": "9000"}, nodes)[0] == 1000 << 20
+    assert restartchecks.memory_limit(_cfg(), {}, {"DefMemPerNode": "9000", "MaxMemPerNode": "8000"}, nodes)[0] == 8000 << 20
+    assert restartchecks.memory_limit(_cfg(), {}, {"SelectTypeParameters": "CR_Core_Memory"}, nodes)[0] == 2000 << 20
+    limit, src = restartchecks.memory_limit(_cfg(), {}, {"SelectTypeParameters": "CR_CORE"}, nodes)
     assert limit == 900 << 20 and "FreeMem" in src
 
 
 def test_the_memory_check_fails_when_the_ranks_alone_do_not_fit_and_warns_for_the_snapshots() -> None:
     cfg = _cfg("data.dataset=synthetic")
     state = 10 << 20
-    use = 2 * doctor.rank_use(cfg, state)
+    use = 2 * restartchecks.rank_use(cfg, state)
     snaps = 2 * state + 6 * state  # each rank's pooled copy + 2 ranks x (2 kept + 1 written)
-    assert doctor.memory_check(cfg, state, (use + snaps, "x")).status == doctor.PASS
-    c = doctor.memory_check(cfg, state, (use + snaps - 1, "x"))
+    assert restartchecks.memory_check(cfg, state, (use + snaps, "x")).status == doctor.PASS
+    c = restartchecks.memory_check(cfg, state, (use + snaps - 1, "x"))
     assert c.status == doctor.WARN and "keep 1 snapshot instead of 2" in c.detail
-    c = doctor.memory_check(cfg, state, (use - 1, "slurm.mem = 1G"))
+    c = restartchecks.memory_check(cfg, state, (use - 1, "slurm.mem = 1G"))
     assert c.status == doctor.FAIL and "killed for memory" in c.detail and "slurm.mem" in c.hint
