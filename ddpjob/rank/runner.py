@@ -24,7 +24,8 @@ from ddpjob.config import JobConfig
 from ddpjob.errors import ClusterFailure, DDPJobError, UsageError
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.rank import entry, requeue, start
-from ddpjob.rank.job import MissingUserKey, StopForRequeue
+from ddpjob.rank.job import StopForRequeue
+from ddpjob.rank.usertable import MissingUserKey
 
 
 

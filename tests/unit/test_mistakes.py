@@ -18,7 +18,7 @@ from ddpjob import config, rundir
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.node import hang
 from ddpjob.rank import checks
-from ddpjob.rank.job import UserTable
+from ddpjob.rank.usertable import UserTable
 from ddpjob.rank.records import MetricLog
 from ddpjob.store import perrank
 from ddpjob.store.state import check_state
