@@ -71,8 +71,17 @@ def _cluster_problem() -> str | None:
     # Nodes left down/drained by an earlier crash (a slurmd killed mid-test) come back with
     # `resume` once their slurmd answers; give them a moment.
     deadline = time.monotonic() + 30
-    resumed = False
+    resumed = restarted = False
     while any(states.get(n) not in USABLE for n in NODES):
+        if not restarted and any(states.get(n, "").endswith("*") for n in NODES):
+            # Not responding: its slurmd is gone. slurm-wlm 22.05's slurmd dumped core once, here,
+            # launching a requeued job's step ("reissued job credential", 2026-11-28): SLURM's
+            # bug, not ddpjob's, and no reason to fail every test after it. start.sh starts only
+            # the daemons that are not running; the first test after the crash says so.
+            restarted = True
+            rc, out = _cmd(["bash", str(Path(__file__).parent / "cluster" / "start.sh")], timeout=180)
+            print(f"[cluster] a node was not responding ({states}): start.sh exited {rc}: {out[-300:]}", flush=True)
+            deadline = time.monotonic() + 60
         if not resumed:
             bad = [n for n in NODES if states.get(n, "").rstrip("*~#!%$@^-+")
                    in ("down", "drained", "draining", "drain")]

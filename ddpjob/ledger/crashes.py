@@ -105,6 +105,14 @@ def with_rank_error(culprit: Culprit | None, evs: Sequence[dict[str, Any]], job_
     return culprit
 
 
+def peer_crash(evs: Sequence[dict[str, Any]], job_id: Any, restart: int, rank: int) -> dict[str, Any] | None:
+    """Another rank's crash record in this attempt (the first), or None. srun ends the whole step
+    with SIGTERM once one task failed (--kill-on-bad-exit), the signal a preemption sends: a rank
+    that stops on it after such a record ends with the peer's crash, it was not preempted."""
+    return next((e for e in evs if events.is_rank_crash(e) and events.of_attempt(e, job_id, restart)
+                 and e.get("rank") != rank), None)
+
+
 # srun's words for a task a signal ended, and the signal
 _SRUN_SIGNALS = {"Killed": "SIGKILL", "Out Of Memory": "SIGKILL", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Aborted": "SIGABRT",
                  "Terminated": "SIGTERM", "Floating point exception": "SIGFPE", "Illegal instruction": "SIGILL"}

@@ -312,6 +312,16 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
     """Record the ending (rank 0: the run's completion or the stop's decision; any rank: its
     crash) and leave as it says."""
     step = crashes.command_saved(run_dir)
+    if end.stop and stop.code == preemption.PREEMPTED:
+        peer = crashes.peer_crash(events.read(run_dir), env.job_id, restart, env.rank)
+        if peer is not None:
+            # srun's SIGTERM ending the step after a peer crashed, not a preemption: no stop and no
+            # decision here, the batch shell decides the peer's crash (its verdict, a restart in
+            # place). The program died of it or exited on it: this rank dies of it too, as it would
+            # without the program. A script without a SIGTERM handler (nanoGPT's) is the common case.
+            print(f"ddpjob: rank {env.rank} on {env.hostname}: the step ended after rank {peer.get('rank')}'s "
+                  "crash (srun's SIGTERM): no stop recorded, the crash is decided", file=sys.stderr, flush=True)
+            end = Ending(128 + signal.SIGTERM, signum=signal.SIGTERM)
     if end.crash is not None:
         events.record(run_dir, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
                       restart=restart, step=step, **end.crash)

@@ -34,10 +34,10 @@ SCRIPT = TESTS / "command_scripts" / "plain_train.py"
 STEPS = 14
 
 
-def job_file(folder: Path) -> Path:
+def job_file(folder: Path, *flags: str) -> Path:
     return write_job(folder / "job.toml", slurm=dict(nodes=2, tasks_per_node=1, time="00:10:00", max_requeues=3),
                      train=dict(command=[sys.executable, str(SCRIPT), "--out_dir", str(folder / "out"),
-                                         "--max_steps", str(STEPS)]))
+                                         "--max_steps", str(STEPS), *flags]))
 
 
 def ddpjob(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> clirun.subprocess.CompletedProcess:
@@ -112,6 +112,49 @@ def test_sbatch_command_with_a_killed_rank_restarts_in_place(slurm_cluster: Any,
     assert [r["step"] for r in lines(run / "metrics.jsonl") if r["restart"] == 1] == list(range(6, STEPS + 1))
     text = ddpjob("status", str(run), cwd=tmp_path).stdout
     assert "COMPLETED" in text and "goodput" in text, text
+
+
+def test_a_script_without_a_sigterm_handler_restarts_in_place_after_a_peer_is_killed(
+        slurm_cluster: Any, tmp_path: Path) -> None:
+    """nanoGPT catches no SIGTERM. Rank 0's program waits after step 8 outside any collective (so
+    no "connection reset" can reach it first) while rank 1's is SIGKILLed there: srun ends the
+    step with SIGTERM (--kill-on-bad-exit), the signal of a preemption, and rank 0's program dies
+    of it. That is the end of rank 1's crash, not a stop: the batch shell decides it, in place."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job_file(tmp_path, "--no_handler")), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run),
+           cwd=tmp_path)
+    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=job_env(DDPJOB_TEST_AT="0:8:0:pause,1:8:0:kill"))
+    assert slurmtools.wait_done(jid, 600) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
+    decided = decisions(run)
+    assert [(d["reason"], d.get("verdict"), d.get("action")) for d in decided] == [
+        ("crash", "infrastructure", "restart")], decided
+    assert decided[0]["failed_rank"] == 1, decided
+    assert "the step ended after rank 1's crash" in rank_log(run, 0), rank_log(run, 0)
+    assert_resumed(run, 5)
+    assert [r["step"] for r in lines(run / "metrics.jsonl") if r["restart"] == 1] == list(range(6, STEPS + 1))
+
+
+def test_a_bug_on_one_rank_of_a_script_without_a_handler_is_the_users(slurm_cluster: Any, tmp_path: Path) -> None:
+    """Rank 1 raises after step 4 while rank 0's program waits there; rank 0's dies of srun's
+    SIGTERM. The verdict names rank 1's line: FAILED, not retried (read as rank 0's stop, it was
+    "not being preempted", and no verdict)."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    line = next(n for n, text in enumerate(SCRIPT.read_text().splitlines(), 1) if 'raise ValueError(f"a bug' in text)
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job_file(tmp_path, "--no_handler")), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run),
+           cwd=tmp_path)
+    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=job_env(DDPJOB_TEST_AT="0:4::pause,1:4::raise"))
+    assert slurmtools.wait_done(jid, 600) == "FAILED"
+    decided = decisions(run)
+    assert [(d["reason"], d.get("verdict"), d.get("action")) for d in decided] == [("crash", "user", "end")], decided
+    assert f"rank 1's ValueError at plain_train.py:{line}" in decided[0]["line"], decided
+    text = ddpjob("status", str(run), cwd=tmp_path).stdout
+    assert f"plain_train.py:{line}" in text and "FAILED" in text, text
 
 
 def test_submit_command_is_preempted_requeued_and_completes(slurm_cluster: Any, tmp_path: Path) -> None:

@@ -1,11 +1,11 @@
 """A plain torchrun-style training script that knows nothing of ddpjob's API, written like
 nanoGPT's train.py with init_from = 'resume': torch.distributed from env://, its own checkpoint
 (OUT_DIR/ckpt.pt) resumed when it exists, SIGTERM caught to save and exit with the requeue status
-(docs/commands.md). What it takes from ddpjob is only the environment: DDPJOB_METRICS (JSON lines
+(docs/commands.md), or with --no_handler not caught at all, as in nanoGPT. What it takes from ddpjob is only the environment: DDPJOB_METRICS (JSON lines
 for status/plot), DDPJOB_HEARTBEAT (touched each step) and DDPJOB_ATTEMPT.
 
-Test hooks (never a timer): DDPJOB_TEST_AT="RANK:STEP:ATTEMPT:HOW" (RANK "*" = every rank,
-ATTEMPT "" = any) acts after step STEP: HOW = "pause" prints "paused at step N" and waits until
+Test hooks (never a timer): DDPJOB_TEST_AT="RANK:STEP:ATTEMPT:HOW[,...]" (RANK "*" = every rank,
+ATTEMPT "" = any; a rank takes the first spec that names it) acts after step STEP: HOW = "pause" prints "paused at step N" and waits until
 the stop signal came (the test signals the supervisor on that line); "kill" SIGKILLs this
 process; "raise" raises a ValueError (a bug of the script's own); "hang" stops for good, silent,
 deaf to the stop signal (ddpjob's hang watch ends it).
@@ -26,10 +26,12 @@ parser.add_argument("--out_dir", required=True)
 parser.add_argument("--max_steps", type=int, default=30)
 parser.add_argument("--save_every", type=int, default=5)
 parser.add_argument("--requeue_exit", type=int, default=3)
+parser.add_argument("--no_handler", action="store_true", help="like nanoGPT: no SIGTERM handler, dies of it")
 args = parser.parse_args()
 
 stop: list[int] = []
-signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+if not args.no_handler:
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
 
 dist.init_process_group("gloo", init_method="env://")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -61,8 +63,11 @@ def end() -> None:
     gc.collect()
     dist.destroy_process_group()
 
-rank_at, step_at, attempt_at, how = (os.environ.get("DDPJOB_TEST_AT", "") + ":::").split(":")[:4]
-armed = rank_at in ("*", str(rank)) and attempt_at in ("", str(attempt))
+# this rank's hook: the first of the comma-separated specs that names it
+specs = [(spec + ":::").split(":")[:4] for spec in os.environ.get("DDPJOB_TEST_AT", "").split(",")]
+rank_at, step_at, attempt_at, how = next((s for s in specs if s[0] in ("*", str(rank)) and s[2] in ("", str(attempt))),
+                                         ["", "0", "", ""])
+armed = bool(how)
 
 
 def save() -> None:

@@ -64,6 +64,19 @@ def start(job: str, restart: int, resumed: int | None) -> dict:
     return {"event": "start", "job_id": job, "restart": restart, "resumed_step": resumed}
 
 
+def test_a_stop_on_srun_s_sigterm_after_a_peer_s_crash_record_is_that_crash() -> None:
+    """command.py asks this before it records a stop: the peer's crash of this attempt, never its
+    own record, an earlier attempt's, or a decision (a stop without `rank`)."""
+    def crash(rank: int, restart: int = 1, job: str = "77") -> dict:
+        return {"event": "stop", "reason": "crash", "rank": rank, "job_id": job, "restart": restart, "error": "x"}
+
+    evs = [crash(1, restart=0), {"event": "stop", "reason": "crash", "job_id": "77", "restart": 1},
+           crash(0), crash(1, job="78")]
+    assert crashes.peer_crash(evs, "77", 1, 0) is None  # only its own record, the older attempt's, another job's
+    assert crashes.peer_crash([*evs, crash(2), crash(3)], "77", 1, 0) == crash(2)  # the first peer's
+    assert crashes.peer_crash(evs, "77", 0, 0) == crash(1, restart=0)
+
+
 def test_two_host_failures_exclude_a_host_preemptions_and_exceptions_never_count() -> None:
     evs = [start("77", 0, None), crash("77", 0, 30, "n2"),
            {"event": "stop", "reason": "preemption", "job_id": "77", "restart": 1, "step": 40,
