@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ddpjob import console, fileio, rundir
-from ddpjob.ledger import attempts, budget, crashes, events
+from ddpjob.ledger import attempts, budget, crashes, events, phases
+from ddpjob.ledger.goodput import CATEGORIES, Ledger, duration
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import goodput, phases
+from ddpjob.launch import goodput
 
 # (metrics key, panel title): the four panels, in reading order.
 PANELS = (("loss", "train loss"), ("eval_acc", "eval accuracy"), ("lr", "learning rate"),
@@ -130,7 +131,7 @@ def _names(run_dirs: list[Path]) -> list[str]:
 
 
 def plot_runs(run_dirs: list[str | Path], output: str | Path,
-              ledgers: Mapping[Path, goodput.Ledger | None] | None = None) -> PlotRecord:
+              ledgers: Mapping[Path, Ledger | None] | None = None) -> PlotRecord:
     """Draw the four panels (and the user's own metrics) for all runs into one PNG, with a bar
     per run of where its wall time went where `ledgers` has one; returns what was drawn."""
     from matplotlib.figure import Figure  # no pyplot: no global state, Agg canvas for PNG
@@ -209,18 +210,18 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path,
     return record
 
 
-def _draw_goodput(ax: Any, bars: list[tuple[str, goodput.Ledger]], record: PlotRecord) -> None:
+def _draw_goodput(ax: Any, bars: list[tuple[str, Ledger]], record: PlotRecord) -> None:
     """One horizontal bar per run: its wall time split by category, in percent."""
     for y, (name, ledger) in enumerate(bars):
         left, wall = 0.0, max(ledger.wall_s, 1e-9)
         record.goodput[name] = dict(ledger.seconds)
-        for n, cat in enumerate(goodput.CATEGORIES):
+        for n, cat in enumerate(CATEGORIES):
             share = 100 * ledger.seconds[cat] / wall
             if share > 0:
                 ax.barh(y, share, left=left, color=f"C{n}", label=cat if y == 0 else None)
                 left += share
     ax.set_yticks(range(len(bars)), [f"{name}\ngoodput {100 * ledger.goodput:.1f}% of "
-                                     f"{goodput.duration(ledger.wall_s)}" for name, ledger in bars], fontsize=8)
+                                     f"{duration(ledger.wall_s)}" for name, ledger in bars], fontsize=8)
     ax.set_xlim(0, 100)
     ax.invert_yaxis()  # the first run on top, as in the legend of the curves
     ax.set_xlabel("% of the run's wall time (every attempt, queue included)")
@@ -301,7 +302,7 @@ def summary(run_dir: str | Path, live_job: str | None = None) -> list[str]:
 def ledger(evs: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """One entry per stop of the run (rank 0's and the crash records): a line with why, at which
     step, steps lost, how it came back and the seconds from the signal to the next start's
-    resumed step; and the recovery's phases ('' if none were recorded: launch/phases.py)."""
+    resumed step; and the recovery's phases ('' if none were recorded: ledger/phases.py)."""
     out: list[tuple[str, str]] = []
     for i, e in enumerate(evs):
         if not events.is_decision(e) or e.get("reason") == "finished":

@@ -14,8 +14,9 @@ import math
 from typing import Any
 
 from ddpjob import rundir
-from ddpjob.launch import goodput, phases, plot, runs
-from ddpjob.ledger import events
+from ddpjob.launch import goodput, plot, runs
+from ddpjob.ledger import events, phases
+from ddpjob.ledger.goodput import Ledger
 
 SCHEMA = "ddpjob.run/1"
 STRAGGLER_KEYS = ("rank", "host", "cause", "busy_ms", "median_ms", "data_ms", "first_step", "step", "job_id",
@@ -30,7 +31,7 @@ def _num(v: Any) -> float | int | None:
     return v if math.isfinite(v) else None
 
 
-def record(i: runs.RunInfo, ledger: goodput.Ledger | None = None) -> dict[str, Any]:
+def record(i: runs.RunInfo, ledger: Ledger | None = None) -> dict[str, Any]:
     """The JSON object for one run."""
     job = runs.job_record(i.run_dir) if i.state != "DAMAGED" else {}
     ids = [str(j) for j in (job.get("job_ids") or ([job["job_id"]] if job.get("job_id") else []))]

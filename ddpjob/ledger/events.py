@@ -39,7 +39,7 @@ _STOP_FIELDS = (
     # SLURM's restart count of the job when the decision was made: which start of a requeued
     # job (same id) it decided for (rank/requeue.after_crash)
     "incarnation",
-    # a recovery's timestamps (launch/phases.py)
+    # a recovery's timestamps (ledger/phases.py)
     "signal_time", "decided_time", "saved_time",
     # the decision: requeued (True / False / None: not asked), by whom, the successor
     "requeued", "requeued_by", "next_job_id",

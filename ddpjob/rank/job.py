@@ -86,7 +86,7 @@ class Job:
         self._closed = False
         self.vote_s = 0.0
         self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
-        self._load_s: float | None = None  # resume()'s, for the recovery's phases (launch/phases.py)
+        self._load_s: float | None = None  # resume()'s, for the recovery's phases (ledger/phases.py)
         self._timer = straggler.for_job(self)  # each step's work and data wait, riding the vote
         self._probe = probe.Probe.for_rank(ctx.env.ddpjob_vars, run_dir, self.rank, restart)  # ddpjob verify's
         # On GPUs the kernel choice decides both speed and whether a resume is bit-exact: say it.
@@ -251,7 +251,7 @@ class Job:
                 self._timer.step_done()
                 step += 1
                 self._step = step
-                if first_step:  # the recovery's last phase ends here (launch/phases.py)
+                if first_step:  # the recovery's last phase ends here (ledger/phases.py)
                     graphs = compilecache.graphs()  # torch.compile's work is in this first step
                     events.record(self.run_dir, "first_step", step=step, job_id=self.job_id,
                                         restart=self.restart, **({"graphs": graphs} if graphs else {}))
@@ -311,7 +311,7 @@ class Job:
 
     def _record_checkpoint(self, step: int, block_s: float) -> None:
         """Rank 0, after a save: how long it held the loop, and the in-memory snapshots' hold
-        since the last record (the goodput ledger, launch/goodput.py). One line per checkpoint,
+        since the last record (the goodput ledger, ledger/goodput.py). One line per checkpoint,
         nothing per step."""
         if self.is_rank0:
             events.record(self.run_dir, "checkpoint", step=step, job_id=self.job_id, restart=self.restart,

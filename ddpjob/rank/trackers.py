@@ -10,6 +10,10 @@ SIGKILL leaves nothing of its own). Each start first catches the tracker up from
 (the records after the mark: what a killed attempt lost), then sends only steps newer than
 those: the steps a resume replays have the values already sent (bit-exact resume), so no step
 reaches a tracker twice or goes back.
+
+Each start and each clean close also hands every tracker the goodput summary of the history
+recorded so far (ledger/goodput.py from events.jsonl and metrics.jsonl, without the scheduler's
+record: the ranks have no sacct), so the tracker run ends with the whole run's.
 """
 
 from __future__ import annotations
@@ -24,11 +28,25 @@ from typing import Any, Mapping
 from ddpjob import console, fileio, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
+from ddpjob.ledger import events, goodput
 
 FOLDER = "trackers"
 KINDS = ("train", "eval")  # MetricLog's record kinds: an eval may share its step with a train record
 ENDS = ("finished", "stopped", "failed")  # how an attempt ends: done, stopped for a requeue, crashed
 NOT_VALUES = ("kind", "time", "step", "restart")  # metrics.jsonl's own keys
+
+
+# The goodput categories a tracker gets: the queue wait needs sacct (`ddpjob status` has it).
+SUMMED = tuple(c for c in goodput.CATEGORIES if c != "queue")
+
+
+def summary(ledger: goodput.Ledger) -> dict[str, float]:
+    """The goodput figures a tracker keeps, named after docs/openmetrics.md's series (the unit in
+    the name): goodput_ratio (ddpjob_run_goodput_ratio), goodput/wall_seconds,
+    goodput/<category>_seconds (ddpjob_run_seconds{category}), goodput/replayed_steps."""
+    seconds = {f"goodput/{c.replace(' ', '_').replace('-', '_')}_seconds": round(ledger.seconds[c], 3) for c in SUMMED}
+    return {"goodput_ratio": round(ledger.goodput, 4), "goodput/wall_seconds": round(ledger.wall_s, 3), **seconds,
+            "goodput/replayed_steps": float(ledger.replayed_steps)}
 
 
 def values(record: Mapping[str, Any]) -> dict[str, float]:
@@ -100,6 +118,9 @@ class _Wandb:
     def note(self, info: dict[str, Any]) -> None:
         self._run.summary.update({f"ddpjob/{k}": v for k, v in info.items()})
 
+    def summarize(self, figures: dict[str, float], step: int) -> None:
+        self._run.summary.update({f"ddpjob/{k}": v for k, v in figures.items()})  # the run's, not a step's
+
     def close(self, end: str) -> None:
         if end == "stopped":
             self._run.mark_preempting()  # W&B's own word for a run that comes back
@@ -144,6 +165,17 @@ class _Mlflow:
         for k, v in info.items():
             self._client.set_tag(self._run_id, f"ddpjob.{k}", str(v))
 
+    def summarize(self, figures: dict[str, float], step: int) -> None:
+        """As metrics: a param may not change and a tag is a string, which no chart or run
+        comparison sorts by. Logged at the newest training step so far, so the runs table and
+        compare view show the newest summary (MLflow's latest value is the highest step's, then
+        the newest), and each metric's history charts the goodput along the training."""
+        from mlflow.entities import Metric
+
+        ms = int(time.time() * 1000)
+        self._client.log_batch(self._run_id, metrics=[Metric(f"ddpjob.{k.replace('/', '.')}", v, ms, step)
+                                                      for k, v in figures.items()])
+
     def close(self, end: str) -> None:
         self._client.set_terminated(self._run_id, {"finished": "FINISHED", "stopped": "KILLED",
                                                    "failed": "FAILED"}[end])
@@ -154,14 +186,17 @@ KINDS_OF: dict[str, Any] = {"wandb": _Wandb, "mlflow": _Mlflow}  # validate.TRAC
 
 class Trackers:
     """The trackers of train.trackers, opened at the start of an attempt (a missing package or a
-    tracker that refuses the run stops the start, with its line) and caught up from
-    metrics.jsonl. A tracker that fails later is said once and dropped: the training goes on."""
+    tracker that refuses the run stops the start, with its line), caught up from metrics.jsonl
+    and given the goodput summary of the attempts before. A tracker that fails later is said
+    once and dropped: the training goes on."""
 
     def __init__(self, cfg: JobConfig, run_dir: Path, *, job_id: str, attempt: int) -> None:
         """`attempt`: this attempt's number in the run (ledger/attempts.py: one numbering across
         requeues, restarts in place and `ddpjob resume`), so the tracker sees attempt + 1 of them."""
         folder = run_dir / FOLDER
         folder.mkdir(mode=0o700, exist_ok=True)
+        self._run_dir = run_dir
+        self._summed = True  # the goodput summary is sent (False once its records failed it)
         attempts = attempt + 1
         self._open: dict[str, tuple[Any, Mark, dict[str, int]]] = {}  # tracker, mark, newest sent
         for name in cfg.train.trackers:
@@ -179,19 +214,44 @@ class Trackers:
             mark = Mark(folder / f"{name}.sent")
             self._open[name] = (tracker, mark, dict(mark.held))
         if self._open:
-            self._catch_up(run_dir)
+            self._summarize(self._catch_up(run_dir))
 
-    def _catch_up(self, run_dir: Path) -> None:
-        """The records after each tracker's mark, the newest of each step and kind, in step order."""
+    def _catch_up(self, run_dir: Path) -> list[dict[str, Any]] | None:
+        """The records after each tracker's mark, the newest of each step and kind, in step order;
+        returns metrics.jsonl's records (None: unreadable, said)."""
         try:
             records = fileio.read_jsonl(run_dir / rundir.METRICS)
         except (ValueError, OSError) as exc:
-            console.warn(f"train.trackers: metrics.jsonl unreadable ({exc}); the trackers are not caught up")
-            return
+            console.warn(f"train.trackers: metrics.jsonl unreadable ({exc}); the trackers are not caught up "
+                         "and get no goodput summary")
+            self._summed = False
+            return None
         newest = {(r["step"], KINDS.index(r["kind"])): r for r in records
                   if r.get("kind") in KINDS and isinstance(r.get("step"), int)}
         for (step, kind), record in sorted(newest.items()):
             self.log(step, KINDS[kind], record)
+        return records
+
+    def _summarize(self, metrics: list[dict[str, Any]] | None) -> None:
+        """Each tracker's goodput summary of the history recorded so far (`metrics`: metrics.jsonl's
+        records, None: read them). At a start and a clean close only: nothing per step."""
+        if not self._open or not self._summed:
+            return
+        try:
+            if metrics is None:
+                metrics = fileio.read_jsonl(self._run_dir / rundir.METRICS)
+            ledger = goodput.build(events.read(self._run_dir), metrics, {}, now=time.time(), running=False,
+                                   queue_unknown=True)
+        except Exception as exc:  # damaged records: a summary never stops the training
+            console.warn(f"train.trackers: no goodput summary in this attempt ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:200]})")
+            self._summed = False
+            return
+        if ledger is None:  # the run's first start: no attempt before it
+            return
+        figures, step = summary(ledger), max((a.last_step for a in ledger.attempts), default=0)
+        for name, (tracker, _, _) in list(self._open.items()):
+            self._call(name, lambda: tracker.summarize(figures, step))
 
     def log(self, step: int, kind: str, record: Mapping[str, Any]) -> None:
         sent, when = values(record), record.get("time")
@@ -205,6 +265,7 @@ class Trackers:
 
     def close(self, end: str) -> None:
         """`end`: one of ENDS."""
+        self._summarize(None)
         for name, (tracker, mark, newest) in list(self._open.items()):
             self._call(name, lambda: tracker.close(end))
             if name in self._open:

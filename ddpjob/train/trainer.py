@@ -185,7 +185,7 @@ def fit(job: Job) -> FitResult:
                     acc, eval_loss = evaluate(raw, test_set, job, batch_size=max(t.batch_size, 256),
                                               amp_dtype=amp_dtype, channels_last=t.channels_last)
                 progress.record_eval(done, acc)
-                # eval_s: the goodput ledger's "eval" (launch/goodput.py)
+                # eval_s: the goodput ledger's "eval" (ledger/goodput.py)
                 job.log(done, epoch=(done - 1) // spe, eval_acc=acc, eval_loss=eval_loss,
                         eval_s=round(time.perf_counter() - evaluating, 4))
                 bar.message(f"eval step {done}: accuracy {acc:.4f} loss {eval_loss:.4f}")

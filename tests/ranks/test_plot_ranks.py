@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ddpjob.cli import main
-from ddpjob.launch import phases, plot
+from ddpjob.launch import plot
+from ddpjob.ledger import phases
 from ranks import LAG, Ranks, events, run, signal_when_paused, write_job
 
 pytest.importorskip("matplotlib")  # the `plot` extra; in the `test` extra too

@@ -1,6 +1,7 @@
 """train.trackers with the real packages, offline (WANDB_MODE=offline; MLflow's file store in the
 run dir): one tracker run across a preemption, a restart in place after a killed rank and a
-`ddpjob resume`, every step once and in order, with the values metrics.jsonl has. The
+`ddpjob resume`, every step once and in order, with the values metrics.jsonl has, ending with
+the whole run's goodput summary. The
 interruptions happen at chosen training steps (tests/trainer_plugins.py's DDPJOB_TEST_SIGNAL),
 never by a timer. Local backend, 2 ranks."""
 
@@ -57,6 +58,18 @@ def wandb_history(run_dir: Path, run_id: str) -> list[tuple[int, float]]:
     return [(r["_step"], r["loss"]) for rows in attempts for r in rows if "loss" in r]
 
 
+def wandb_summary(run_dir: Path, run_id: str, attempts: int) -> dict[str, Any]:
+    """The W&B run's summary as the last attempt (the one that noted `attempts`) left it."""
+    for path in run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"):
+        summary: dict[str, Any] = {}
+        for r in wandb_records(path):
+            if r.WhichOneof("record_type") == "summary":
+                summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
+        if summary.get("ddpjob/attempts") == attempts:
+            return summary
+    raise AssertionError(f"no attempt of {run_id} noted ddpjob/attempts = {attempts}")
+
+
 def test_one_tracker_run_across_a_preemption_a_restart_in_place_and_a_resume(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store for those who ask
     run = tmp_path / "run"
@@ -102,5 +115,19 @@ def test_one_tracker_run_across_a_preemption_a_restart_in_place_and_a_resume(tmp
     run_id = json.loads((run / "trackers" / "wandb.json").read_text())["id"]
     assert len(list(run.glob("wandb/offline-run-*"))) == len(starts)
     assert wandb_history(run, run_id) == [(s, loss[s]) for s in range(1, STEPS + 1)]
+
+    # the goodput summary of the whole run, the same in both, from the last attempt's close
+    summary = wandb_summary(run, run_id, len(starts))
+    goodput = {k.removeprefix("ddpjob/"): v for k, v in summary.items() if k.startswith("ddpjob/goodput")}
+    assert {k.removeprefix("ddpjob."): m for k, m in found.data.metrics.items() if k.startswith("ddpjob.")} == {
+        k.replace("/", "."): v for k, v in goodput.items()}
+    seconds = {k: v for k, v in goodput.items() if k.endswith("_seconds") and k != "goodput/wall_seconds"}
+    assert len(seconds) == 9 and "goodput/queue_seconds" not in seconds, goodput  # the queue: status only
+    assert goodput["goodput/wall_seconds"] == pytest.approx(sum(seconds.values()), abs=0.01), goodput
+    assert goodput["goodput/productive_seconds"] > 0 and goodput["goodput/replayed_seconds"] > 0, goodput
+    assert 0 < goodput["goodput_ratio"] < 1, goodput
+    status = json.loads(ddpjob("status", str(run), "--json", cwd=tmp_path, env=env).stdout)["goodput"]
+    assert goodput["goodput/replayed_steps"] == status["replayed_steps"] > 0, (goodput, status)
+    assert len(status["attempts"]) == len(starts) == summary["ddpjob/attempts"]
     logs = "".join(p.read_text(errors="replace") for p in run.glob("logs/*"))
     assert "ddpjob: warning: train.trackers" not in logs and "current step" not in logs

@@ -1,4 +1,4 @@
-"""The goodput ledger (ddpjob/launch/goodput.py) on made-up records: which second goes where.
+"""The goodput ledger (ddpjob/ledger/goodput.py) on made-up records: which second goes where.
 The real-SLURM checks (a preemption, a time limit and a killed rank against sacct; a kill -9
 restarted inside the allocation) are in tests/cluster/test_preemption_slurm.py and
 test_requeue_slurm.py."""
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ddpjob.launch import goodput
+from ddpjob.ledger import goodput
 from ddpjob.slurm import Incarnation
 
 
@@ -161,7 +161,7 @@ def test_a_local_warm_start_is_start_up_from_the_submission_not_other() -> None:
     """The local backend: submitted at 0, the supervisor's local_start at 0.5, the warm server
     imports torch and forks the rank at 4 (its launched_time), the loop at 5 after a 0.5 s load.
     Everything before the loop but the load is start-up; before, 0 to 4 was "other". A local
-    requeue's recovery starts up from its local_start too (launch/phases.py)."""
+    requeue's recovery starts up from its local_start too (ledger/phases.py)."""
     evs = [{"event": "local_start", "job_id": "local-9", "restart": 0, "time": 0.5},
            start(5, 0, job="local-9", load=0.5, launched=4.0),
            {"event": "stop", "reason": "time_limit", "job_id": "local-9", "restart": 0, "step": 10,
@@ -178,7 +178,31 @@ def test_a_local_warm_start_is_start_up_from_the_submission_not_other() -> None:
     # the requeue starts up from the exit on (the same job: as a restart inside an allocation)
     assert sec["start-up"] == pytest.approx((5 - 0.5 - 0) + (20 - 0.5 - 15.0))
     assert sec["other"] == 0 and sum(sec.values()) == pytest.approx(30)
-    from ddpjob.launch import phases
+    from ddpjob.ledger import phases
 
     took = phases.recovery(evs, 2)
     assert took["requeue"] == pytest.approx(15.6 - 15.0) and took["start-up"] == pytest.approx(19.5 - 15.6)
+
+
+def test_without_the_schedulers_record_a_requeues_wait_is_left_out_not_start_up() -> None:
+    """Rank 0's trackers have no sacct (queue_unknown): from a requeued attempt's end to the next
+    process start is the queue, which nothing the ranks record measures: idle, out of the wall.
+    A restart inside the allocation still starts up from the crash's record on."""
+    evs = [start(17, 0, launched=12),
+           {"event": "stop", "reason": "preemption", "job_id": "7", "restart": 0, "step": 10, "signal_time": 27.0,
+            "decided_time": 27.2, "saved_time": 27.5, "time": 27.6, "action": "requeue"},
+           {"event": "exit", "job_id": "7", "restart": 0, "step": 10, "time": 28},
+           start(110, 1, resumed=10, launched=105),  # requeued: back in the queue from 28 to 105
+           {"event": "stop", "reason": "crash", "job_id": "7", "restart": 1, "step": 15, "time": 121,
+            "action": "restart"},
+           start(130, 2, resumed=15, launched=125),  # restarted in place: starts up from 121 on
+           {"event": "stop", "reason": "finished", "job_id": "7", "restart": 2, "step": 25, "time": 140}]
+    metrics = [*steps(0, 1, 10, 17), *steps(1, 11, 20, 110), *steps(2, 16, 25, 130)]
+    known = goodput.build(evs, metrics, {}, now=999, running=False)
+    unknown = goodput.build(evs, metrics, {}, now=999, running=False, queue_unknown=True)
+    assert known is not None and unknown is not None
+    assert known.seconds["start-up"] == pytest.approx((16 - 12) + (109 - 28) + (129 - 121))
+    assert unknown.seconds["start-up"] == pytest.approx((16 - 12) + (109 - 105) + (129 - 121))
+    assert unknown.idle_s == pytest.approx(105 - 28) and unknown.wall_s == pytest.approx(140 - 12 - 77)
+    assert unknown.seconds["replayed"] == pytest.approx(5) == known.seconds["replayed"]  # steps 16-20 again
+    assert unknown.seconds["queue"] == 0 and sum(unknown.seconds.values()) == pytest.approx(unknown.wall_s)

@@ -16,7 +16,8 @@ import pytest
 import fake_checkpoint
 
 from ddpjob import config, fileio, jobfile, slurm
-from ddpjob.launch import control, phases, plot, runs
+from ddpjob.launch import control, plot, runs
+from ddpjob.ledger import phases
 from ddpjob.node import preemption
 from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
