@@ -10,7 +10,7 @@ from bench import slurmctl, storm
 from bench.core import Bench, Row
 from bench.storm_ledger import Figures, figures, loss_mismatches, train_records
 from ddpjob.fileio import read_jsonl
-from ddpjob.launch import phases as phases_mod
+from ddpjob.ledger import phases as phases_mod
 
 
 def phase_text(phases: dict[str, float]) -> str:

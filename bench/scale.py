@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import slurmctl, storm
-from ddpjob.launch import phases as phases_mod
+from ddpjob.ledger import phases as phases_mod
 from ddpjob.fileio import read_jsonl
 
 FULL = (2, 4, 8, 16, 32)

@@ -12,7 +12,7 @@ Definitions (bench/README.md, P11, says the same):
   steps lost     the ledger's `steps_lost` of each preemption stop (steps run after the signal
                  beyond the step in flight and the overlapped vote's lag); separately, the steps
                  trained twice (a resume from before the stop step) from metrics.jsonl
-  phases         ddpjob.launch.phases.recovery() of each preemption stop
+  phases         ddpjob.ledger.phases.recovery() of each preemption stop
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpjob.launch import phases as phases_mod
+from ddpjob.ledger import phases as phases_mod
 from ddpjob.fileio import read_jsonl
 
 

@@ -2,7 +2,7 @@
 
 Last step of the flow, on the login node: the curves read only what the ranks appended to the run
 dir (metrics.jsonl, events.jsonl, COMPLETED, checkpoints/); only the goodput bars below them
-(launch/goodput.py) ask the scheduler, for the queue wait. Each restart becomes a
+(launch/goodput.of_runs) ask the scheduler, for the queue wait. Each restart becomes a
 marker at the step it resumed from, labelled with the reason of the stop before it.
 matplotlib is an optional extra (`pip install 'ddpjob[plot]'`); `summary` needs nothing.
 """

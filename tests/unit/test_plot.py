@@ -68,7 +68,7 @@ def test_a_custom_loops_own_metrics_are_plotted_and_summarized(tmp_path: Path) -
 
 
 def test_the_goodput_bars_under_the_curves_and_the_status_line(tmp_path: Path, capsys) -> None:
-    """`ddpjob plot` draws each run's ledger as a bar (launch/goodput.py) and `status` says it in
+    """`ddpjob plot` draws each run's ledger as a bar (ledger/goodput.py) and `status` says it in
     one line; a run without one (the second) has no bar."""
     d = tmp_path / "runs" / "timed"
     d.mkdir(parents=True)
