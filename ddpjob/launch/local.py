@@ -265,7 +265,7 @@ class Supervisor:
         requeues, failures = budget.used(evs, self.job_id)
         facts = policy.Facts(str(mine[-1].get("reason")) if mine else "time_limit", requeues=requeues,
                              failures=failures, stop_requested=requests.stop_requested(self.run_dir, self.job_id),
-                             run=str(self.run_dir))
+                             run=str(self.run_dir), cancelled=requests.cancelled(evs, self.job_id))
         return policy.decide(facts, policy.Limits.of(self.cfg))
 
     def retry_crash(self, codes: list[int]) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from ddpjob import console
-from ddpjob.ledger import events, requests
+from ddpjob.ledger import requests
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import runs
 from ddpjob.launch.backends import choose
@@ -40,7 +40,7 @@ def live_runs(target: str, verb: str) -> list[runs.RunInfo]:
 def cmd_cancel(args: argparse.Namespace) -> int:
     for i in live_runs(args.run, "cancel"):
         # Recorded first: a rank deciding its requeue meanwhile must see it (no successor).
-        events.record(i.run_dir, "cancel", by="user", job_id=i.job_id, restart=i.restarts)
+        requests.cancel(i.run_dir, i.job_id, i.restarts)
         job = runs.job_record(i.run_dir)
         backend = choose.of_record(job)
         if backend is not None:

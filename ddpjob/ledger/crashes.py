@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import fileio, rundir
-from ddpjob.ledger import budget, events, policy
+from ddpjob.ledger import budget, events, policy, requests
 
 # Two failures on one host by default ([slurm] exclude_after): once may be the job's bad luck,
 # twice is the host (NVRx and Llama 3's operators exclude on repeats too). Preemptions, time limits and the job's own exceptions never
@@ -186,7 +186,8 @@ def facts(evs: Sequence[dict[str, Any]], job_id: Any, restart: int, culprit: Cul
     return policy.Facts("node_failure" if lost_hosts else "crash", cls, what, stop_requested, requeues, failures,
                         streak, again, here, hosts_left, resume_at, steps_lost, from_snapshot, run,
                         signal_of(culprit) if not lost_hosts else None, where,
-                        quarantine=again and same_host and exclude_after > 0, own_checkpoint=own_checkpoint)
+                        quarantine=again and same_host and exclude_after > 0, own_checkpoint=own_checkpoint,
+                        cancelled=requests.cancelled(evs, job_id))
 
 
 def _short(error: str) -> str:

@@ -73,6 +73,9 @@ class Facts:
     # bad host's to answer for (the quarantine), not a loop of the job's own
     quarantine: bool = False
     own_checkpoint: bool = False  # a [train] command: it resumes from its own checkpoint (resume_at: its newest step)
+    # `ddpjob cancel` was recorded for this job. SLURM 22.05 takes `scontrol requeue` of a job
+    # still COMPLETING after its scancel and runs it again; so the policy, not SLURM, says no
+    cancelled: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ def _resumes(f: Facts) -> str:
 
 def decide(f: Facts, limits: Limits) -> Verdict:
     """The verdict for an attempt that ended as `f` says."""
+    if f.cancelled:
+        return Verdict(END, "cancelled by `ddpjob cancel`: not requeued, not restarted "
+                            "(`ddpjob resume RUN_DIR` continues)", f.crash)
     if f.reason not in (*STOPS, *FAILURES):
         # `ddpjob stop`, a plain scancel / `ddpjob cancel`, or a signal that is not SLURM's
         why = ("stopped by `ddpjob stop`: not requeueing (`ddpjob resume RUN_DIR` continues)"

@@ -44,7 +44,7 @@ def bring_back(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> dict[str, Any]
     res = slurm.requeue(job_id)
     if res.ok:
         return {"requeued": True, "requeued_by": "scontrol", "note": f"requeued job {job_id}"}
-    if any(e.get("event") == "cancel" for e in events.read(run_dir)):
+    if requests.cancelled(events.read(run_dir), job_id):
         return {"requeued": False, "note": f"{res.error}; the run was cancelled: no successor"}
     script = run_dir / "job.sbatch"
     new = (slurm.submit_successor(job_id, script, cwd=run_dir) if script.is_file()
@@ -125,10 +125,10 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
         if isinstance(preempting, slurm.Failed):
             # SIGTERM came and scontrol could not say why, even after retries. Reading that as
             # "not preempted" would end a preempted job FAILED over a controller hiccup, so it
-            # counts as a preemption: `scontrol requeue` of a job the user scancel'd is refused
-            # (it is CANCELLED already), and `ddpjob cancel` records a cancel event first,
-            # which stops the successor fallback. Only a raw scancel during a controller outage
-            # on a site without scontrol requeue can come back: the lesser harm.
+            # counts as a preemption. `ddpjob cancel` records its cancel first, which the policy
+            # reads (Facts.cancelled: no requeue, no successor). A raw scancel during a
+            # controller outage can come back (SLURM 22.05 takes `scontrol requeue` of a job
+            # still COMPLETING after its scancel): the lesser harm.
             fields["note"] = f"preemption check failed ({preempting.why}): treated as preemption"
         elif not preempting:
             reason, decide = "signal", False
@@ -143,7 +143,8 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
         evs = events.read(run_dir)
         requeues, failures = budget.used(evs, env.job_id)
         facts = policy.Facts(reason, stop_requested=requests.stop_requested(run_dir, env.job_id),
-                             requeues=requeues, failures=failures, run=str(run_dir))
+                             requeues=requeues, failures=failures, run=str(run_dir),
+                             cancelled=requests.cancelled(evs, env.job_id))
         fields.update(carry_out(cfg, env, run_dir, policy.decide(facts, policy.Limits.of(cfg)), fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
     lost = None if signal_step is None or step is None else max(0, step - signal_step - 1 - lag)

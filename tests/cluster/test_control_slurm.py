@@ -23,6 +23,35 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------ real SLURM jobs
 @pytest.mark.cluster
+def test_a_stop_decided_while_ddpjob_cancel_is_recorded_is_not_requeued(slurm_cluster, tmp_path):
+    """`ddpjob cancel` records its cancel, then scancels. SLURM 22.05 takes `scontrol requeue` of
+    a job still COMPLETING after its scancel and runs it again (job 391 of a CI run, 2026-11-28:
+    cancelled as its ranks started, requeued by their decision). Caused here at a step: rank 0
+    waits in its 10th forward call, the test records the cancel as `ddpjob cancel` does and sends
+    the time-limit signal: the stop's decision ends the job, nothing requeues it."""
+    import slurmtools
+    from ranks import write_job
+    from test_preemption_slurm import CHECKPOINT, DATA, SLURM, TRAIN
+    from test_requeue_slurm import sbatch
+
+    from ddpjob.ledger import requests
+
+    slurmtools.cluster_free(timeout=300)
+    job = write_job(tmp_path / "job.toml", slurm=SLURM, train=TRAIN, data=DATA, checkpoint=CHECKPOINT)
+    run, jid = sbatch(tmp_path, job, DDPJOB_TEST_SIGNAL="0:10::pause")
+    log = run / rundir.LOGS / "rank-0.log"
+    wait_for(lambda: log.is_file() and "paused at call 10" in log.read_text(errors="replace"), 300,
+             "rank 0 to pause", alive=lambda: slurmtools.active(jid), whose=f"job {jid}")
+    requests.cancel(run, jid, 0)  # `ddpjob cancel`'s first half; its scancel would follow
+    assert subprocess.run(["scancel", "--signal=USR2", jid], timeout=60).returncode == 0
+    slurmtools.wait_done(jid, 300)
+    decided = [e for e in read_events(run) if e["event"] == "stop" and "rank" not in e]
+    assert [(d["reason"], d.get("action")) for d in decided] == [("time_limit", "end")], decided
+    assert "cancelled by `ddpjob cancel`" in decided[0]["note"], decided
+    assert len(slurmtools.sacct_times(jid)) == 1  # one start: never requeued
+
+
+@pytest.mark.cluster
 def test_status_logs_cancel_ls_on_a_real_slurm_job(slurm_cluster, tmp_path):
     import slurmtools
     from slurmtools import wait_done, wait_state

@@ -14,7 +14,7 @@ import pytest
 import fake_checkpoint
 
 from ddpjob import config, exitcodes, fileio, jobfile
-from ddpjob.ledger import budget, crashes
+from ddpjob.ledger import budget, crashes, requests
 from ddpjob.launch import plot
 from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
@@ -202,6 +202,22 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     assert requeue.restart_layout(d, ENV, cfg3) == (2, [])
     lines = "\n".join(plot.summary(d, live_job="77"))
     assert "n2 2 failures" in lines and "excluded" not in lines, lines
+
+
+def test_a_crash_after_ddpjob_cancel_is_not_restarted(fake_slurm, tmp_path, capsys) -> None:
+    """`ddpjob cancel` records its cancel, then scancel ends the ranks: their crash is decided
+    with the cancel known, so the batch shell runs no srun again in the job being cancelled."""
+    cfg, d = run_dir(tmp_path, max_failures=5)
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=COMPLETING Restarts=0 PreemptTime=None")
+    fake_checkpoint.committed(d, 30)
+    fileio.append_jsonl(d / "events.jsonl", start("77", 0, None))
+    requests.cancel(d, "77", 0)
+    batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: n2: task 2: Killed\n")
+    assert requeue.after_crash(cfg, ENV, d, 137, in_place=True) is None  # not brought back
+    decision = [e for e in read_events(d) if e["event"] == "stop"][-1]
+    assert decision["action"] == "end" and "cancelled by `ddpjob cancel`" in decision["line"], decision
+    assert "cancelled by `ddpjob cancel`: not requeued, not restarted" in capsys.readouterr().err
+    assert fake_slurm.called("scontrol requeue") == []
 
 
 def test_the_decision_prints_the_layout_for_the_batch_script(fake_slurm, tmp_path, monkeypatch,

@@ -54,6 +54,11 @@ TABLE = [
     ("crash", {"crash": policy.INTERNAL, "here": True}, E),
     ("crash", {"crash": policy.TRANSIENT, "here": True}, R),  # once
     ("crash", {"crash": policy.TRANSIENT, "here": True, "again": True, "streak": 1}, E),  # twice at one place
+    # `ddpjob cancel` recorded: nothing brings the job back (SLURM itself would requeue it)
+    ("time_limit", {"cancelled": True}, E),
+    ("preemption", {"cancelled": True}, E),
+    ("crash", {"crash": policy.INFRASTRUCTURE, "here": True, "cancelled": True}, E),
+    ("node_failure", {"crash": policy.INFRASTRUCTURE, "cancelled": True}, E),
 ]
 
 
@@ -66,14 +71,17 @@ def test_every_combination_gets_exactly_one_verdict_and_its_line() -> None:
     """The whole product of the facts: one verdict each, a line that says what happens next, and
     the rules that hold whatever else is true."""
     reasons = ("preemption", "time_limit", "signal", "user_stop", "crash", "node_failure")
-    for reason, cls, here, spent, streak, again, asked, hosts in itertools.product(
+    for reason, cls, here, spent, streak, again, asked, hosts, cancelled in itertools.product(
             reasons, (*policy.CLASSES, None), (True, False), (0, 2), (0, 1, 3), (False, True), (False, True),
-            (True, False)):
+            (True, False), (False, True)):
         f = policy.Facts(reason, cls if reason in policy.FAILURES else None, "rank 1 on n2: killed by SIGKILL",
                          stop_requested=asked, requeues=spent, failures=spent, streak=streak, again=again,
-                         here=here, hosts_left=hosts, signal="SIGKILL", run="runs/x")
+                         here=here, hosts_left=hosts, signal="SIGKILL", run="runs/x", cancelled=cancelled)
         v = policy.decide(f, LIMITS)
         assert v.action in (P, R, E) and v.line and "\n" not in v.line
+        if cancelled:
+            assert v.action == E and "cancelled by `ddpjob cancel`" in v.line
+            continue
         if asked or reason in ("signal", "user_stop"):
             assert v.action == E
         if v.action == R:

@@ -21,7 +21,7 @@ from ddpjob.ledger import phases
 from ddpjob.node import preemption
 from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
-from ddpjob.ledger import attempts, budget
+from ddpjob.ledger import attempts, budget, requests
 from ddpjob.ledger.events import read as read_events, record as record_event
 
 PREEMPTING = "JobId=77 JobState=RUNNING PreemptTime=2026-01-01T00:00:00 Command=/a b/job.sbatch"
@@ -170,9 +170,11 @@ def test_no_successor_for_a_cancelled_run_or_without_sbatch(fake_slurm, tmp_path
     fake_slurm.answer("sbatch", rc=1, stderr="Batch job submission failed")
     assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 3) is False
     assert "no successor either" in last_stop(d)["note"]
-    record_event(d, "cancel", by="user")
-    assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 4) is False
+    requests.cancel(d, str(ENV.job_id), 0)  # what `ddpjob cancel` records before its scancel
+    assert requeue.after_stop(cfg, ENV, d, preemption.REQUEUE, 4) is None  # not asked: the policy ends it
     assert len(fake_slurm.called("sbatch")) == 1
+    assert len(fake_slurm.called("scontrol requeue")) == 1  # SLURM 22.05 would take it: never asked
+    assert "cancelled by `ddpjob cancel`" in last_stop(d)["note"]
 
 
 # ------------------------------------------------------------------ sweep points (array tasks)
