@@ -578,17 +578,24 @@ CMD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CMD_CASES, ids=[c[0] for c in CMD_CASES])
-def test_other_commands_give_one_line(case, tmp_path: Path, capfd: pytest.CaptureFixture[str],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    _, code, build, expected = case
+def _work_without_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The working folder, made the cwd, with an sbatch on PATH that fails if it is ever run
+    (`--backend slurm` wants one on PATH)."""
     work = _work(tmp_path)
-    bin_dir = tmp_path / "bin"  # `--backend slurm` wants sbatch on PATH; it is never run
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'fake sbatch must not run' >&2; exit 1\n")
     (bin_dir / "sbatch").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.chdir(work)
+    return work
+
+
+@pytest.mark.parametrize("case", CMD_CASES, ids=[c[0] for c in CMD_CASES])
+def test_other_commands_give_one_line(case, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    _, code, build, expected = case
+    work = _work_without_sbatch(tmp_path, monkeypatch)
     argv = build(tmp_path)
     before = _snapshot(tmp_path)
     status = _ddpjob(*argv)
@@ -606,13 +613,7 @@ def test_a_dry_run_runs_submits_checks_and_fails_the_same_way(mistake: str, back
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """`submit --dry-run` skipped the preflight checks and printed a script that submit then
     refused: the dry run gives submit's own line (submit's, here on the local backend)."""
-    work = _work(tmp_path)
-    bin_dir = tmp_path / "bin"  # `--backend slurm` wants sbatch on PATH; it is never run
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text("#!/bin/sh\necho 'fake sbatch must not run' >&2; exit 1\n")
-    (bin_dir / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.chdir(work)
+    work = _work_without_sbatch(tmp_path, monkeypatch)
     argv = {"entry does not parse": _entry(tmp_path, "broken.py", "x = (", "broken.py"),
             "entry with NUL bytes": _entry(tmp_path, "nul.py", "x = 1" + chr(0), "nul.py"),
             "init_from missing": ["jobs/smoke.toml", "--set", 'checkpoint.init_from="runs/gone"']}[mistake]
