@@ -13,6 +13,7 @@ traceback's exception and file:line named), or death by the same signal.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -202,9 +203,11 @@ def _begin(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, runlock
 @dataclass
 class _Start:
     """Rank 0's start record of the attempt, written once the program logged its first step of
-    this attempt (`resumed_step` = the step before it: where its own checkpoint took it; the
-    time from the launch to there is the ledger's start-up), else when it ended (`resumed_step`
-    = the newest step logged before). The crash loop and the goodput ledger read it."""
+    this attempt (`resumed_step` = the step before it: where its own checkpoint took it), else
+    when it ended (`resumed_step` = the newest step logged before). Its time is the first step
+    line's own: the time from the launch to there is the ledger's start-up, and the polls that
+    see the line come later (a fast program may have run every step and been signalled by then,
+    which would leave its steps no productive time). The crash loop and the goodput ledger read it."""
 
     run_dir: Path
     env: ClusterEnv
@@ -213,7 +216,8 @@ class _Start:
     offset: int = 0  # of metrics.jsonl, read so far
     done: bool = False
 
-    def first_step(self) -> int | None:
+    def first_step(self) -> tuple[int, float | None] | None:
+        """(step, the line's time) of this attempt's first step line read since the last call."""
         path = self.run_dir / rundir.METRICS
         try:
             with open(path, "rb") as f:
@@ -230,20 +234,22 @@ class _Start:
                 continue
             step = rec.get("step") if isinstance(rec, dict) else None
             if rec.get("restart") == self.restart and isinstance(step, int) and not isinstance(step, bool):
-                return step
+                t = rec.get("time")  # the program's own clock: a number, never ahead of now
+                ok = isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t)
+                return step, min(float(t), time.time()) if ok else None
         return None
 
-    def record(self, resumed: int | None) -> None:
+    def record(self, resumed: int | None, at: float | None = None) -> None:
         if self.done or not self.env.is_rank0:
             return
         self.done = True
         events.record(self.run_dir, "start", job_id=self.env.job_id, restart=self.restart, source=self.env.source,
                       world_size=self.env.world_size, host=self.env.hostname, launched_time=self.launched,
-                      **({"resumed_step": resumed} if resumed else {}))
+                      **({"resumed_step": resumed} if resumed else {}), **({"time": at} if at is not None else {}))
 
     def poll(self) -> None:
-        if not self.done and self.env.is_rank0 and (step := self.first_step()) is not None:
-            self.record(step - 1)
+        if not self.done and self.env.is_rank0 and (first := self.first_step()) is not None:
+            self.record(first[0] - 1, first[1])
 
 
 def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
