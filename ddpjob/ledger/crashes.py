@@ -62,16 +62,24 @@ class Culprit:
 
 def from_srun(text: str) -> Culprit | None:
     """The first task srun reported as failed in `text` (the batch log since this attempt's srun
-    started). An exit with a code is the program's own end (a Python exception exits 1): not the
-    host's fault; any other end (Killed, Segmentation fault, Bus error) is a death by a signal."""
+    started), one that SIGTERM ended ("Terminated") only when no other is named: srun ends the
+    whole step with SIGTERM once a task failed (--kill-on-bad-exit), so those are the step's end,
+    not its cause. An exit with a code is the program's own end (a Python exception exits 1): not
+    the host's fault; any other end (Killed, Segmentation fault, Bus error) is a death by a signal."""
     lost = NODE_FAILURE.search(text)
     if lost is not None:  # the node itself failed: its tasks and the others' ends follow from it
         return Culprit(None, lost["host"], "node failure", True)
-    m = SRUN_ERROR.search(text)
+    found = list(SRUN_ERROR.finditer(text))
+    m = next((m for m in found if not terminated(m["what"].strip())), found[0] if found else None)
     if m is None:
         return None
     what = m["what"].strip()
     return Culprit(int(m["task"]), m["host"], what, _EXITED.fullmatch(what) is None)
+
+
+def terminated(how: str) -> bool:
+    """srun's word for a task SIGTERM ended."""
+    return how == "Terminated"
 
 
 def from_returncode(rank: int, host: str, code: int) -> Culprit:

@@ -188,7 +188,8 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
     # this start of the job (SLURM's restart count), decided already by another than a restart here
     mine = [e for e in evs if events.is_decision(e) and str(e.get("job_id")) == str(env.job_id)
             and e.get("incarnation") == env.restart_count]
-    if mine and mine[-1].get("requeued_by") != budget.IN_PLACE:
+    srun = crashes.from_srun(_attempt_log(run_dir, str(env.job_id))) if in_place else None
+    if mine and mine[-1].get("requeued_by") != budget.IN_PLACE and not _step_ended_by_srun(mine[-1], srun):
         # Rank 0 stopped with a checkpoint and decided already: srun's status is not 3 only
         # because --kill-on-bad-exit ended rank 0 after the others exited 3 (and SLURM does not
         # always signal the batch shell on a preemption).
@@ -200,8 +201,7 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
         print(f"ddpjob: job {env.job_id} was requeued by SLURM (status {status}); "
               "the stop is rank 0's or the next start's to record", flush=True)
         return None
-    culprit = crashes.with_rank_error(crashes.from_srun(_attempt_log(run_dir, str(env.job_id))) if in_place
-                                      else None, evs, env.job_id, restart)
+    culprit = crashes.with_rank_error(srun, evs, env.job_id, restart)
     # on_node_loss = "continue" (sbatch --no-kill): a failed node left the allocation, the job did not end
     gone = {h for e in evs if e.get("event") == "stop" and str(e.get("job_id")) == str(env.job_id)
             and isinstance(e.get("lost_hosts"), list) for h in e["lost_hosts"]}
@@ -231,6 +231,18 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
                       **(culprit.fields() if culprit else {}), **fields)
     print(verdict_line(verdict, facts, run_dir), file=sys.stderr, flush=True)
     return fields["requeued"]
+
+
+def _step_ended_by_srun(decision: dict[str, Any], srun: crashes.Culprit | None) -> bool:
+    """Rank 0's stop that decided nothing (SIGTERM, "not being preempted") while the batch shell
+    got no signal (after_crash runs in place only then), and srun names a task that died another
+    way: the SIGTERM was srun ending the step after that task failed (--kill-on-bad-exit), not a
+    scancel, so that task's crash is the one to decide. This happens when the failed rank left no
+    crash record for rank 0 to see (crashes.peer_crash): a plain command's `ddpjob run` killed
+    along with or instead of the program. A `scancel --signal=TERM` of the steps leaves only
+    "Terminated" tasks: the stop stands."""
+    return decision.get("reason") == "signal" and decision.get("requeued") is None and srun is not None \
+        and not crashes.terminated(srun.how)
 
 
 def verdict_line(verdict: policy.Verdict, facts: policy.Facts, run_dir: Path) -> str:

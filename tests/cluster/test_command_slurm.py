@@ -7,6 +7,8 @@ SLURM test cluster: tests/command_scripts/plain_train.py on 2 nodes x 1 task, it
   `ls --json` show the attempts and the goodput;
 - `ddpjob sbatch`: rank 1 SIGKILLed after step 8: restarted in place inside the allocation,
   resumed from the script's checkpoint of step 5, COMPLETED;
+- `ddpjob sbatch`, a script without a SIGTERM handler (nanoGPT's): a SIGKILLed peer, a SIGKILLed
+  `ddpjob run` of a peer (no crash record) and a peer's bug each get their verdict;
 - `ddpjob submit` (submitit): the same preemption, requeued, COMPLETED from the checkpoint;
 - `ddpjob submit`: a ValueError raised by the script on every rank: FAILED, the verdict line
   naming plain_train.py's line, not retried.
@@ -135,6 +137,35 @@ def test_a_script_without_a_sigterm_handler_restarts_in_place_after_a_peer_is_ki
     assert "the step ended after rank 1's crash" in rank_log(run, 0), rank_log(run, 0)
     assert_resumed(run, 5)
     assert [r["step"] for r in lines(run / "metrics.jsonl") if r["restart"] == 1] == list(range(6, STEPS + 1))
+
+
+def test_a_killed_ddpjob_run_under_a_script_without_a_handler_restarts_in_place(
+        slurm_cluster: Any, tmp_path: Path) -> None:
+    """Rank 1's `ddpjob run` itself (the srun task, the program's parent) is SIGKILLed after step
+    8 while rank 0's program waits there: rank 1 leaves no crash record. srun ends the step with
+    SIGTERM; rank 0's program dies of it, and rank 0, finding the job not being preempted,
+    decides nothing. The batch shell, which got no signal, decides srun's "task 1: Killed":
+    infrastructure, restarted in place from the script's checkpoint of step 5, COMPLETED (it
+    ended FAILED: rank 0's stop stood as the decision)."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job_file(tmp_path, "--no_handler")), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run),
+           cwd=tmp_path)
+    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path,
+                            env=job_env(DDPJOB_TEST_AT="0:8:0:pause,1:8:0:killwrapper"))
+    assert slurmtools.wait_done(jid, 600) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
+    decided = decisions(run)
+    assert [(d["reason"], d.get("verdict"), d.get("action")) for d in decided] == [
+        ("signal", None, None), ("crash", "infrastructure", "restart")], decided
+    assert "not being preempted" in decided[0]["note"], decided
+    assert decided[1]["failed_rank"] == 1 and decided[1]["failed_how"] == "Killed", decided
+    assert not [e for e in events(run, "stop") if e.get("rank") == 1], "rank 1's ddpjob run was killed: no record"
+    assert_resumed(run, 5)
+    assert [r["step"] for r in lines(run / "metrics.jsonl") if r["restart"] == 1] == list(range(6, STEPS + 1))
+    text = ddpjob("status", str(run), cwd=tmp_path).stdout
+    assert "COMPLETED" in text and "rank 1" in text, text
 
 
 def test_a_bug_on_one_rank_of_a_script_without_a_handler_is_the_users(slurm_cluster: Any, tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ for status/plot), DDPJOB_HEARTBEAT (touched each step) and DDPJOB_ATTEMPT.
 Test hooks (never a timer): DDPJOB_TEST_AT="RANK:STEP:ATTEMPT:HOW[,...]" (RANK "*" = every rank,
 ATTEMPT "" = any; a rank takes the first spec that names it) acts after step STEP: HOW = "pause" prints "paused at step N" and waits until
 the stop signal came (the test signals the supervisor on that line); "kill" SIGKILLs this
-process; "raise" raises a ValueError (a bug of the script's own); "hang" stops for good, silent,
+process; "killwrapper" SIGKILLs its parent (`ddpjob run`, the rank's process: no crash record
+from it), then exits; "raise" raises a ValueError (a bug of the script's own); "hang" stops for good, silent,
 deaf to the stop signal (ddpjob's hang watch ends it).
 """
 
@@ -107,6 +108,12 @@ while step < args.max_steps:
                 time.sleep(0.05)
         elif how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif how == "killwrapper":
+            parent = os.getppid()
+            os.kill(parent, signal.SIGKILL)
+            while os.getppid() == parent:  # the kernel hands this process on: its output goes nowhere
+                time.sleep(0.01)
+            os._exit(1)  # as a program whose stdout pipe broke (proctrack/linuxproc no longer sees it)
         elif how == "raise":
             raise ValueError(f"a bug at step {step}")
         elif how == "hang":

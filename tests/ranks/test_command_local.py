@@ -5,7 +5,8 @@ save and exit 3), each run by `ddpjob run`'s rank process as one child.
 - preempted once (SIGUSR2 to the supervisor while rank 1 pauses after step 7): the script gets
   SIGTERM, saves, exits 3; the supervisor requeues; the next attempt resumes from its checkpoint
   and finishes; `status` and `ls` show both attempts and the goodput;
-- one rank SIGKILLed: an infrastructure crash, restarted in place, finished from its checkpoint;
+- one rank SIGKILLed, or its `ddpjob run`: an infrastructure crash, restarted in place, finished
+  from its checkpoint;
 - a ValueError raised by the script on every rank: the user's bug, not retried, FAILED, the
   verdict line naming the exception and plain_train.py's line.
 """
@@ -104,6 +105,19 @@ def test_a_killed_rank_of_a_command_restarts_in_place(tmp_path: Path) -> None:
     assert mine and mine[0]["error"] == "the command was killed by SIGKILL", mine
     # saved every 5 steps: the restart resumes from step 5 and replays 6..8
     assert "resumed from" in log(run_dir, 0) and "at step 5" in log(run_dir, 0)
+    assert [r["step"] for r in train_lines(run_dir) if r["restart"] == 1] == list(range(6, STEPS + 1))
+
+
+def test_a_killed_ddpjob_run_of_a_command_restarts_in_place(tmp_path: Path) -> None:
+    """Rank 1's `ddpjob run` itself is SIGKILLed after step 8 (its program exits with it) while
+    rank 0's waits there: no crash record from rank 1; the supervisor saw its rank die by SIGKILL."""
+    run_dir, _ = submit(tmp_path, DDPJOB_TEST_AT="0:8:0:pause,1:8:0:killwrapper")
+    assert ended(run_dir) == "COMPLETED", log(run_dir, 0) + log(run_dir, 1)
+    decided = [e for e in events(run_dir, "stop") if "rank" not in e]
+    assert [(d["reason"], d.get("verdict"), d.get("action")) for d in decided] == [
+        ("crash", "infrastructure", "restart")], decided
+    assert decided[0]["failed_rank"] == 1 and "SIGKILL" in decided[0]["failed_how"], decided
+    assert not [e for e in events(run_dir, "stop") if e.get("rank") == 1], "its ddpjob run was killed: no record"
     assert [r["step"] for r in train_lines(run_dir) if r["restart"] == 1] == list(range(6, STEPS + 1))
 
 

@@ -40,6 +40,16 @@ def test_srun_names_the_task_that_failed_first_and_whether_it_is_the_hosts_fault
     assert crashes.from_srun("srun: error: n1;rm -rf /: task 1: Killed\n") is None
 
 
+def test_a_task_srun_terminated_is_the_steps_end_not_its_cause() -> None:
+    # --kill-on-bad-exit: rank 0 died of srun's SIGTERM after rank 1 was killed; the line order
+    # is srun's, either way the cause is rank 1
+    both = "srun: error: n1: task 0: Terminated\nsrun: error: n2: task 1: Killed\n"
+    assert crashes.from_srun(both) == crashes.Culprit(1, "n2", "Killed", True)
+    # only SIGTERM ends (a `scancel --signal=TERM` of the steps, a `kill` of a rank): that is the culprit
+    term = crashes.from_srun("srun: error: n1: tasks 0-1: Terminated\n")
+    assert term == crashes.Culprit(0, "n1", "Terminated", True) and crashes.terminated(term.how)
+
+
 def test_the_ranks_own_error_tells_the_story_and_never_blames_the_host() -> None:
     evs = [{"event": "stop", "reason": "crash", "rank": 1, "host": "n1", "job_id": "77", "restart": 0,
             "error": "ddpjob: error: rank 1: RuntimeError: boom (train.py:12). Hint: it is yours."},
