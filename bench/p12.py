@@ -10,7 +10,7 @@ from bench import killstorm, slurmctl, storm
 from bench.core import Bench, Row
 from bench.storm_ledger import loss_mismatches, train_records
 from ddpjob.fileio import read_jsonl
-from ddpjob.store import memsnap
+from ddpjob.store import snaproom
 
 
 def phase_text(phases: dict[str, float]) -> str:
@@ -51,9 +51,9 @@ def rows_of(measured: list[dict[str, Any]], size: killstorm.KillSize, same: bool
         Row("P12", "effective training time ratio: time in the step loops / wall time", "report",
             f"{ratio[2]:.3f} ({ratio[0]:.0f} s of {ratio[1]:.0f} s)", None),
         Row("P12", "/dev/shm: most snapshot folders one rank held at once, most bytes; left after the end",
-            f"<= {memsnap.KEEP + 1} per rank; nothing left",
+            f"<= {snaproom.KEEP + 1} per rank; nothing left",
             f"{shm['max_per_rank']} per rank, {shm['max_bytes'] / 2**20:.1f} MiB; left: {shm['left'] or 'nothing'}",
-            shm["max_per_rank"] <= memsnap.KEEP + 1 and not shm["left"]),
+            shm["max_per_rank"] <= snaproom.KEEP + 1 and not shm["left"]),
     ]
 
 

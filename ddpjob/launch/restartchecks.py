@@ -2,7 +2,7 @@
 in-memory snapshots in checkpoint.snapshot_dir on the partition's nodes, whether SLURM gives each
 job its own /dev/shm, and the job's memory limit against its ranks plus their snapshots. The
 sizes come from an earlier run's checkpoint, or for the built-in trainer from its model; the
-ranks apply the same rule at their first snapshot (store/memsnap.py: keep 2, 1 or none).
+ranks apply the same rule at their first snapshot (store/snaproom.py: keep 2, 1 or none).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from ddpjob import modelnames, slurm
 from ddpjob.config import JobConfig
 from ddpjob.launch.checks import FAIL, PASS, WARN, Check, output, records
-from ddpjob.store import manifest, memsnap
+from ddpjob.store import manifest, memsnap, snaproom
 
 # A rank's host memory before its model and data: torch 2.14.1 (the CUDA build) + ddpjob's rank
 # layer peaked at 636 MiB RSS on the 2-core test VM (/usr/bin/time -v); CUDA's host side adds
@@ -76,7 +76,7 @@ def _snapshots_on(cfg: JobConfig) -> bool:  # as the ranks decide (memsnap.for_r
 def snapshot_room_check(cfg: JobConfig, state: tuple[int | None, str], room: int | None,
                         where: str) -> Check:
     """The folder's free `room` (measured `where`) against the node's ranks x kept snapshots x
-    state: memsnap.keep_for, the rule the ranks apply at their first snapshot."""
+    state: snaproom.keep_for, the rule the ranks apply at their first snapshot."""
     folder = cfg.checkpoint.snapshot_dir
     if not _snapshots_on(cfg):
         why = ("strategy = \"fsdp\"" if cfg.train.strategy == "fsdp" else "snapshot_every = 0"
@@ -85,22 +85,22 @@ def snapshot_room_check(cfg: JobConfig, state: tuple[int | None, str], room: int
         return Check("snapshot room", PASS, f"no in-memory snapshots ({why}): nothing is kept in {folder}")
     size, how = state
     if size is None:
-        return Check("snapshot room", PASS, f"snapshot size {how}; {memsnap.size_text(room or 0)} free in {folder} {where}")
+        return Check("snapshot room", PASS, f"snapshot size {how}; {snaproom.size_text(room or 0)} free in {folder} {where}")
     ranks = cfg.slurm.tasks_per_node
-    full = memsnap.need(size, ranks)
-    sums = f"{ranks} rank(s) x {memsnap.KEEP + 1} x {memsnap.size_text(size)} = {memsnap.size_text(full)} ({how})"
+    full = snaproom.need(size, ranks)
+    sums = f"{ranks} rank(s) x {snaproom.KEEP + 1} x {snaproom.size_text(size)} = {snaproom.size_text(full)} ({how})"
     if room is None:
         return Check("snapshot room", WARN, f"{sums}; {folder} could not be measured {where}",
                      "check that checkpoint.snapshot_dir exists on the nodes (df)")
-    keep = memsnap.keep_for(size, ranks, room, None)
-    if keep == memsnap.KEEP:
-        return Check("snapshot room", PASS, f"{sums} fits: {memsnap.size_text(room)} free in {folder} {where}")
+    keep = snaproom.keep_for(size, ranks, room, None)
+    if keep == snaproom.KEEP:
+        return Check("snapshot room", PASS, f"{sums} fits: {snaproom.size_text(room)} free in {folder} {where}")
     hint = (f"free room in {folder}, or point checkpoint.snapshot_dir at a larger node-local tmpfs, "
             "or fewer tasks_per_node")
     if keep:
-        return Check("snapshot room", WARN, f"{sums}, {memsnap.size_text(room)} free in {folder} {where}: the ranks "
+        return Check("snapshot room", WARN, f"{sums}, {snaproom.size_text(room)} free in {folder} {where}: the ranks "
                      "will keep 1 snapshot instead of 2", hint)
-    return Check("snapshot room", FAIL, f"{sums}, only {memsnap.size_text(room)} free in {folder} {where}: the "
+    return Check("snapshot room", FAIL, f"{sums}, only {snaproom.size_text(room)} free in {folder} {where}: the "
                  "ranks will take no snapshots, a restart in place resumes from the last checkpoint", hint)
 
 
@@ -135,7 +135,7 @@ def memory_limit(cfg: JobConfig, part: dict[str, str], config: dict[str, str],
             src = f"DefMemPerCPU={rec['DefMemPerCPU']} x {cpus} CPU(s)"
     cap = next((_slurm_mem(r["MaxMemPerNode"]) for r in (part, config) if _slurm_mem(r.get("MaxMemPerNode", ""))), None)
     if cap is not None and (limit is None or cap < limit):
-        limit, src = cap, f"MaxMemPerNode={memsnap.size_text(cap)}"
+        limit, src = cap, f"MaxMemPerNode={snaproom.size_text(cap)}"
     if limit is not None:
         return limit, src
     tracked = "MEMORY" in config.get("SelectTypeParameters", "").upper()
@@ -155,19 +155,19 @@ def memory_check(cfg: JobConfig, state: int | None, limit: tuple[int | None, str
     s = cfg.slurm
     ranks = s.tasks_per_node
     use = ranks * rank_use(cfg, state)
-    snaps = 0 if not _snapshots_on(cfg) or state is None else ranks * state + memsnap.need(state, ranks)
-    sums = f"{ranks} rank(s) ~ {memsnap.size_text(use)}" + (f" + snapshots {memsnap.size_text(snaps)}" if snaps else "")
+    snaps = 0 if not _snapshots_on(cfg) or state is None else ranks * state + snaproom.need(state, ranks)
+    sums = f"{ranks} rank(s) ~ {snaproom.size_text(use)}" + (f" + snapshots {snaproom.size_text(snaps)}" if snaps else "")
     if mem is None:
         return Check("memory limit", WARN, f"{sums}; {src}", "set slurm.mem (e.g. \"16G\")")
     if use > mem:
-        return Check("memory limit", FAIL, f"{sums} per node, above the limit {memsnap.size_text(mem)} ({src}): "
+        return Check("memory limit", FAIL, f"{sums} per node, above the limit {snaproom.size_text(mem)} ({src}): "
                      "the ranks would be killed for memory", "raise slurm.mem, or fewer tasks_per_node")
     if use + snaps > mem:
-        keep = memsnap.keep_for(state or 0, ranks, None, mem - use - ranks * (state or 0))
-        return Check("memory limit", WARN, f"{sums} per node, above the limit {memsnap.size_text(mem)} ({src}): the "
+        keep = snaproom.keep_for(state or 0, ranks, None, mem - use - ranks * (state or 0))
+        return Check("memory limit", WARN, f"{sums} per node, above the limit {snaproom.size_text(mem)} ({src}): the "
                      f"ranks will keep {'1 snapshot instead of 2' if keep else 'no snapshots'}",
                      "raise slurm.mem to restart in place from a snapshot")
-    return Check("memory limit", PASS, f"{sums} per node, within {memsnap.size_text(mem)} ({src})")
+    return Check("memory limit", PASS, f"{sums} per node, within {snaproom.size_text(mem)} ({src})")
 
 
 def restart_checks(cfg: JobConfig, runs_root: Path, node_room: tuple[int | None, str] | None = None) -> list[Check]:
@@ -175,7 +175,7 @@ def restart_checks(cfg: JobConfig, runs_root: Path, node_room: tuple[int | None,
     srun_check, else here), /dev/shm private or not, the memory limit. One line each."""
     state = state_estimate(cfg, runs_root)
     if node_room is None:
-        node_room = (memsnap.room(Path(cfg.checkpoint.snapshot_dir)),
+        node_room = (snaproom.free(Path(cfg.checkpoint.snapshot_dir)),
                      "here (`--srun` measures it on a node)")
     config_text = output(slurm.run(["scontrol", "show", "config"], timeout=20))
     config = dict(re.findall(r"^(\w+)\s*=\s*(\S+)", config_text, re.M))

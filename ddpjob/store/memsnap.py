@@ -12,11 +12,9 @@ of its own, so it has a checkpoint's manifest and digests and loads with weights
 
 KEEP of them per rank, and none is taken when the memory they would need is not free. The base
 folder is `checkpoint.snapshot_dir` (/dev/shm by default). At its first snapshot each rank fits
-them to its node (fit()): its node's ranks x (KEEP + the one being written) x the state's size
-must fit in the folder's free room (measured at the start, before this start's first snapshot)
-and under the job's memory cgroup (tmpfs pages count against it); a shortfall keeps 1, or none,
-with one line from the node's first rank, never an OOM kill or a failed write mid-run.
-`ddpjob doctor` checks the same arithmetic (need()) before the job is submitted.
+them to its node (fit(), the arithmetic in store/snaproom.py, which `ddpjob doctor` checks
+before the job is submitted): the folder's free room is measured at the start, before this
+start's first snapshot; a shortfall keeps 1, or none, with one line from the node's first rank.
 
 A lost node takes its ranks' folders with it. What only those ranks held is their RNG streams
 (the replicas and the samplers' global position are on every node), so each snapshot also holds
@@ -55,89 +53,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ddpjob import console, rundir
-from ddpjob.store import manifest
+from ddpjob.store import manifest, snaproom
 
 if TYPE_CHECKING:  # torch: imported by a rank only (the crash decision reads the paths too)
     from ddpjob.store.commit import CheckpointInfo
 
 SHM = Path("/dev/shm")
-KEEP = 2  # the newest is being written while the one before stays whole
-CGROUP = Path("/sys/fs/cgroup")
-MEM_MARGIN = 0.05  # of a memory limit kept free for what a snapshot does not account for
-UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 
 
-def need(state: int, ranks: int, keep: int = KEEP) -> int:
-    """Bytes the snapshots of `ranks` ranks on one node hold at most: each rank's `keep` kept ones
-    plus the one being written (pruning follows the commit)."""
-    return ranks * (keep + 1) * state if keep > 0 else 0
-
-
-def size_text(n: int) -> str:
-    """Bytes for a line: MiB, or KiB below one MiB (a small model's snapshot)."""
-    return f"{n / 2**20:.0f} MiB" if n >= 10 * 2**20 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-def keep_for(state: int, ranks: int, room: int | None, mem_left: int | None) -> int:
-    """How many snapshots each rank keeps: KEEP, else 1, else 0 (none) - the most whose need()
-    fits both the folder's free `room` and the memory cgroup's `mem_left` (None: no limit)."""
-    for keep in range(KEEP, 0, -1):
-        if all(limit is None or need(state, ranks, keep) <= limit for limit in (room, mem_left)):
-            return keep
-    return 0
-
-
-def memory_left(proc_cgroup: str, root: Path = CGROUP) -> int | None:
-    """What this process's memory cgroup lets it still use: the least of limit - usage - margin
-    over its cgroup and every parent that has a limit (v2 memory.max / memory.current, v1
-    memory.limit_in_bytes / memory.usage_in_bytes); None without a limit. `proc_cgroup`: the text
-    of /proc/self/cgroup."""
-    found: list[int] = []
-    for line in proc_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            here, files = root / parts[2].lstrip("/"), ("memory.max", "memory.current")
-        elif "memory" in parts[1].split(","):
-            here, files = root / "memory" / parts[2].lstrip("/"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
-        else:
-            continue
-        for folder in [here, *here.parents]:
-            if folder != root and root not in folder.parents:
-                break
-            try:
-                limit_text = (folder / files[0]).read_text().strip()
-                used = int((folder / files[1]).read_text().strip())
-            except (OSError, ValueError):
-                continue
-            if limit_text.isdigit() and int(limit_text) < UNLIMITED:
-                limit = int(limit_text)
-                found.append(limit - used - int(limit * MEM_MARGIN))
-    return max(0, min(found)) if found else None
-
-
-def room(base: Path, job_tree: Path | None = None) -> int | None:
+def _room(base: Path, job_tree: Path) -> int | None:
     """Free bytes for the job's snapshots under `base` at a start: the file system's free space
-    plus what the job's own older snapshots there take (`job_tree`; the new ones replace them);
-    None when the folder's file system cannot be asked."""
-    probe = base
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        free = shutil.disk_usage(probe).free
-    except OSError:
-        return None
-    if job_tree is not None and job_tree.is_dir() and refuse(job_tree, base) is None:
-        free += _bytes_under(job_tree)
+    (snaproom.free) plus what the job's own older snapshots there take, in a tree that is ours
+    (the new ones replace them); None when the folder's file system cannot be asked."""
+    free = snaproom.free(base)
+    if free is not None and job_tree.is_dir() and refuse(job_tree, base) is None:
+        free += snaproom.bytes_under(job_tree)
     return free
-
-
-def _bytes_under(folder: Path) -> int:
-    try:
-        return sum(f.lstat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
-    except OSError:  # a prune removing files meanwhile
-        return 0
 
 
 @dataclass(frozen=True)
@@ -291,7 +222,7 @@ def for_rank(cfg: Any, env: Any, run_dir: Path) -> Snapshots | None:
         cgroups = ""
     snaps = Snapshots(root, every=every, config_hash=cfg.hash(), base=base, host=env.hostname,
                       ranks=env.local_world_size, node_lead=env.local_rank == 0,
-                      memory=lambda: memory_left(cgroups))
+                      memory=lambda: snaproom.memory_left(cgroups))
     if snaps.why_not is not None:
         console.print0(f"ddpjob: warning: no in-memory snapshots: {snaps.why_not}")
     return snaps
@@ -314,14 +245,14 @@ class Snapshots:
         # One process writes a rank's folder at a time, so a staging folder this process did not
         # open is a killed writer's (kill -9 mid-snapshot): the next prune drops it at once
         # instead of after the durable store's 5 minutes, and /dev/shm holds KEEP + 1 at most.
-        self.store = CheckpointStore(root, keep_last=KEEP, config_hash=config_hash, stale_after_s=0.0)
+        self.store = CheckpointStore(root, keep_last=snaproom.KEEP, config_hash=config_hash, stale_after_s=0.0)
         self._pending: Any = None  # AsyncWrite
         self.taken = self.skipped = 0
         self.why_not: str | None = refuse(root, base)
         # fit(): this node's `ranks` share the folder's room, measured now (before any of this
         # start's snapshots); `memory`: what the memory cgroup has left, asked at the first one
-        self.keep, self._ranks, self._node_lead, self._memory = KEEP, ranks, node_lead, memory
-        self._room: int | None = room(base, root.parent.parent) if self.why_not is None else None
+        self.keep, self._ranks, self._node_lead, self._memory = snaproom.KEEP, ranks, node_lead, memory
+        self._room: int | None = _room(base, root.parent.parent) if self.why_not is None else None
         self._fitted = False
 
     def due(self, step: int, saved: bool = False) -> bool:
@@ -392,11 +323,11 @@ class Snapshots:
         if self.why_not is not None:
             return False
         # beyond what this rank's folder holds already (its older ones go once the new one is in)
-        more, free = max(size, need - _bytes_under(self.store.root)), shutil.disk_usage(self.store.root).free
+        more, free = max(size, need - snaproom.bytes_under(self.store.root)), shutil.disk_usage(self.store.root).free
         if more > free:  # the folder filled up since the start: stop before a write fails
             self.skipped += 1
-            self.why_not = (f"in-memory snapshots off from step {step}: {size_text(more)} more needed, "
-                            f"{size_text(free)} free in {self.store.root}")
+            self.why_not = (f"in-memory snapshots off from step {step}: {snaproom.size_text(more)} more needed, "
+                            f"{snaproom.size_text(free)} free in {self.store.root}")
             console.info(f"ddpjob: warning: {self.why_not}")
             return False
         auto = self.auto if self.every is None else None
@@ -418,15 +349,15 @@ class Snapshots:
         in one line by the node's first rank when fewer than KEEP. False: none."""
         self._fitted = True
         left = self._memory()
-        self.keep = keep_for(size, self._ranks, self._room, left)
-        if self.keep == KEEP:
+        self.keep = snaproom.keep_for(size, self._ranks, self._room, left)
+        if self.keep == snaproom.KEEP:
             return True
-        full = need(size, self._ranks)
-        short = [f"{size_text(self._room)} free in {self._base}"] if self._room is not None and full > self._room else []
-        short += [f"{size_text(left)} left under the job's memory limit"] if left is not None and full > left else []
+        full = snaproom.need(size, self._ranks)
+        short = [f"{snaproom.size_text(self._room)} free in {self._base}"] if self._room is not None and full > self._room else []
+        short += [f"{snaproom.size_text(left)} left under the job's memory limit"] if left is not None and full > left else []
         what = "kept 1 deep instead of 2" if self.keep else "off"
         line = (f"in-memory snapshots {what}{f' on {self.host}' if self.host else ''}: {self._ranks} "
-                f"rank(s) x {KEEP + 1} x {size_text(size)} = {size_text(full)} needed, {' and '.join(short)}")
+                f"rank(s) x {snaproom.KEEP + 1} x {snaproom.size_text(size)} = {snaproom.size_text(full)} needed, {' and '.join(short)}")
         if self._node_lead:
             console.info(f"ddpjob: warning: {line}")
         if self.keep == 0:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob.store import memsnap
+from ddpjob.store import memsnap, snaproom
 
 
 def snaps(base: Path, rank: int = 0, host: str = "n1", every: int = 2) -> memsnap.Snapshots:
@@ -130,7 +130,7 @@ def test_auto_probes_once_then_snapshots_at_the_interval_rank_0_measured(tmp_pat
     assert len(s.auto.step_s) == 131 - 102  # every step asked about but the first two
     taken = [i.step for i in s.store.list()]
     later = [st for st in asked if st >= 131 and st % s.every == 0 and st != 120]
-    assert taken == sorted([121, *later], reverse=True)[:memsnap.KEEP], (taken, s.every)
+    assert taken == sorted([121, *later], reverse=True)[:snaproom.KEEP], (taken, s.every)
 
 
 def test_snapshot_every_auto_is_on_only_for_a_job_that_may_restart() -> None:
@@ -176,13 +176,13 @@ def test_a_restart_plans_the_newest_snapshot_every_rank_can_have_whole() -> None
 def test_keep_two_one_or_none_by_the_room_and_the_memory_left() -> None:
     """need() = ranks x (kept + the one being written) x state; keep_for: the most that fit."""
     mib = 1 << 20
-    assert memsnap.need(100 * mib, 4) == 1200 * mib and memsnap.need(100 * mib, 4, 1) == 800 * mib
-    assert memsnap.need(100 * mib, 4, 0) == 0
-    assert memsnap.keep_for(100 * mib, 4, room=1200 * mib, mem_left=None) == 2
-    assert memsnap.keep_for(100 * mib, 4, room=1199 * mib, mem_left=None) == 1
-    assert memsnap.keep_for(100 * mib, 4, room=None, mem_left=800 * mib) == 1
-    assert memsnap.keep_for(100 * mib, 4, room=5000 * mib, mem_left=799 * mib) == 0
-    assert memsnap.keep_for(100 * mib, 4, room=None, mem_left=None) == 2
+    assert snaproom.need(100 * mib, 4) == 1200 * mib and snaproom.need(100 * mib, 4, 1) == 800 * mib
+    assert snaproom.need(100 * mib, 4, 0) == 0
+    assert snaproom.keep_for(100 * mib, 4, room=1200 * mib, mem_left=None) == 2
+    assert snaproom.keep_for(100 * mib, 4, room=1199 * mib, mem_left=None) == 1
+    assert snaproom.keep_for(100 * mib, 4, room=None, mem_left=800 * mib) == 1
+    assert snaproom.keep_for(100 * mib, 4, room=5000 * mib, mem_left=799 * mib) == 0
+    assert snaproom.keep_for(100 * mib, 4, room=None, mem_left=None) == 2
 
 
 def test_memory_left_reads_the_cgroup_and_its_limited_parents(tmp_path: Path) -> None:
@@ -195,17 +195,17 @@ def test_memory_left_reads_the_cgroup_and_its_limited_parents(tmp_path: Path) ->
     (step / "memory.current").write_text("100\n")
     (job / "memory.max").write_text("1000000\n")
     (job / "memory.current").write_text("400000\n")
-    left = memsnap.memory_left("0::/slurm/job_7/step_0\n", tmp_path)
-    assert left == 1000000 - 400000 - int(1000000 * memsnap.MEM_MARGIN)
-    assert memsnap.memory_left("0::/slurm\n", tmp_path) is None  # no limit on the way up
+    left = snaproom.memory_left("0::/slurm/job_7/step_0\n", tmp_path)
+    assert left == 1000000 - 400000 - int(1000000 * snaproom.MEM_MARGIN)
+    assert snaproom.memory_left("0::/slurm\n", tmp_path) is None  # no limit on the way up
     v1 = tmp_path / "memory" / "job"
     v1.mkdir(parents=True)
     (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")
     (v1 / "memory.usage_in_bytes").write_text("5\n")
-    assert memsnap.memory_left("4:memory:/job\n3:cpu:/\n", tmp_path) is None
+    assert snaproom.memory_left("4:memory:/job\n3:cpu:/\n", tmp_path) is None
     (v1 / "memory.limit_in_bytes").write_text("2000\n")
-    assert memsnap.memory_left("4:memory:/job\n", tmp_path) == 2000 - 5 - 100
-    assert memsnap.memory_left("", tmp_path) is None
+    assert snaproom.memory_left("4:memory:/job\n", tmp_path) == 2000 - 5 - 100
+    assert snaproom.memory_left("", tmp_path) is None
 
 
 def test_a_node_short_of_room_keeps_one_snapshot_or_none_with_one_line(
@@ -214,14 +214,14 @@ def test_a_node_short_of_room_keeps_one_snapshot_or_none_with_one_line(
     headroom decide; the node's first rank says so in one line, the others keep quiet."""
     size = memsnap._nbytes(files(0))  # what take() counts: the tensors' bytes, 64 per plain value
     roomy = snaps(tmp_path / "a")
-    roomy._room = memsnap.need(size, 1)
+    roomy._room = snaproom.need(size, 1)
     assert roomy.take(2, files(2), {"step": 2}) and roomy.keep == 2
     roomy.close()
     assert capsys.readouterr().out == ""
 
     one = memsnap.Snapshots(memsnap.rank_root(tmp_path / "run", "77", "n1", 0, tmp_path), every=2,
                             config_hash="abc", base=tmp_path, host="n1", ranks=2,
-                            memory=lambda: memsnap.need(size, 2, 1))
+                            memory=lambda: snaproom.need(size, 2, 1))
     for step in (2, 4, 6):
         assert one.take(step, files(step), {"step": step})
         one.close()
@@ -257,6 +257,6 @@ def test_a_folder_that_fills_up_mid_run_stops_the_snapshots_before_a_write_fails
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(0, 0, size - 1))
     assert not s.take(6, files(6), {"step": 6}) and [i.step for i in s.store.list()] == [4, 2]
     out = capsys.readouterr().out.strip().splitlines()
-    assert out == [f"ddpjob: warning: in-memory snapshots off from step 6: {memsnap.size_text(size)} more "
-                   f"needed, {memsnap.size_text(size - 1)} free in {s.store.root}"], out
+    assert out == [f"ddpjob: warning: in-memory snapshots off from step 6: {snaproom.size_text(size)} more "
+                   f"needed, {snaproom.size_text(size - 1)} free in {s.store.root}"], out
     assert not s.take(8, files(8), {"step": 8})  # and stay off
