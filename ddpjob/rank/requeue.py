@@ -189,7 +189,9 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
     mine = [e for e in evs if events.is_decision(e) and str(e.get("job_id")) == str(env.job_id)
             and e.get("incarnation") == env.restart_count]
     srun = crashes.from_srun(_attempt_log(run_dir, str(env.job_id))) if in_place else None
-    if mine and mine[-1].get("requeued_by") != budget.IN_PLACE and not _step_ended_by_srun(mine[-1], srun):
+    if mine and _step_ended_by_srun(mine[-1], srun) and isinstance(mine[-1].get("restart"), int):
+        restart = mine[-1]["restart"]  # the crash ends the attempt rank 0's stop record names
+    elif mine and mine[-1].get("requeued_by") != budget.IN_PLACE:
         # Rank 0 stopped with a checkpoint and decided already: srun's status is not 3 only
         # because --kill-on-bad-exit ended rank 0 after the others exited 3 (and SLURM does not
         # always signal the batch shell on a preemption).

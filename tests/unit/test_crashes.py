@@ -214,6 +214,35 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     assert "n2 2 failures" in lines and "excluded" not in lines, lines
 
 
+@pytest.mark.parametrize("srun_says, decided", [
+    ("srun: error: n2: task 1: Killed\nsrun: error: n1: task 0: Terminated\n", True),
+    ("srun: error: n1: tasks 0-1: Terminated\n", False)], ids=["a-peer-killed", "a-scancel-signal"])
+def test_rank_0s_stop_that_decided_nothing_gives_way_to_the_task_srun_saw_die(
+        fake_slurm, tmp_path, srun_says, decided) -> None:
+    """Rank 0 stopped on SIGTERM and found the job not being preempted (a "signal" stop, nothing
+    decided); the batch shell, which got no signal, decides srun's culprit as that attempt's crash
+    when a task died another way (its `ddpjob run` was killed: no crash record), and leaves the
+    stop standing when SIGTERM ended every task (`scancel --signal=TERM` of the steps)."""
+    cfg, d = run_dir(tmp_path, max_failures=5)
+    fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
+    fake_checkpoint.committed(d, 30)
+    fileio.append_jsonl(d / "events.jsonl", start("77", 0, None))
+    fileio.append_jsonl(d / "events.jsonl", {"event": "stop", "reason": "signal", "job_id": "77", "restart": 0,
+                                             "incarnation": 0, "step": 30, "requeued": None,
+                                             "note": "not being preempted (scancel, or already requeued): not requeueing"})
+    batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\n" + srun_says)
+    assert requeue.after_crash(cfg, ENV, d, 143, in_place=True) is (True if decided else None)
+    stops = [e for e in read_events(d) if e["event"] == "stop"]
+    if decided:  # the same attempt's crash: restarted in place, the next attempt is 1
+        assert [(e["reason"], e["restart"], e.get("failed_rank")) for e in stops] == [
+            ("signal", 0, None), ("crash", 0, 1)], stops
+        assert stops[1]["verdict"] == "infrastructure" and stops[1]["action"] == "restart", stops
+        shown = [line for line, _ in plot.ledger(read_events(d))]
+        assert len(shown) == 1 and shown[0].startswith("crash at step 30"), shown  # status: one stop
+    else:
+        assert [e["reason"] for e in stops] == ["signal"], stops
+
+
 def test_a_crash_after_ddpjob_cancel_is_not_restarted(fake_slurm, tmp_path, capsys) -> None:
     """`ddpjob cancel` records its cancel, then scancel ends the ranks: their crash is decided
     with the cancel known, so the batch shell runs no srun again in the job being cancelled."""
