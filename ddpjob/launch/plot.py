@@ -304,11 +304,10 @@ def ledger(evs: list[dict[str, Any]]) -> list[tuple[str, str]]:
     step, steps lost, how it came back and the seconds from the signal to the next start's
     resumed step; and the recovery's phases ('' if none were recorded: ledger/phases.py)."""
     out: list[tuple[str, str]] = []
+    final = {id(e) for e in events.final_decisions(evs)}  # one per attempt
     for i, e in enumerate(evs):
-        if not events.is_decision(e) or e.get("reason") == "finished":
+        if id(e) not in final or e.get("reason") == "finished":
             continue
-        if any(events.is_decision(n) and events.of_attempt(n, e.get("job_id"), e.get("restart")) for n in evs[i + 1:]):
-            continue  # a later decision of the attempt took its place (rank/requeue._step_ended_by_srun)
         if e.get("reason") == "budget":  # a start refused (node/requeue.py: check_start)
             out.append((f"start refused (job {e.get('job_id')}): {e.get('note')}", ""))
             continue

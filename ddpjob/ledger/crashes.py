@@ -240,8 +240,7 @@ def no_progress(evs: Sequence[dict[str, Any]], chain: set[str] | None, now: tupl
               for e in evs if e.get("event") == "start"}
     stops: list[tuple[str, Any, Any, Any]] = [
         (str(e.get("job_id")), e.get("restart"), e.get("reason"), e.get("step"))
-        for e in evs if events.is_decision(e)
-        and (chain is None or str(e.get("job_id")) in chain)]
+        for e in events.final_decisions(evs) if chain is None or str(e.get("job_id")) in chain]
     if now is not None:
         stops.append((str(now[0]), now[1], "crash", now[2]))
     streak, point, last_from = 0, None, None

@@ -12,7 +12,7 @@ said once (notes()).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,14 @@ def is_decision(e: Mapping[str, Any]) -> bool:
     """The attempt's stop as decided for the whole job (rank 0, the batch shell's decision, the
     local supervisor, or the next start for an end nobody saw): a stop without `rank`."""
     return e.get("event") == "stop" and "rank" not in e
+
+
+def final_decisions(evs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Each attempt's decision, in the order written: where one attempt has two, the later one
+    took the first's place (rank 0's stop that decided nothing, then the batch shell's decision
+    of the crash srun saw: rank/requeue._step_ended_by_srun)."""
+    last = {(str(e.get("job_id")), e.get("restart")): i for i, e in enumerate(evs) if is_decision(e)}
+    return [e for i, e in enumerate(evs) if is_decision(e) and last[(str(e.get("job_id")), e.get("restart"))] == i]
 
 
 def is_rank_crash(e: Mapping[str, Any]) -> bool:

@@ -109,6 +109,9 @@ def test_the_no_progress_streak_counts_attempts_that_got_nowhere_in_a_row() -> N
     assert crashes.no_progress(evs, None, None) == (2, 10)
     assert crashes.no_progress(evs, None, ("77", 3, 10)) == (3, 10)  # a third, not recorded yet
     assert crashes.no_progress(evs, None, ("77", 3, 20)) == (0, None)  # it got past 10
+    # rank 0's signal stop that the batch shell's crash decision replaced is no stop of its own
+    empty = {"event": "stop", "reason": "signal", "job_id": "77", "restart": 2, "step": 10, "requeued": None}
+    assert crashes.no_progress([*evs[:5], empty, evs[5]], None, None) == (2, 10)
     # a preemption between them ends the streak: it is no crash loop
     pre = {"event": "stop", "reason": "preemption", "job_id": "77", "restart": 2, "step": 10}
     assert crashes.no_progress([*evs[:4], pre], None, ("77", 3, 10)) == (1, 10)
