@@ -358,3 +358,28 @@ def test_the_marks_of_a_slurm_run_say_who_brought_it_back():
         "==> attempt 2 (job 77, restarted inside the allocation after crash at step 20) <==",
         "==> attempt 3 (job 78, a successor job after time_limit at step 30) <==",
         "==> attempt 4 (job 78, no stop recorded before it: killed?) <=="]
+
+
+def test_a_local_run_that_ends_between_the_two_reads_is_its_end_not_a_dead_supervisor(tmp_path, monkeypatch):
+    """The supervisor writes COMPLETED into local.json, then exits. A reader that took the record
+    before the end and the pid after it called the run FAILED ("the supervisor died") and
+    `submit --wait` ended 1 on a completed run. Here the end lands while the pid is asked."""
+    from ddpjob.launch.backends import local_procs
+
+    run = tmp_path / "run"
+    run.mkdir()
+    fileio.write_json_atomic(run / local_procs.LOCAL, {"state": "RUNNING", "restarts": 0})
+
+    def ends_now(pid, marker=local_procs.SUPERVISOR):
+        fileio.write_json_atomic(run / local_procs.LOCAL, {"state": "COMPLETED", "reason": "all ranks exited 0",
+                                                           "restarts": 0})
+        return False  # and it is gone
+
+    monkeypatch.setattr(local_procs, "pid_alive", ends_now)
+    got = local_procs.LocalBackend().state(run, {"pid": 4242}, None)
+    assert (got.state, got.reason) == ("COMPLETED", "all ranks exited 0"), got
+    # a supervisor that died without its end written is still named
+    fileio.write_json_atomic(run / local_procs.LOCAL, {"state": "RUNNING", "restarts": 0})
+    monkeypatch.setattr(local_procs, "pid_alive", lambda pid, marker=local_procs.SUPERVISOR: False)
+    got = local_procs.LocalBackend().state(run, {"pid": 4242}, None)
+    assert got.state == "FAILED" and "supervisor died" in got.reason, got

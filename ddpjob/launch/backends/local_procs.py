@@ -102,8 +102,12 @@ class LocalBackend:
         return {}  # no queue: the supervisor starts the ranks at once
 
     def state(self, run_dir: Path, job: dict[str, Any], known: dict[str, dict[str, Any]] | None) -> JobState:
-        rec = fileio.read_record(run_dir / LOCAL) or None
+        # the supervisor's life first, its record second: it writes its end into local.json before
+        # it exits, so a record read after the pid is gone is its last. The other order read a
+        # record from before the end and a pid from after it, and took a finished run for one
+        # whose supervisor died (`submit --wait` ended 1 on a COMPLETED run, CI 2026-11-29)
         alive = pid_alive(job.get("pid"))
+        rec = fileio.read_record(run_dir / LOCAL) or None
         if rec is None:
             return JobState("PENDING" if alive else "FAILED",
                             "" if alive else "the supervisor is gone; see logs/supervisor.log")

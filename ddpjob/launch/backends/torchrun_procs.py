@@ -69,15 +69,19 @@ class TorchrunBackend:
         return {}  # no queue
 
     def state(self, run_dir: Path, job: dict[str, Any], known: dict[str, dict[str, Any]] | None) -> JobState:
+        host = job.get("host")
+        remote = isinstance(host, str) and host not in (socket.gethostname(), "localhost")
+        # the agent's life before the records, as local_procs.state: a run that ends between the
+        # two reads is then read with its end, not as an agent gone without one
+        alive = not remote and _agent_alive(job)
         attempts, last = _run_stops(run_dir)
         restarts = max(0, attempts - 1)
         if rundir.completed(run_dir) is not None:
             return JobState("COMPLETED", "", restarts)
-        host = job.get("host")
-        if isinstance(host, str) and host not in (socket.gethostname(), "localhost"):
+        if remote:
             if last is None:  # only that host can see whether the agent lives
                 return JobState("UNKNOWN", f"torchrun runs on {host}: `ddpjob status` there tells", restarts)
-        elif _agent_alive(job):
+        elif alive:
             return JobState("RUNNING", f"torchrun's agent is pid {job.get('pid')}", restarts)
         if last is None:
             return JobState("FAILED", "torchrun ended without a stop recorded (killed?); see its output", restarts)
