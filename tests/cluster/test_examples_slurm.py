@@ -136,7 +136,15 @@ def _assert_two_stops(run_dir: Path, jid: str, stops: list[dict[str, Any]], tota
     assert [(s["restart"], s["world_size"], s["resumed_step"]) for s in starts] == \
         [(0, world, None), (1, world, stops[0]["step"]), (2, world, stops[1]["step"])], starts
     sig = sorted((e["restart"], e["rank"], e["signal"]) for e in events(run_dir, "signal"))
-    assert sig == [(0, r, "SIGTERM") for r in range(world)] + [(1, r, "SIGUSR2") for r in range(world)], sig
+    assert sig[:world] == [(0, r, "SIGTERM") for r in range(world)], sig
+    # restart 1's time-limit stop: SLURM's USR2 (signal_lead_s before the end) to every rank, or
+    # ddpjob's own deadline watch first, when the slowed steps on a busy machine raised its
+    # estimate of step + checkpoint time above what was left (the rank log says "(deadline)");
+    # either is a time_limit stop, and a USR2 that came during its save is recorded too
+    usr2 = [(1, r, "SIGUSR2") for r in range(world)]
+    log = (run_dir / "logs" / f"{jid}_0_log.out").read_text(errors="replace")
+    assert sig[world:] == usr2 or (f"stopping at step {stops[1]['step']} (deadline)" in log
+                                   and set(sig[world:]) <= set(usr2)), (sig, log[-2000:])
     assert [(e["reason"], e["step"]) for e in events(run_dir, "stop") if "rank" not in e] == \
         [(s["reason"], s["step"]) for s in stops] + [("finished", total)]
     assert slurmtools.job_info(jid)["Restarts"] == "2"
