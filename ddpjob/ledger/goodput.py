@@ -150,7 +150,7 @@ def build(evs: list[dict[str, Any]], metrics: list[dict[str, Any]],
             train.setdefault(r["restart"], []).append((step, t, r))
 
     attempts: list[Attempt] = []
-    stops: list[dict[str, Any] | None] = []
+    stops: list[Mapping[str, Any] | None] = []
     high = 0  # the newest step any earlier attempt reached
     prev_end: tuple[str, float] | None = None  # (job id, time) the previous attempt's records end
     for n, st in enumerate(starts):
@@ -176,9 +176,7 @@ def build(evs: list[dict[str, Any]], metrics: list[dict[str, Any]],
         spans.append((begin, s_time - load, "start-up"))
         spans.append((s_time - load, s_time, "load"))
 
-        # the attempt's decision: the last (a rank-0 stop that decided nothing may come before the
-        # batch shell's crash decision, rank/requeue._step_ended_by_srun), as attempts.of_run reads it
-        stop = next((e for e in reversed(mine) if events.is_decision(e)), None)
+        stop = next(iter(events.final_decisions(mine)), None)  # the attempt's one decision
         exited = next((e for e in mine if e.get("event") == "exit"), None)
         signals = [t for e in mine if e.get("event") == "signal" if (t := _num(e, "signal_time")) is not None]
         signalled = min(signals, default=_num(stop, "signal_time") if stop and stop.get("reason") != "crash" else None)
