@@ -513,17 +513,32 @@ def p12(b: Bench) -> list[Row]:
     return killstorm.p12(b)
 
 
+def p16(b: Bench) -> list[Row]:
+    from bench import p16 as speed  # the speed watches, N runs of each case (minutes): on demand
+
+    return speed.p16(b)
+
+
 def p15(b: Bench) -> list[Row]:
     from bench import p15 as machinery  # the SLURM driver: only imported when P15 is asked for
 
     return machinery.p15(b)
 
 
+def p17(b: Bench) -> list[Row]:
+    from bench import p17 as integrations  # needs transformers and lightning: only imported when P17 is asked for
+
+    return integrations.p17(b)
+
+
 BENCHMARKS: dict[str, Callable[[Bench], list[Row]]] = {
     "P1": p1, "P2": p2, "P3": p3, "P4": p4, "P5": p5, "P6": p6, "P7": p7, "P8": p8, "P9": p9, "P10": p10,
-    "P11": p11, "P12": p12, "P13": p13, "P14": p14, "P15": p15}
+    "P11": p11, "P12": p12, "P13": p13, "P14": p14, "P15": p15,
+    "P16": p16, "P17": p17}
 # Run only when named: P11, P12 and P15 need the SLURM test cluster and ~10-15 minutes, so neither
 # the default set nor CI's `bench --tiny` (tests/unit/test_bench.py) may start them.
-ON_DEMAND = frozenset({"P11", "P12", "P15"})
+# P16 runs the same job N times per case (about 30 s a run on 2 busy cores).
+# P17 needs the extras ddpjob[hf] and ddpjob[lightning] and ~5-10 minutes: only by name too.
+ON_DEMAND = frozenset({"P11", "P12", "P15", "P16", "P17"})
 # Ids that do not read the CIFAR-10-format data set (a first run would write 50,000 images).
-NO_DATA = frozenset({"P8", "P11", "P12", "P15"})
+NO_DATA = frozenset({"P8", "P11", "P12", "P15", "P16", "P17"})

@@ -8,6 +8,7 @@ reply pipe (rank 0's carries the measurements). EOF on stdin ends it.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -185,6 +186,7 @@ def async_save(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     from ddpjob.train import models, trainer
 
     cfg = _config(spec)
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, async_save=True))  # what P6 measures
     t = cfg.train
     torch.manual_seed(t.seed)
     model = models.build_model(t.model, t.num_classes, cifar_stem=t.cifar_stem)
@@ -194,10 +196,7 @@ def async_save(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
     scaler = torch.amp.GradScaler("cpu", enabled=False)
 
     def trial(params: dict[str, Any]) -> dict[str, Any]:
-        store = StateStore(Path(params["run_dir"]) / "checkpoints", keep_last=cfg.checkpoint.keep_last,
-                           config_hash=cfg.hash(), async_save=True, rank=ctx.env.rank,
-                           world_size=ctx.env.world_size, restart=0, job_id=None,
-                           control=dist.Control(ctx))
+        store = StateStore(cfg, ctx.env, Path(params["run_dir"]), control=dist.Control(ctx), restart=0)
         state = {"model": model, "optimizer": optimizer, "scaler": scaler}
         blocking = []
         for k in range(params["saves"]):

@@ -22,7 +22,8 @@ loaded by ddpjob/__init__.py: importing this face does not import torch.)
 
 from __future__ import annotations
 
-from ddpjob.rank.job import Job, StopForRequeue
+from ddpjob.rank.job import Job
+from ddpjob.rank.loopevents import StopForRequeue
 from ddpjob.rank.start import AlreadyCompleted, current, init
 
 __all__ = ["AlreadyCompleted", "Job", "StopForRequeue", "current", "init"]

@@ -13,7 +13,7 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ddpjob import exitcodes, jobfile, rundir
 from ddpjob.errors import DDPJobError, UsageError
@@ -94,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    p = sub.add_parser("submit", help="submit a job file (submitit on SLURM, or local processes)")
+    dashes = ("-- PROGRAM ARGS...: run this command on every rank instead of the job file's entry "
+              "([train] command; each word one argument, no shell: docs/commands.md)")
+    p = sub.add_parser("submit", help="submit a job file (submitit on SLURM, or local processes)",
+                       usage="ddpjob submit [options] job [-- PROGRAM ARGS...]", epilog=dashes)
     p.add_argument("job", type=_path("job file"), help="job file (TOML)")
     p.add_argument("--backend", choices=["auto", "slurm", "local"], default="auto",
                    help="auto = slurm when sbatch is on PATH, else local")
@@ -106,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_overrides(p)
     p.set_defaults(func=_handler("ddpjob.launch.submit:cmd_submit"))
 
-    p = sub.add_parser("sbatch", help="write a standalone sbatch script for a job file")
+    p = sub.add_parser("sbatch", help="write a standalone sbatch script for a job file",
+                       usage="ddpjob sbatch [options] job -o OUTPUT [-- PROGRAM ARGS...]", epilog=dashes)
     p.add_argument("job", type=_path("job file"), help="job file (TOML)")
     p.add_argument("-o", "--output", required=True, type=_path("-o"), help="where to write the script ('-' = stdout)")
     p.add_argument("--template", type=_path("--template"), help="your own copy of templates/sbatch.sh.tmpl")
@@ -233,6 +237,19 @@ def _command_after_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
     return head, command
 
 
+def _replacing(job: Any, command: list[str]) -> None:
+    """One line where the command after `--` takes the place of another in the job file (a
+    mistake we can see is said, never silent)."""
+    try:
+        with open(job, "rb") as f:
+            old = jobfile.tomllib.load(f).get("train", {}).get("command")
+    except (OSError, ValueError, AttributeError):
+        return  # the job file's own errors are resolve's to say
+    if old and list(old) != command:
+        print(f"ddpjob: note: the command after `--` replaces train.command {json.dumps(old)} of {job}",
+              file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # torch.distributed.launch (legacy, without --use-env) puts --local-rank=N *before* the
@@ -244,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, command = _command_after_dashes(argv)
         args = build_parser().parse_args(argv)
         if command:
+            _replacing(args.job, command)
             args.overrides.append("train.command=" + json.dumps(command, ensure_ascii=False))
         return args.func(args)
     except DDPJobError as exc:

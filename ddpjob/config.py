@@ -159,11 +159,18 @@ class TrainConfig:
     # stop lands one step later, nothing on the critical path); sync: read at once (one blocking
     # all-reduce per step, the stop one step sooner: for steps of minutes under a short GraceTime)
     stop_vote: Free[str] = "overlap"
-    # a rank whose work per step (its arrival at the gradient all-reduce) stays this much above
-    # the ranks' median over straggler_window steps is named, with its host and the cause
-    # (rank/straggler.py); straggler_window = 0: off
-    straggler_threshold: Free[float] = 0.5
+    # a rank whose work per step (its arrival at the gradient all-reduce, less its waits for a
+    # core) stays above the others' over straggler_window steps by more than the run's own
+    # step-to-step spread (3 robust sigmas) and by at least this share of their median is named,
+    # with its host and the cause: compute or data; a host whose ranks wait for a core is named
+    # instead of a rank (rank/straggler.py); straggler_window = 0: off
+    straggler_threshold: Free[float] = 0.2
     straggler_window: Free[int] = 20
+    # the whole job slower than its own baseline (the median step over slowdown_window steps
+    # after the warm-up, kept across requeues) by more than this share, for a window: one line
+    # and a `slowdown` event saying what moved (rank/slowdown.py); slowdown_window = 0: off
+    slowdown_threshold: Free[float] = 0.3
+    slowdown_window: Free[int] = 50
     log_sample_ids: Free[bool] = False  # each rank logs its samples per step to RUN_DIR/samples/ (tests)
     entry: Match[str] = ""  # "" = the built-in trainer; "path/to/script.py" or "package.module:function"
     args: Match[tuple[str, ...]] = ()  # sys.argv[1:] of the entry
@@ -178,6 +185,13 @@ class TrainConfig:
     command_grace_s: Free[float] = 60.0  # then this long to save and exit, then SIGKILL
     command_requeue_exit: Free[int] = 3  # the command's exit status that means "requeue me"
     command_hang_s: Free[float] = 1800.0  # no output nor heartbeat this long: a hang (0: off)
+    # the command's working directory ("": the directory the job was submitted from; relative:
+    # to it); "{run_dir}" and "{attempt}" are filled in here and in `command`'s arguments
+    command_cwd: Free[str] = ""
+    # a file or folder the program writes as it gets on (its checkpoint, "out/"; relative to
+    # command_cwd): the progress evidence of a program that logs no steps (a crash loop is a crash
+    # that left it unchanged); "": the program's last line of output
+    command_progress: Free[str] = ""
 
 
 @dataclass(frozen=True)
@@ -203,7 +217,7 @@ class CheckpointConfig:
     # > 0: every this many steps each rank's state also goes to node-local memory (/dev/shm) in
     # the background; a crash retried inside the allocation resumes from it (store/memsnap.py).
     # "auto": for a job that may restart (slurm.max_failures > 0), every as many steps as keep a
-    # snapshot within 1% of the step time, measured at each start (memsnap.AUTO); 0: never
+    # snapshot within 1% of the step time, measured at each start (store/snapauto.py); 0: never
     snapshot_every: Free[int | str] = "auto"
     # where they go: a node-local memory file system (tmpfs) for speed; each rank keeps at most
     # 2 there, fewer (or none) when its node's ranks would not fit in it or in the job's memory

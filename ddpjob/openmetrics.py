@@ -84,6 +84,15 @@ def of_records(records: list[dict[str, Any]]) -> Any:
         s.gauge("ddpjob_run_completed", "1 once the training finished (RUN_DIR/COMPLETED), else 0", run,
                 int(r["completed"]))
         _run_series(s, run, r["step"], r["loss"], r["restarts"], (r["checkpoint"] or {}).get("step"))
+        slow = r.get("slowdowns") or []
+        s.counter("ddpjob_run_slowdowns", "times the job ran slower than its own baseline (rank/slowdown.py)",
+                  run, len(slow))
+        # 1 while the job runs at its own speed; the newest slowdown's ratio while it lasts
+        s.gauge("ddpjob_run_speed_ratio", "the job's speed against its own baseline (1: as fast; 0.62: 0.62x)",
+                run, slow[-1]["ratio"] if slow and slow[-1].get("until_step") is None
+                else 1.0 if r.get("baseline_step_ms") is not None else None)  # no baseline yet: no sample
+        s.gauge("ddpjob_run_baseline_step_seconds", "the run's own step time (median after the warm-up)", run,
+                r["baseline_step_ms"] / 1000 if r.get("baseline_step_ms") is not None else None)
         g = r["goodput"]
         if g is None:  # nothing started yet: no ledger
             continue

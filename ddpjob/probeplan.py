@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from ddpjob.errors import DDPJobError
 
 VARIABLE = "DDPJOB_VERIFY"
-FOLDER = "verify"  # RUN_DIR/verify/: paused.json, rank-R.json
+FOLDER = "verify"  # RUN_DIR/verify/: paused.json, rank-R.json, steps-rank-R.jsonl
 PAUSED = "paused.json"
+STEPS = "steps-rank-{rank}.jsonl"  # each step's view of the loop's own variables (rank/loopview.py)
 
 
 @dataclass(frozen=True)

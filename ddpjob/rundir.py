@@ -46,13 +46,19 @@ def dir_mode(share_group: bool) -> int:
     return 0o750 if share_group else 0o700
 
 
+USER_UMASK = "DDPJOB_USER_UMASK"  # the user's umask before ddpjob made its own (private_umask)
+
+
 def private_umask(share_group: bool) -> None:
     """What ddpjob's own processes create (run dirs, checkpoints, logs, submitit's pickle, the
     compile caches) gets 0600/0700, or 0640/0750 with slurm.share_group, whatever umask the user
     came with (Debian's 002 would make them group-writable: code others could run as the job's
     user). Set by every ddpjob command that writes a run dir and by each rank; SLURM hands it on
-    to the job (sbatch and srun pass their umask as SLURM_UMASK)."""
-    os.umask(0o027 if share_group else 0o077)
+    to the job (sbatch and srun pass their umask as SLURM_UMASK). The umask the user came with
+    is noted first in USER_UMASK (the first ddpjob process of a job notes it; its children and
+    the job inherit the note): a [train] command's program runs with it (rank/commandenv.py)."""
+    old = os.umask(0o027 if share_group else 0o077)
+    os.environ.setdefault(USER_UMASK, f"{old:04o}")
 
 
 def make_dir(path: Path, share_group: bool = False) -> None:

@@ -4,12 +4,14 @@ Called by jobfile.from_dict (job file, overrides, config.json alike). Sizes are 
 so nothing later (a list of ranks, a rank table, SLURM's own limits) can grow without end; every
 string that reaches a script goes through ddpjob.scriptsafe, the same rules the renderers apply.
 A value the nodes would fail on (ZeroDivisionError, overflow, unknown model) fails here instead.
-job_strings(cfg) is the renderers' share of it (launch/slurmopts.py): those strings
-again, so a script is never written from an unchecked JobConfig.
+job_strings(cfg) is the one check of the strings that reach a script: validate() runs it, and the
+renderers (launch/slurmopts.py) run it for a JobConfig built without validation; strings that
+passed once are not checked again.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import TYPE_CHECKING
@@ -49,6 +51,7 @@ LIMITS: dict[str, int] = {
     "data.num_workers": 256, "data.synthetic_train": 100_000_000,
     "data.synthetic_test": 100_000_000, "checkpoint.every_steps": 10**12,
     "checkpoint.keep_last": 10_000, "checkpoint.snapshot_every": 10**12, "train.straggler_window": 1_000_000,
+    "train.slowdown_window": 1_000_000,
 }
 MAX_WORLD = 1 << 20
 _POSITIVE = {"slurm.nodes", "slurm.max_no_progress", "slurm.tasks_per_node", "slurm.cpus_per_task", "train.num_classes",
@@ -99,7 +102,8 @@ def _sizes(cfg: JobConfig) -> None:
     floats = {"train.lr": t.lr, "train.momentum": t.momentum, "train.weight_decay": t.weight_decay,
               "train.warmup_epochs": t.warmup_epochs, "train.lr_gamma": t.lr_gamma,
               "train.grad_clip": t.grad_clip, "train.label_smoothing": t.label_smoothing,
-              "checkpoint.every_minutes": c.every_minutes, "train.straggler_threshold": t.straggler_threshold}
+              "checkpoint.every_minutes": c.every_minutes, "train.straggler_threshold": t.straggler_threshold,
+              "train.slowdown_threshold": t.slowdown_threshold}
     for key, v in floats.items():
         _check(not v < 0, f"{key} is {v}, expected >= 0", f"set {key} = 0 to disable")
         _check(math.isfinite(v) and v <= 1e6, f"{key} is {v}, expected a finite number at most "
@@ -119,12 +123,10 @@ def _slurm_strings(cfg: JobConfig) -> None:
     _check(bool(NAME_RE.fullmatch(cfg.name)) and len(cfg.name) <= 100,
            f"name {cfg.name!r} has characters SLURM or a shell would interpret, expected letters, "
            "digits and _ . + - (not first), at most 100", "e.g. name = \"cifar10-resnet18\"")
-    scriptsafe.directive_value(cfg.name, "name", "choose another name")
-    for key in ("partition", "account", "qos", "constraint", "mem", "time", "signal"):
-        v = getattr(s, key)
-        scriptsafe.one_line(v, f"slurm.{key}", f"remove the line break from slurm.{key}",
+    for key in DIRECTIVE_KEYS:
+        scriptsafe.one_line(getattr(s, key), f"slurm.{key}", f"remove the line break from slurm.{key}",
                             limit=200)
-        scriptsafe.directive_value(v, f"slurm.{key}", f"choose another slurm.{key}")
+    job_strings(cfg)  # the strings that reach a script: the renderers' rule, checked here once
     for key in ("partition", "account", "qos", "constraint"):
         v = getattr(s, key)
         ok = v == "" or bool((_CONSTRAINT_RE if key == "constraint" else NAME_RE).fullmatch(v))
@@ -148,9 +150,6 @@ def _slurm_strings(cfg: JobConfig) -> None:
     _check(s.signal_lead_s < secs, f"slurm.signal_lead_s {s.signal_lead_s} is not below the "
            f"time limit {s.time}, expected fewer than {secs} seconds",
            "lower signal_lead_s or raise slurm.time")
-    scriptsafe.setup_lines(s.setup)
-    for arg in s.sbatch_extra:
-        scriptsafe.sbatch_extra(arg)
     _container(cfg)
     _node_loss(cfg)
 
@@ -181,6 +180,9 @@ def _command(t: TrainConfig) -> None:
     """[train] command: argv of a program run without a shell (no quoting: each entry is one
     argument as it is), instead of an entry; its signal, grace, requeue status and hang watch."""
     if not t.command:
+        unused = [k for k in ("command_cwd", "command_progress") if getattr(t, k)]
+        _check(not unused, f"train.{unused[0] if unused else ''} is set but train.command is not, expected it "
+               "only with a command entry", f"drop train.{unused[0] if unused else ''}, or set train.command")
         return
     _check(t.entry == "" and not t.args, f"train.command and train.entry {t.entry or '(args)'!r} are both set, "
            "expected one of them", "drop train.entry/train.args (a command carries its own arguments)")
@@ -198,6 +200,10 @@ def _command(t: TrainConfig) -> None:
            "0 to 86400 seconds", "e.g. command_grace_s = 60")
     _check(0 <= t.command_hang_s <= 7 * 86400, f"train.command_hang_s is {t.command_hang_s}, expected "
            "0 (off) to 604800 seconds", "e.g. command_hang_s = 1800")
+    for key in ("command_cwd", "command_progress"):
+        value = getattr(t, key)
+        if value:
+            scriptsafe.one_line(value, f"train.{key}", "give one path")
     _check(2 <= t.command_requeue_exit <= 125 and t.command_requeue_exit != 1,
            f"train.command_requeue_exit is {t.command_requeue_exit}, expected an exit status from 2 to "
            "125 (0 means done, 1 is Python's error exit, 126+ the shell's and signals')",
@@ -317,13 +323,23 @@ def validate(cfg: JobConfig) -> None:
 
 
 def job_strings(cfg: JobConfig) -> None:
-    """Every job-file string that reaches either script, checked again with the rules of
-    validate(): a frozen JobConfig can be built without validation, and the renderers
-    must not rely on it."""
+    """Every job-file string that reaches either script (the name and the other #SBATCH values,
+    slurm.setup, slurm.sbatch_extra), by scriptsafe's rules: the one place they are checked.
+    validate() calls it at load; the renderers (launch/slurmopts.py) call it too, since a frozen
+    JobConfig can be built without validation, and strings that passed once are not checked again."""
     s = cfg.slurm
-    scriptsafe.directive_value(cfg.name, "name", "choose another name")
-    for key in ("partition", "account", "qos", "constraint", "mem", "time", "signal"):
-        scriptsafe.directive_value(getattr(s, key), f"slurm.{key}", f"choose another slurm.{key}")
-    scriptsafe.setup_lines(s.setup)
-    for arg in s.sbatch_extra:
+    _script_strings(cfg.name, tuple(getattr(s, key) for key in DIRECTIVE_KEYS), tuple(s.setup),
+                    tuple(s.sbatch_extra))
+
+
+DIRECTIVE_KEYS = ("partition", "account", "qos", "constraint", "mem", "time", "signal")
+
+
+@functools.lru_cache(maxsize=256)  # pure; an exception is never cached, so a failure fails again
+def _script_strings(name: str, values: tuple[str, ...], setup: tuple[str, ...], extra: tuple[str, ...]) -> None:
+    scriptsafe.directive_value(name, "name", "choose another name")
+    for key, value in zip(DIRECTIVE_KEYS, values):
+        scriptsafe.directive_value(value, f"slurm.{key}", f"choose another slurm.{key}")
+    scriptsafe.setup_lines(setup)
+    for arg in extra:
         scriptsafe.sbatch_extra(arg)

@@ -2,7 +2,8 @@
 the rank's own torch.Generator, an averaged log), for tests/ranks/test_mistake_lines.py: the
 [user] key `mistake` makes it commit one of the mistakes ddpjob names with a line (rank/checks.py).
 
-mistake: "" (none), "scaler" (an enabled GradScaler left out of state), "twice" (two job.log calls
+mistake: "" (none), "scaler" (an enabled GradScaler left out of state), "optimizer" (the optimizer left out of
+state), "twice" (two job.log calls
 of train values at one step), "master_log" (an averaged job.log on rank 0 only), "raw_generator"
 (a torch.Generator in state as it is), "shared_generator" (the per-rank generator in state through
 state_dict()/load_state_dict(), saved from rank 0 only), "per_rank" (the same generator through
@@ -47,6 +48,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     offsets = Offsets(1000 + job.rank)
     state: dict = {"model": model, "optimizer": opt}
+    if mistake == "optimizer":
+        del state["optimizer"]
     if mistake == "scaler":
         scaler = torch.amp.GradScaler("cpu", enabled=True)  # noqa: F841 - used by the loop, not in state
     if mistake == "raw_generator":

@@ -1,17 +1,21 @@
 """What a run dir says it trained, read back for the bit-exact comparisons of every tier: the
-events and train records (replays included), and the sample log checked against "every sample
-once per epoch". Shared by tests/ranks/test_failure.py and the cluster tier's preemption,
-requeue and elastic tests.
+events and train records (replays included), the stops as decided (decisions: every tier's one way
+to tell the job's decision from a rank's own crash record, ddpjob.ledger.events' rule), and the
+sample log checked against "every sample once per epoch". Shared by every tier.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ddpjob import fileio
+from ddpjob.ledger import events as ledger
+
+Record = TypeVar("Record", bound=Mapping[str, Any])
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
@@ -21,6 +25,24 @@ def lines(path: Path) -> list[dict[str, Any]]:
 
 def events(run: Path, kind: str | None = None) -> list[dict[str, Any]]:
     return [e for e in lines(run / "events.jsonl") if kind is None or e["event"] == kind]
+
+
+def decisions(records: Iterable[Record]) -> list[Record]:
+    """The attempts' stops as decided for the whole job (rank 0, the batch shell, the local
+    supervisor, the next start), in the order written: ledger.is_decision, never a rank's own
+    crash record. Every attempt's, the replaced ones too (ledger.final_decisions keeps the last)."""
+    return [e for e in records if ledger.is_decision(e)]
+
+
+def stops(records: Iterable[Record]) -> list[Record]:
+    """decisions() of the stops and crashes alone: not the "finished" record a completed run ends
+    with (the API's job.finish(), a [train] command whose every rank exited 0)."""
+    return [e for e in decisions(records) if e.get("reason") != "finished"]
+
+
+def rank_crashes(records: Iterable[Record], rank: int | None = None) -> list[Record]:
+    """The ranks' own records of the error that ended them (ledger.is_rank_crash), `rank`'s if given."""
+    return [e for e in records if ledger.is_rank_crash(e) and (rank is None or e.get("rank") == rank)]
 
 
 def train_records(run: Path) -> list[dict[str, Any]]:

@@ -173,18 +173,27 @@ def signalling_cnn(num_classes: int = 10) -> nn.Module:
 
 # ---------------------------------------------------------------- stragglers (DDPJOB_TEST_STRAGGLE)
 def _straggle() -> tuple[bool, int, str, float]:
-    """(this rank is the slow one, from which call, how, seconds per call)."""
+    """(this rank is the slow one, from which call, how, seconds per call: for "share", the
+    share of its own compute). DDPJOB_TEST_STRAGGLE = "RANK:CALL:HOW:AMOUNT", RANK "*": every
+    rank (the whole job slowed); HOW compute (a busy-wait of AMOUNT s in the backward pass),
+    share (AMOUNT x the CPU time of the step's own forward and backward so far, spent again at
+    its end), data (a sleep of AMOUNT s per batch in the dataset), datashare (AMOUNT x the median
+    CPU time of a step before, spent in the dataset per batch), datawait (a sleep of AMOUNT x the
+    median wall-clock step before, per batch) or hog (3 CPU hogs on the rank's
+    core). CPU time, not wall time: on a busy host the extra work takes as long as real work would."""
     spec = os.environ.get("DDPJOB_TEST_STRAGGLE", "")
     if not spec:
         return False, 0, "", 0.0
     rank, call, how, secs = spec.split(":")
     me = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
-    return rank == me, int(call), how, float(secs)
+    return rank in (me, "*"), int(call), how, float(secs)
 
 
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+def _spin(seconds: float, clock: Any = time.perf_counter) -> None:
+    """Busy-wait `seconds` of `clock`: wall time, or time.thread_time for that much work (a
+    rank kept off its core meanwhile is slower still, as real extra work would be)."""
+    end = clock() + seconds
+    while clock() < end:
         pass
 
 
@@ -196,11 +205,20 @@ class StragglingCNN(SignallingCNN):
         self._slow, self._from, self._how_slow, self._secs = _straggle()
         self._forwards = 0
         self._hog: Any = None
+        self._began = 0.0  # this forward's start (share)
+        if self._slow and self._how_slow == "share":
+            # the first layer's weight gets its gradient about last: the step's compute is done
+            next(self.parameters()).register_post_accumulate_grad_hook(self._share)
         if self._how_slow == "hog" and hasattr(os, "sched_setaffinity"):
             cores = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cores[-1] if self._slow else cores[0]})
 
+    def _share(self, _p: Any) -> None:
+        if self._forwards >= self._from and self._began:
+            _spin(self._secs * (time.thread_time() - self._began), time.thread_time)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._began = time.thread_time()  # share: this step's own work so far, in CPU time
         out = super().forward(x)
         if self.training and self._slow:
             self._forwards += 1
@@ -237,6 +255,7 @@ class _SlowSynthetic(torch.utils.data.Dataset):
         self.y = torch.randint(0, 10, (n,), generator=g)
         self._slow, self._from, self._how_slow, self._secs = _straggle()
         self._batch, self._served = batch, 0
+        self._batch_began: list[float] = []  # datashare: when each batch was asked for
 
     def __len__(self) -> int:
         return len(self.x)
@@ -244,9 +263,24 @@ class _SlowSynthetic(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._served += 1
         batch_no = (self._served - 1) // self._batch + 1  # which batch of this rank (= forward call)
-        if (self._slow and self._how_slow == "data" and batch_no >= self._from
-                and (self._served - 1) % self._batch == 0):
-            time.sleep(self._secs)
+        if self._slow and (self._served - 1) % self._batch == 0:  # a batch begins
+            if self._how_slow == "data" and batch_no >= self._from:
+                time.sleep(self._secs)
+            elif self._how_slow in ("datashare", "datawait"):
+                # AMOUNT x the median step before: datashare as CPU work in the loader (a step
+                # 1 + AMOUNT as long, busy or not), datawait as a sleep of that many times the
+                # median wall-clock step (a slowdown relative to the run's own speed, whatever
+                # the host's load was when the baseline was taken)
+                clock = time.thread_time if self._how_slow == "datashare" else time.perf_counter
+                began = self._batch_began
+                if batch_no >= self._from and len(began) > 2:
+                    gaps = sorted(b - a for a, b in zip(began, began[1:]))
+                    if self._how_slow == "datashare":
+                        _spin(self._secs * gaps[len(gaps) // 2], time.thread_time)
+                    else:
+                        time.sleep(self._secs * gaps[len(gaps) // 2])
+                else:
+                    began.append(clock())
         return self.x[i], self.y[i]
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, fileio, rundir
+from ddpjob import console, fileio, jobfile, rundir
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch.backends import choose
 from ddpjob.launch.runs import (RunInfo, code_state, infos, job_record, resolve, run_info, runs_under,
@@ -33,24 +33,36 @@ def print_table(runs: list[RunInfo], title: str = "") -> None:
                     _fmt_loss(i.loss), i.restarts, i.checkpoint, i.point] for i in runs])
 
 
+def _command_run(i: RunInfo) -> bool:
+    try:
+        return bool(jobfile.read_run_config(i.run_dir).train.command)
+    except (DDPJobError, OSError):
+        return False
+
+
 def format_status(i: RunInfo) -> str:
     """The compact per-run summary `ddpjob status RUN` prints."""
     state = i.state + (f" ({i.reason})" if i.reason else "")
+    # a [train] command that logs no steps: its step is unknown, its checkpoint its program's own
+    command = (i.step is None or not i.checkpoint) and _command_run(i)
+    unknown = "unknown (the program logs no steps: docs/commands.md, Metrics)" if command else "-"
+    own = "the program's own (ddpjob writes none for a command)" if command else "-"
     lines = [f"run         {i.run_dir}", f"job         {i.job_id or '-'} ({i.backend})",
              f"state       {state}", f"restarts    {i.restarts}" + (
                  f" (attempts {i.attempts[0]}-{i.attempts[-1]})" if len(i.attempts) > 1 else ""),
-             f"last step   {'-' if i.step is None else i.step}"
+             f"last step   {unknown if i.step is None else i.step}"
              + (f"  loss {_fmt_loss(i.loss)}" if i.loss is not None else ""),
-             f"checkpoint  {i.checkpoint or '-'}", f"completed   {'yes' if i.completed else 'no'}"]
+             f"checkpoint  {i.checkpoint or own}", f"completed   {'yes' if i.completed else 'no'}"]
     # progress, best accuracy and every restart with its reason, read from the run dir alone
-    from ddpjob.launch.plot import summary
+    from ddpjob.launch.summary import summary
 
     try:
         # a quarantined host is excluded now only by the next restart of a live SLURM job
         backend = choose.of_record(job_record(i.run_dir))
         live = i.job_id if backend is not None and backend.on_slurm and not i.finished and i.job_id else None
         lines += [ln for ln in summary(i.run_dir, live) if ln.split()[0] in ("progress", "best", "restarts", "attempt",
-                                                                       "recovery", "hosts", "straggler")
+                                                                       "recovery", "hosts", "straggler",
+                                                                       "slowdown")
                   and not ln.startswith("restarts    0")]
     except (ValueError, OSError) as exc:  # a damaged record (fileio.RecordError, ...): said, not raised
         lines.append(f"damaged     {exc}"[:300])
@@ -80,6 +92,14 @@ def format_status(i: RunInfo) -> str:
     if i.point:
         lines.insert(1, f"point       {i.point}")
     return "\n".join(lines)
+
+
+def _verdicts(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        return [e for e in ledger_events.read(run_dir) if ledger_events.is_decision(e) and e.get("verdict")
+                and e.get("line")]
+    except (ValueError, OSError):
+        return []
 
 
 def _verdict(run_dir: Path) -> str:
@@ -174,6 +194,17 @@ def follow(run_dir: Path, rank: int = 0, poll_s: float = 0.5, state_every_s: flo
     out = out or sys.stdout
     offsets: dict[Path, int] = dict(since or {})
     next_check, info = 0.0, run_info(run_dir)
+    # the crash verdicts decided while it is followed (the batch shell's or the supervisor's, in a
+    # log of their own): each once, beside the rank's output that showed only its symptom
+    told = len(_verdicts(run_dir))
+
+    def verdicts() -> None:
+        nonlocal told
+        new = _verdicts(run_dir)
+        for e in new[told:]:
+            out.write(f"ddpjob: crash verdict ({e.get('verdict')}, attempt {e.get('restart')}): {e.get('line')}\n")
+            out.flush()
+        told = max(told, len(new))
 
     def drain() -> None:
         for f in log_files(run_dir, rank):
@@ -196,10 +227,12 @@ def follow(run_dir: Path, rank: int = 0, poll_s: float = 0.5, state_every_s: flo
         drain()
         if time.monotonic() >= next_check:
             info = run_info(run_dir)
+            verdicts()
             next_check = time.monotonic() + state_every_s
             if info.finished:
                 time.sleep(poll_s)  # a last flush of the ranks' output
                 drain()
+                verdicts()
                 return info
         time.sleep(poll_s)
 
@@ -212,7 +245,7 @@ def attempt_marks(events: list[dict[str, Any]]) -> list[tuple[tuple[str, int], s
     """((job id, restart), mark) for each start record, in order: the line `ddpjob logs` shows in
     place of a rank's own `ddpjob: attempt N starts: ...` line, numbered by the run's starts and
     saying how the attempt came about (the stop before it, and who brought the run back)."""
-    from ddpjob.launch.plot import came_back
+    from ddpjob.launch.summary import came_back
 
     out: list[tuple[tuple[str, int], str]] = []
     prev: int | None = None

@@ -24,8 +24,8 @@ from typing import Any
 
 from ddpjob import exitcodes, fileio, jobfile, rundir, runlock
 from ddpjob.launch import slurmopts
-from ddpjob.ledger import attempts, budget, crashes, events, policy, requests
-from ddpjob.node import warm
+from ddpjob.ledger import attempts, budget, crashes, events, recovery, requests
+from ddpjob.node import preemption, warm
 from ddpjob.store import memsnap
 
 LOCAL = "local.json"
@@ -81,6 +81,10 @@ class Supervisor:
             self.cfg, ranks_per_host=self.cfg.slurm.world_size) else None
         self.warm: subprocess.Popen[bytes] | None = None
         self.command = command or rank_command(run_dir, self.warm_name)
+        # ddpjob's own ranks take the stop signals that came while they started once their
+        # handlers are in (preemption.block_stop_signals); another rank command (the tests')
+        # gets them as they come
+        self.hold_signals = command is None
         self.procs: list[subprocess.Popen[bytes]] = []
         self.restarts = 0  # how many times the ranks were started again (local.json)
         self.attempt = 0  # the attempt that runs now: its number in the run's ledger (ledger/attempts.py)
@@ -181,7 +185,9 @@ class Supervisor:
                 # Own session per rank: a kill reaches the rank's children, and a Ctrl-C in the
                 # submitting terminal never reaches the ranks behind the supervisor's back.
                 self.procs.append(subprocess.Popen(self.command, env=env, stdout=out, pass_fds=fds,
-                                                   stderr=subprocess.STDOUT, start_new_session=True))
+                                                   stderr=subprocess.STDOUT, start_new_session=True,
+                                                   preexec_fn=preemption.block_stop_signals
+                                                   if self.hold_signals else None))
         log(f"started {s.world_size} rank(s) (attempt {self.attempt}, restart {self.restarts}, MASTER_PORT "
             f"{port}): " + ", ".join(str(p.pid) for p in self.procs))
         events.record(self.run_dir, "local_start", source="local-supervisor", job_id=self.job_id,
@@ -227,18 +233,21 @@ class Supervisor:
                 state, reason = "COMPLETED", "all ranks exited 0"
             elif self.cancelled:
                 state, reason = "CANCELLED", "cancelled by a signal"
-            elif all(c == exitcodes.REQUEUE for c in codes) and requests.answered_stop(self.run_dir, self.job_id):
-                state, reason = "STOPPED", "stopped by `ddpjob stop` with a checkpoint; `ddpjob resume` continues"
-            elif all(c == exitcodes.REQUEUE for c in codes):
-                verdict = self.after_stop()
-                if verdict.action != policy.END:
+            # a stop: every rank stopped for a requeue, or had ended with 0 before the stop came (a
+            # [train] command's rank whose program was done; rank 0 decided the stop all the same)
+            elif stopped(codes) and requests.answered_stop(self.run_dir, self.job_id):
+                said = "" if self.cfg.train.command else " with a checkpoint"  # a command's is its own
+                state, reason = "STOPPED", f"stopped by `ddpjob stop`{said}; `ddpjob resume` continues"
+            elif stopped(codes):
+                stop = self.after_stop()
+                if stop.retry:
                     self.restarts += 1
-                    log(f"all ranks stopped for a requeue: {verdict.line}")
+                    log(f"all ranks stopped for a requeue: {stop.verdict.line}")
                     events.record(self.run_dir, "local_requeue", source="local-supervisor", job_id=self.job_id,
-                                  restart=self.attempt, note=verdict.line)
+                                  restart=self.attempt, note=stop.verdict.line)
                     self.write("REQUEUED")
                     continue
-                state, reason = "FAILED", f"stopped for a requeue, but {verdict.line}"
+                state, reason = "FAILED", f"stopped for a requeue, but {stop.verdict.line}"
             elif self.retry_crash(codes):
                 continue
             else:
@@ -256,17 +265,14 @@ class Supervisor:
             return state
 
 
-    def after_stop(self) -> policy.Verdict:
-        """Every rank stopped with a checkpoint (exit 3): the policy's verdict, from why they did
-        (rank 0's stop record: a time limit, a preemption; SIGUSR2 reads as the time limit) and
-        the requeues this submission spent."""
+    def after_stop(self) -> recovery.Stop:
+        """Every rank stopped with a checkpoint (exit 3): the policy's verdict (recovery.decide_stop),
+        from why they did (rank 0's stop record: a time limit, a preemption; SIGUSR2 reads as the
+        time limit) and the requeues this submission spent."""
         evs = events.read(self.run_dir)
         mine = [e for e in evs if events.is_decision(e) and events.of_attempt(e, self.job_id, self.attempt)]
-        requeues, failures = budget.used(evs, self.job_id)
-        facts = policy.Facts(str(mine[-1].get("reason")) if mine else "time_limit", requeues=requeues,
-                             failures=failures, stop_requested=requests.stop_requested(self.run_dir, self.job_id),
-                             run=str(self.run_dir), cancelled=requests.cancelled(evs, self.job_id))
-        return policy.decide(facts, policy.Limits.of(self.cfg))
+        return recovery.decide_stop(self.cfg, self.run_dir, evs, self.job_id,
+                                    str(mine[-1].get("reason")) if mine else "time_limit")
 
     def retry_crash(self, codes: list[int]) -> bool:
         """A rank failed (raised, was killed): the policy's verdict (ledger/policy.py), recorded
@@ -275,31 +281,26 @@ class Supervisor:
         evs = events.read(self.run_dir)
         rank, code = self.first_bad or next(
             ((r, c) for r, c in enumerate(codes) if c not in (0, exitcodes.REQUEUE)), (0, max(codes)))
-        culprit = crashes.with_rank_error(crashes.from_returncode(rank, socket.gethostname(), code),
-                                          evs, self.job_id, self.attempt)
-        saved, from_snapshot = memsnap.newest_saved(self.run_dir, self.job_id, memsnap.base_of(self.cfg))
-        if self.cfg.train.command:  # it resumes from its own checkpoint: its newest step is what ddpjob sees
-            saved, from_snapshot = crashes.command_saved(self.run_dir), False
-        resume_at, lost = crashes.resume_point(self.run_dir, saved)
-        facts = crashes.facts(evs, self.job_id, self.attempt, culprit, resume_at=resume_at, steps_lost=lost,
-                              from_snapshot=from_snapshot, here=True, run=str(self.run_dir),
-                              stop_requested=requests.stop_requested(self.run_dir, self.job_id),
-                              own_checkpoint=bool(self.cfg.train.command))
-        verdict = policy.decide(facts, policy.Limits.of(self.cfg))
-        retry = verdict.action != policy.END
-        note = f"rank exit codes {codes}; {verdict.line}"
-        events.record(self.run_dir, "stop", reason="crash", step=resume_at, steps_lost=lost,
-                      job_id=self.job_id, restart=self.attempt, status=max(codes), no_progress=facts.streak,
-                      requeued=True if retry else None, requeued_by=budget.SUPERVISOR if retry else None,
-                      note=note, source="local-supervisor", **({"where": facts.where} if facts.where else {}),
-                      **verdict.fields(), **(culprit.fields() if culprit else {}))
-        log(f"ddpjob: error: {verdict.line}" if verdict.error else
-            f"ddpjob: crash verdict: {verdict.crash} ({facts.what}): {verdict.line}")
+        culprit = crashes.from_returncode(rank, socket.gethostname(), code)
+        saved = memsnap.retry_point(self.cfg, self.run_dir, self.job_id)
+        crash = recovery.decide(self.cfg, self.run_dir, evs, self.job_id, self.attempt, culprit, here=True,
+                                saved=saved)
+        verdict = crash.verdict
+        recovery.record(self.run_dir, crash, job_id=self.job_id, restart=self.attempt, status=max(codes),
+                        requeued=True if crash.retry else None,
+                        requeued_by=budget.SUPERVISOR if crash.retry else None,
+                        note=f"rank exit codes {codes}; {verdict.line}", source="local-supervisor")
+        log(crash.line(self.run_dir))
         self.first_bad, self.gave_up = None, verdict.line
-        if retry:
+        if crash.retry:
             self.restarts += 1
             self.write("RESTARTING")
-        return retry
+        return crash.retry
+
+
+def stopped(codes: Sequence[int]) -> bool:
+    """The ranks' exit codes are a stop for a requeue: some exited 3, the rest 3 or 0."""
+    return exitcodes.REQUEUE in codes and all(c in (0, exitcodes.REQUEUE) for c in codes)
 
 
 def supervise(run_dirs: Sequence[Path], command: list[str] | None = None) -> int:

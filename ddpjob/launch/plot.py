@@ -1,71 +1,27 @@
-"""`ddpjob plot RUN [RUN...] -o curves.png` and `summary(run_dir)`: a run's history at a glance.
+"""`ddpjob plot RUN [RUN...] -o curves.png`: a run's history at a glance, drawn.
 
 Last step of the flow, on the login node: the curves read only what the ranks appended to the run
 dir (metrics.jsonl, events.jsonl, COMPLETED, checkpoints/); only the goodput bars below them
 (launch/goodput.of_runs) ask the scheduler, for the queue wait. Each restart becomes a
 marker at the step it resumed from, labelled with the reason of the stop before it.
-matplotlib is an optional extra (`pip install 'ddpjob[plot]'`); `summary` needs nothing.
+matplotlib is an optional extra (`pip install 'ddpjob[plot]'`); the text summary (launch/summary.py)
+needs nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from ddpjob import console, fileio, rundir
-from ddpjob.ledger import attempts, budget, crashes, events, phases
-from ddpjob.ledger.goodput import CATEGORIES, Ledger, duration
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import goodput
-
-# (metrics key, panel title): the four panels, in reading order.
-PANELS = (("loss", "train loss"), ("eval_acc", "eval accuracy"), ("lr", "learning rate"),
-          ("img_s", "images/s"))
-# A record's bookkeeping, not a metric; every other number a loop logs gets a panel of its own.
-# eval_s: the evaluation's seconds, drawn in the goodput panel's "eval" instead
-_NOT_METRICS = frozenset({"kind", "time", "step", "restart", "epoch", "eval_s"})
-MAX_CUSTOM_PANELS = 8
-
-
-def custom_metrics(histories: list[History]) -> list[str]:
-    """The user's own logged metrics (job.log(grad_norm=...)), beyond the built-in panels."""
-    fixed = {key for key, _ in PANELS}
-    seen: dict[str, None] = {}
-    for h in histories:
-        for r in [*h.train, *h.evals]:
-            for k, v in r.items():
-                if k not in fixed and k not in _NOT_METRICS and isinstance(v, (int, float)) \
-                        and not isinstance(v, bool):
-                    seen.setdefault(k)
-    return sorted(seen)[:MAX_CUSTOM_PANELS]
-
-
-@dataclass(frozen=True)
-class Marker:
-    """A restart: training resumed at `step` after a stop for `reason`."""
-
-    step: int
-    reason: str
-    restart: int  # the attempt's number in the run (ledger/attempts.py): 1 for the first restart ...
-
-    @property
-    def label(self) -> str:
-        return f"restart {self.restart}: {self.reason}"
-
-
-@dataclass
-class History:
-    name: str
-    train: list[dict[str, Any]]  # one record per step (a re-run step keeps its latest record)
-    evals: list[dict[str, Any]]
-    markers: list[Marker]
-    events: list[dict[str, Any]]
-    exclude_after: int = crashes.QUARANTINE_AFTER  # the run's [slurm] exclude_after
-
+from ddpjob.launch.history import PANELS, custom_metrics, load_history, number
+from ddpjob.ledger import events
+from ddpjob.ledger.goodput import CATEGORIES, Ledger, duration
 
 @dataclass
 class PlotRecord:
@@ -75,52 +31,7 @@ class PlotRecord:
     series: dict[str, list[str]] = field(default_factory=dict)  # panel key -> runs with data
     markers: dict[str, list[tuple[int, str]]] = field(default_factory=dict)  # run -> (step, label)
     goodput: dict[str, dict[str, float]] = field(default_factory=dict)  # run -> seconds per category
-
-
-def _num(v: Any) -> float:
-    """Metrics values: numbers, or "nan"/"inf" strings (JSON has no NaN)."""
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def restart_markers(evs: list[dict[str, Any]]) -> list[Marker]:
-    """Every "start" after the first one is a restart; its reason is the last stop before it."""
-    markers: list[Marker] = []
-    started = False
-    reason: str | None = None
-    for e in evs:
-        kind = e.get("event")
-        if kind == "stop":
-            reason = str(e.get("reason") or "stopped")
-        elif kind == "cancel" and reason is None:
-            reason = "cancelled"
-        elif kind == "start":
-            if started:
-                step = e.get("resumed_step")
-                number = e.get("restart")
-                markers.append(Marker(int(step) if isinstance(step, int) else 0, reason or "killed (no stop recorded)",
-                                      number if isinstance(number, int) and not isinstance(number, bool)
-                                      else len(markers) + 1))
-            started, reason = True, None
-    return markers
-
-
-def load_history(run_dir: str | Path, name: str | None = None) -> History:
-    run = Path(run_dir)
-    train: dict[int, dict[str, Any]] = {}
-    evals: dict[int, dict[str, Any]] = {}
-    for rec in fileio.read_jsonl(run / rundir.METRICS):
-        if not isinstance(rec.get("step"), int):
-            continue
-        is_eval = rec.get("kind") == "eval" or (rec.get("kind") is None and "eval_acc" in rec)
-        (evals if is_eval else train)[rec["step"]] = rec  # later (re-run) records win
-    evs = events.read(run)
-    after = fileio.read_record(run / "config.json").get("slurm", {}).get("exclude_after")
-    return History(name or run.name, [train[s] for s in sorted(train)],
-                   [evals[s] for s in sorted(evals)], restart_markers(evs), evs,
-                   after if isinstance(after, int) and not isinstance(after, bool) else crashes.QUARANTINE_AFTER)
+    bands: dict[str, list[tuple[int, int, str]]] = field(default_factory=dict)  # run -> slowdowns (from, to, label)
 
 
 def _names(run_dirs: list[Path]) -> list[str]:
@@ -146,9 +57,11 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path,
                           "move the damaged file out of the run dir") from None
     empty = [h.name for h in histories if not h.train and not h.evals]
     if len(empty) == len(histories):
+        over = [p for p in paths if rundir.completed(p) is not None or any(events.is_decision(e) for e in events.read(p))]
         raise DDPJobError(f"no metrics in {', '.join(map(str, paths))} (metrics.jsonl is missing "
-                          "or empty)", "the job has not logged a step yet: wait, or read "
-                          "`ddpjob logs RUN`")
+                          "or empty)", "its program wrote no metrics lines (docs/commands.md, Metrics); "
+                          "`ddpjob status RUN` shows its stops and where its time went" if over else
+                          "the job has not logged a step yet: wait, or read `ddpjob logs RUN`")
     for name in empty:
         console.warn(f"{name} has no metrics yet; it is left out of the curves")
 
@@ -170,7 +83,7 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path,
     for h, color in zip(histories, colors):
         for ax, (key, _) in zip(axes, panels):
             recs = h.evals if key.startswith("eval_") else h.train
-            pts = [(r["step"], _num(r[key])) for r in recs if key in r]
+            pts = [(r["step"], number(r[key])) for r in recs if key in r]
             if not pts:
                 continue
             xs, ys = zip(*pts)
@@ -184,6 +97,14 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path,
             axes[0].annotate(m.label, xy=(m.step, 0.98), xycoords=("data", "axes fraction"),
                              rotation=90, va="top", ha="right", fontsize=8, color=color,
                              bbox=dict(fc="white", ec="none", alpha=0.7, pad=1))
+        last = h.train[-1]["step"] if h.train else 0
+        record.bands[h.name] = [(int(b["since"]), int(o["step"]) if o else max(last, int(b["step"])),
+                                 f"slowdown {number(b.get('ratio')):.2f}x ({b.get('cause')})")
+                                for b, o in events.slowdowns(h.events) if isinstance(b.get("since"), int)]
+        for lo, hi, label in record.bands[h.name]:  # the job slower than its own speed (rank/slowdown.py)
+            for ax in axes[:len(panels)]:
+                ax.axvspan(lo, hi, color=color, alpha=0.12, lw=0)
+            axes[0].annotate(label, xy=(lo, 0.02), xycoords=("data", "axes fraction"), fontsize=8, color=color)
     for ax, (key, title) in zip(axes, panels):
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -197,6 +118,11 @@ def plot_runs(run_dirs: list[str | Path], output: str | Path,
     if any(h.markers for h in histories):
         handles.append(Line2D([], [], color="gray", ls="--", lw=1))
         labels.append("restart (resumed step, stop reason)")
+    if any(record.bands.values()):
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(color="gray", alpha=0.25))
+        labels.append("slowdown (slower than the run's own speed)")
     if handles:  # below the panels: never on top of a curve or a marker label
         fig.legend(handles, labels, fontsize=8, loc="outside lower center",
                    ncols=min(len(handles), 4))
@@ -229,127 +155,6 @@ def _draw_goodput(ax: Any, bars: list[tuple[str, Ledger]], record: PlotRecord) -
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))  # beside the bars, never on them
 
 
-# ------------------------------------------------------------------------- text summary
-def _state(run: Path, h: History) -> str:
-    done = rundir.completed(run)
-    if done is not None:
-        acc = done.get("accuracy")
-        return f"completed at step {done.get('step')}" + (
-            f" (accuracy {acc:.4f})" if isinstance(acc, (int, float)) else "")
-    for e in reversed(h.events):
-        kind = e.get("event")
-        if kind == "start":
-            return f"running (restart {e.get('restart', 0)})"
-        if kind == "cancel":
-            return "cancelled"
-        if kind == "stop":
-            reason = e.get("reason") or "stopped"
-            if reason == "crash" and not e.get("requeued"):
-                return "failed" + (f": {e['error']}" if e.get("error") else "")
-            requeued = ", requeued" if e.get("requeued") else ""
-            return f"stopped ({reason}) at step {e.get('step')}{requeued}"
-    return "not started"
-
-
-def summary(run_dir: str | Path, live_job: str | None = None) -> list[str]:
-    """A few lines about a run from its run dir alone: state, progress, restarts, the ledger.
-    `live_job`: the run's SLURM job while it is queued or running, whose next restart inside its
-    allocation leaves quarantined hosts out; None (ended, or the local backend): none is."""
-    run = Path(run_dir)
-    h = load_history(run)
-    lines = [f"state       {_state(run, h)}"]
-    if h.train:
-        r = h.train[-1]
-        # what the record holds, in the built-in trainer's order first: a custom loop's own
-        # metrics are shown, and nothing it did not log ("epoch ?", "nan img/s")
-        said = [f"step {r['step']}"] + ([f"epoch {r['epoch']}"] if "epoch" in r else [])
-        for key, fmt in (("loss", ".4f"), ("lr", ".3g")):
-            if key in r:
-                said.append(f"{key} {_num(r[key]):{fmt}}")
-        if "img_s" in r:
-            said.append(f"{_num(r['img_s']):.0f} img/s")
-        said += [f"{k} {_num(r[k]):.4g}" for k in custom_metrics([h]) if k in r][:4]
-        lines.append("progress    " + ", ".join(said))
-    accs = [(a, r["step"]) for r in h.evals if not math.isnan(a := _num(r.get("eval_acc")))]
-    if accs:  # a loop that evaluates no accuracy gets no line (not "nan")
-        best = max(accs, key=lambda a: a[0])
-        lines.append(f"best acc    {best[0]:.4f} at step {best[1]} (last {accs[-1][0]:.4f} at step {accs[-1][1]})")
-    if h.markers:  # as many as the run's attempts less one (ledger/attempts.py), as `ls` counts them
-        restarts = max(len(attempts.of_run(h.events)) - 1, len(h.markers))
-        lines.append(f"restarts    {restarts}: " + "; ".join(
-            f"resumed at step {m.step} after {m.reason}" for m in h.markers))
-    else:
-        lines.append("restarts    0")
-    for line, took in ledger(h.events):
-        lines.append(f"attempt     {line}")
-        if took:
-            lines.append(f"  recovery  {took}")
-    for e in h.events:  # the straggler watch's findings (rank/straggler.py)
-        if e.get("event") == "straggler":
-            lines.append(f"straggler   rank {e.get('rank')} on {e.get('host')} ({e.get('cause')}), steps "
-                         f"{e.get('first_step')}-{e.get('step')}: {_num(e.get('busy_ms')):.1f} ms of work per "
-                         f"step against {_num(e.get('median_ms')):.1f} ms (job {e.get('job_id')})")
-    failures = crashes.host_failures(h.events)
-    if failures:  # the run's host ledger, and what the live job's next restart leaves out
-        out = set(crashes.excluded(h.events, budget.job_chain(h.events, live_job), h.exclude_after)
-                  if live_job else ())
-        lines.append("hosts       " + ", ".join(
-            f"{host} {n} failure{'s' * (n != 1)}{f' (excluded from job {live_job})' if host in out else ''}"
-            for host, n in sorted(failures.items())))
-    return lines
-
-
-def ledger(evs: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """One entry per stop of the run (rank 0's and the crash records): a line with why, at which
-    step, steps lost, how it came back and the seconds from the signal to the next start's
-    resumed step; and the recovery's phases ('' if none were recorded: ledger/phases.py)."""
-    out: list[tuple[str, str]] = []
-    final = {id(e) for e in events.final_decisions(evs)}  # one per attempt
-    for i, e in enumerate(evs):
-        if id(e) not in final or e.get("reason") == "finished":
-            continue
-        if e.get("reason") == "budget":  # a start refused (node/requeue.py: check_start)
-            out.append((f"start refused (job {e.get('job_id')}): {e.get('note')}", ""))
-            continue
-        sig = [float(s["signal_time"]) for s in evs if s.get("event") == "signal"
-               and s.get("job_id") == e.get("job_id") and s.get("restart") == e.get("restart")
-               and isinstance(s.get("signal_time"), (int, float))]
-        t0 = min(sig, default=e.get("signal_time") or e.get("time"))
-        nxt = next((n for n in evs[i + 1:] if n.get("event") == "start"), None)
-        back = (f"resumed step {nxt.get('resumed_step') or 0} after {nxt['time'] - t0:.0f} s"
-                if nxt and isinstance(t0, (int, float)) and "time" in nxt else "not resumed")
-        how = came_back(e, evs[i + 1:]) + (f" -> job {e['next_job_id']}" if e.get("next_job_id") else "")
-        lost = e.get("steps_lost")
-        who = ""
-        if "failed_how" in e:  # who died where; how only for a death by a signal (`last event`
-            # already gives an exception, in one line)
-            rank, host, died = e.get("failed_rank"), e.get("failed_host"), e.get("failed_how")
-            who = crashes.Culprit(rank if isinstance(rank, int) else None, host if isinstance(host, str) else None,
-                                  died if e.get("host_fault") is True and isinstance(died, str) else "",
-                                  False).describe() + ", "
-        out.append((f"{e.get('reason') or 'stopped'} at step {e.get('step')} (job {e.get('job_id')}), {who}"
-                    f"steps lost {'?' if lost is None else lost}, {how}, {back}",
-                    phases.describe(phases.recovery(evs, i))))
-    return out
-
-
-_BY = {"supervisor": "restarted in place by the local supervisor", budget.IN_PLACE: "restarted inside the allocation"}
-
-
-def came_back(stop: dict[str, Any], later: list[dict[str, Any]]) -> str:
-    """How the run came back after `stop` ("not requeued": it did not): the decision's requeued_by,
-    else the local supervisor's `local_requeue` record before the next start (its ranks' stop
-    records leave the requeue to it). `later`: the records after the stop."""
-    by = stop.get("requeued_by")
-    if by is None:
-        for e in later:
-            if e.get("event") == "start":
-                break
-            if e.get("event") == "local_requeue" and str(e.get("job_id")) == str(stop.get("job_id")):
-                by = "requeued by the local supervisor"
-    return _BY.get(str(by), str(by)) if by else "requeued" if stop.get("requeued") else "not requeued"
-
-
 def cmd_plot(args: argparse.Namespace) -> int:
     for run in args.runs:
         rundir.require_run_dir(run)
@@ -358,7 +163,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     except ImportError:
         raise DDPJobError("matplotlib is not installed, and `ddpjob plot` needs it",
                           "pip install 'ddpjob[plot]' (or pip install matplotlib)") from None
-    from ddpjob.launch import runs
+    from ddpjob.launch import runs, summary
 
     infos = runs.infos([(Path(r), "") for r in args.runs])
     record = plot_runs(args.runs, args.output, goodput.of_runs(infos))
@@ -368,6 +173,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
         for step, label in marks:
             console.info(f"  {run}: step {step}  {label}")
     for run in args.runs:  # the same ledger as `ddpjob status`, with the recovery's phases
-        for line, took in ledger(events.read(run)):
+        for line, took in summary.ledger(events.read(run)):
             console.info(f"  {Path(run).name}: {line}" + (f"; recovery: {took}" if took else ""))
     return 0

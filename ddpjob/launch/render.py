@@ -108,6 +108,8 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
     run = _check_run_dir(run_dir)
     python = _check_python(python)
     signal = s.signal  # canonical since validation ("USR2")
+    # first: slurmopts.sbatch_options checks the job's strings (validate.job_strings, the one rule)
+    directives = sbatch_directives(cfg, run)
     config_json = cfg.to_json().encode()
     return {
         "version": __version__,
@@ -117,8 +119,8 @@ def placeholders(cfg: JobConfig, *, run_dir: Path, python: str,
         "world_size": str(s.world_size),
         "config_digest": "sha256:" + hashlib.sha256(config_json).hexdigest()[:16],
         "resume_hash": cfg.hash(),
-        "sbatch_directives": "\n".join(f"#SBATCH {d}" for d in sbatch_directives(cfg, run)),
-        "setup": "\n".join(_check_setup(s.setup)) or "# (none)",
+        "sbatch_directives": "\n".join(f"#SBATCH {d}" for d in directives),
+        "setup": "\n".join(s.setup) or "# (none)",
         "run_dir": shlex.quote(run),
         "code_path": shlex.quote(f"{run}/code/python"),  # launch/freeze.py
         "exports": "\n".join(f"export {k}={shlex.quote(v)}" for k, v in _check_env(extra_env)),
@@ -156,8 +158,9 @@ def sbatch_directives(cfg: JobConfig, run_dir: str) -> list[str]:
 
 def directive_quote(arg: str) -> str:
     """One argument for sbatch's `#SBATCH` parser (not a shell): bare if plain, else "...",
-    with backslash and double quote escaped. Control characters cannot be written at all."""
-    scriptsafe.directive_value(arg, "sbatch option", "remove the character")
+    with backslash and double quote escaped. Control characters cannot be written at all: what
+    reaches here was checked (the run dir by scriptsafe.run_dir, sbatch_extra by job_strings)."""
+    assert not _CONTROL.search(arg), arg
     if _DIRECTIVE_SAFE.fullmatch(arg):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -178,10 +181,6 @@ def _check_python(python: str) -> str:
                          "path or a program name", "pass sys.executable")
     _check_utf8(python, "python interpreter")
     return python
-
-
-def _check_setup(lines: tuple[str, ...]) -> list[str]:
-    return scriptsafe.setup_lines(lines)  # config.validate does too; the renderer must not rely on it
 
 
 def _check_env(env: Mapping[str, str]) -> list[tuple[str, str]]:

@@ -14,13 +14,17 @@ import math
 from typing import Any
 
 from ddpjob import rundir
-from ddpjob.launch import goodput, plot, runs
+from ddpjob.launch import goodput, runs
+from ddpjob.launch.history import load_history
 from ddpjob.ledger import events, phases
 from ddpjob.ledger.goodput import Ledger
 
 SCHEMA = "ddpjob.run/1"
 STRAGGLER_KEYS = ("rank", "host", "cause", "busy_ms", "median_ms", "data_ms", "first_step", "step", "job_id",
-                  "restart", "time")
+                  "restart", "time", "wait_ms", "load", "cores")
+SLOWDOWN_KEYS = ("since", "step", "ratio", "cause", "ranks", "step_ms", "baseline_step_ms", "data_ms",
+                 "baseline_data_ms", "compute_ms", "baseline_compute_ms", "allreduce_ms", "baseline_allreduce_ms",
+                 "line", "job_id", "restart", "time")
 STOP_KEYS = ("reason", "step", "job_id", "restart", "steps_lost", "requeued", "requeued_by",
              "next_job_id", "time", "note")
 
@@ -36,7 +40,7 @@ def record(i: runs.RunInfo, ledger: Ledger | None = None) -> dict[str, Any]:
     job = runs.job_record(i.run_dir) if i.state != "DAMAGED" else {}
     ids = [str(j) for j in (job.get("job_ids") or ([job["job_id"]] if job.get("job_id") else []))]
     try:
-        history = plot.load_history(i.run_dir) if i.state != "DAMAGED" else None
+        history = load_history(i.run_dir) if i.state != "DAMAGED" else None
     except (ValueError, OSError) as exc:  # e.g. a metrics.jsonl too large to be a record
         history, i.state, i.reason = None, "DAMAGED", f"{type(exc).__name__}: {exc}"[:200]
     evs = history.events if history else []
@@ -70,6 +74,9 @@ def record(i: runs.RunInfo, ledger: Ledger | None = None) -> dict[str, Any]:
         "code": ({k: v for k, v in code.items() if k != "text"} or None) if i.state != "DAMAGED" else None,
         "goodput": ledger.record() if ledger is not None else None,
         "stragglers": [{k: e.get(k) for k in STRAGGLER_KEYS} for e in evs if e.get("event") == "straggler"],
+        "slowdowns": [{**{k: b.get(k) for k in SLOWDOWN_KEYS}, "until_step": o.get("step") if o else None}
+                      for b, o in events.slowdowns(evs)],
+        "baseline_step_ms": next((_num(e.get("step_ms")) for e in reversed(evs) if e.get("event") == "baseline"), None),
     }
 
 

@@ -1,14 +1,16 @@
 """What a restart in place needs, checked on the login node (`ddpjob doctor`): room for the
 in-memory snapshots in checkpoint.snapshot_dir on the partition's nodes, whether SLURM gives each
-job its own /dev/shm, and the job's memory limit against its ranks plus their snapshots. The
-sizes come from an earlier run's checkpoint, or for the built-in trainer from its model; the
-ranks apply the same rule at their first snapshot (store/snaproom.py: keep 2, 1 or none).
+job its own /dev/shm, and the job's memory limit (or, where SLURM tracks no memory, the nodes'
+memory) against its ranks plus their snapshots. The sizes come from an earlier run's checkpoint,
+or for the built-in trainer from its model; the ranks apply the same rule at their first
+snapshot (store/snaproom.py: keep 2, 1 or none).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ddpjob import modelnames, slurm
@@ -119,11 +121,25 @@ def shm_privacy_check(config_text: str, folder: str) -> Check:
                  f"{kind}): the job's snapshots are its user's only (0700) and removed at its end")
 
 
+@dataclass(frozen=True)
+class MemoryLimit:
+    """What a node's ranks may use: `size` bytes (None: nothing known), where that comes from,
+    and whether SLURM holds the job to it (a limit it reserves and enforces), or it is only the
+    nodes' memory as SLURM is told it, which a cluster that tracks no memory neither reserves
+    for the job nor enforces."""
+
+    size: int | None
+    source: str
+    enforced: bool = True
+
+
 def memory_limit(cfg: JobConfig, part: dict[str, str], config: dict[str, str],
-                 nodes: Sequence[dict[str, str]]) -> tuple[int | None, str]:
-    """(bytes per node the job may use, where that comes from): slurm.mem, else the partition's
-    (then the cluster's) DefMemPerNode / DefMemPerCPU x CPUs, capped by MaxMemPerNode; else the
-    nodes' memory (RealMemory where SLURM tracks memory, else what is free on them now)."""
+                 nodes: Sequence[dict[str, str]]) -> MemoryLimit:
+    """slurm.mem, else the partition's (then the cluster's) DefMemPerNode / DefMemPerCPU x CPUs,
+    capped by MaxMemPerNode; else the nodes' RealMemory: the job's whole share where SLURM tracks
+    memory, and the most there is where it does not. Never the nodes' FreeMem: it leaves out the
+    page cache the kernel gives back on demand, so it says how busy a node's files were, not what
+    the ranks can have (a good job FAILed against 437 MiB "free" on a host with 23 GB available)."""
     s = cfg.slurm
     cpus = s.cpus_per_task * s.tasks_per_node
     limit, src = (_slurm_mem(s.mem), f"slurm.mem = {s.mem}") if s.mem else (None, "")
@@ -137,21 +153,23 @@ def memory_limit(cfg: JobConfig, part: dict[str, str], config: dict[str, str],
     if cap is not None and (limit is None or cap < limit):
         limit, src = cap, f"MaxMemPerNode={snaproom.size_text(cap)}"
     if limit is not None:
-        return limit, src
-    tracked = "MEMORY" in config.get("SelectTypeParameters", "").upper()
-    key = "RealMemory" if tracked else "FreeMem"
-    sizes = [_slurm_mem(n.get(key, "")) for n in nodes]
-    known = [v for v in sizes if v]
+        return MemoryLimit(limit, src)
+    known = [v for v in (_slurm_mem(n.get("RealMemory", "")) for n in nodes) if v]
     if not known:
-        return None, "no memory limit found"
-    return min(known), ("the nodes' RealMemory: no --mem, no DefMem" if tracked else
-                        "the nodes' FreeMem: SLURM sets no memory limit here")
+        return MemoryLimit(None, "no memory limit found")
+    if "MEMORY" in config.get("SelectTypeParameters", "").upper():
+        return MemoryLimit(min(known), "the nodes' RealMemory: no --mem, no DefMem")
+    return MemoryLimit(min(known), "the nodes' RealMemory; SLURM tracks no memory here, "
+                       f"SelectTypeParameters={config.get('SelectTypeParameters', '?')}", enforced=False)
 
 
-def memory_check(cfg: JobConfig, state: int | None, limit: tuple[int | None, str]) -> Check:
+def memory_check(cfg: JobConfig, state: int | None, limit: MemoryLimit) -> Check:
     """The node's ranks' expected use plus their snapshots (tmpfs pages count against the job's
-    memory cgroup, and each rank holds one copy in its snapshot pool) against the job's limit."""
-    mem, src = limit
+    memory cgroup, and each rank holds one copy in its snapshot pool) against the job's limit.
+    Past a limit SLURM enforces: FAIL (the ranks alone) or WARN (fewer snapshots). Past the
+    nodes' memory on a cluster that tracks none: WARN only, since nothing is reserved or enforced
+    and the estimate (RANK_BASE) is a guess; what other jobs on the node use is not known."""
+    mem, src = limit.size, limit.source
     s = cfg.slurm
     ranks = s.tasks_per_node
     use = ranks * rank_use(cfg, state)
@@ -159,6 +177,12 @@ def memory_check(cfg: JobConfig, state: int | None, limit: tuple[int | None, str
     sums = f"{ranks} rank(s) ~ {snaproom.size_text(use)}" + (f" + snapshots {snaproom.size_text(snaps)}" if snaps else "")
     if mem is None:
         return Check("memory limit", WARN, f"{sums}; {src}", "set slurm.mem (e.g. \"16G\")")
+    if not limit.enforced and use + snaps > mem:
+        return Check("memory limit", WARN, f"{sums} per node, more than {snaproom.size_text(mem)} ({src}): "
+                     "nothing reserves memory for the job, and a node that runs short ends a rank "
+                     "(the kernel's OOM killer)", "fewer tasks_per_node" + (
+                         ", or checkpoint.snapshot_every = 0 (no in-memory snapshots)" if snaps else "")
+                     + "; only a warning: SLURM enforces no limit here and the estimate is rough")
     if use > mem:
         return Check("memory limit", FAIL, f"{sums} per node, above the limit {snaproom.size_text(mem)} ({src}): "
                      "the ranks would be killed for memory", "raise slurm.mem, or fewer tasks_per_node")

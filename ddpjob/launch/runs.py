@@ -102,11 +102,11 @@ def run_info(run_dir: Path, states: dict[str, dict[str, Any]] | None = None) -> 
     stops = [e for e in evs if events.is_decision(e)]
     if info.state in TERMINAL and stops and stops[-1].get("reason") == "user_stop":
         # the ranks' exit 3 reads as FAILED to SLURM; it was `ddpjob stop`, with a checkpoint
-        info.state, info.reason = "STOPPED", f"by `ddpjob stop` at step {stops[-1].get('step')}"
+        info.state, info.reason = "STOPPED", f"by `ddpjob stop`{_at(stops[-1].get('step'))}"
     done = rundir.completed(run_dir)
     if done is not None and info.state in TERMINAL and info.state != "COMPLETED":
         # the job ended otherwise and a start outside it (`ddpjob run RUN_DIR`) finished the training
-        info.state, info.reason = "COMPLETED", f"at step {done.get('step')}, after job {info.job_id} ended {info.state}"
+        info.state, info.reason = "COMPLETED", f"{_at(done.get('step')).strip() or 'finished'}, after job {info.job_id} ended {info.state}"
     if evs:
         last = evs[-1]
         why = last.get("error") or last.get("note") or last.get("reason") or ""
@@ -210,18 +210,29 @@ def resolve(target: str, runs_root: str | Path = "runs") -> tuple[Path, bool]:
                       "`ddpjob ls` lists the runs and their job ids")
 
 
+def _at(step: Any) -> str:
+    """" at step N", or nothing where the run logs no steps (a [train] command: docs/commands.md)."""
+    return f" at step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""
+
+
 def code_state(run_dir: Path) -> dict[str, Any]:
     """The frozen code's hash and whether the code on disk has moved on ({} if unknown)."""
     rec = freeze.record(run_dir)
     if not rec.get("hash"):
         return {}
     try:
-        now = freeze.digest(freeze.collect(jobfile.read_run_config(run_dir))["files"])
+        cfg = jobfile.read_run_config(run_dir)
+        now = freeze.digest(freeze.collect(cfg)["files"])
     except (DDPJobError, OSError):
-        now = None
+        cfg, now = None, None
     changed = None if now is None else now != rec["hash"]
-    text = f"{rec['hash']} (frozen at submission" + {None: ")", False: "; the code on disk is the same)",
-                                                     True: "; the code on disk has changed since)"}[changed]
+    if cfg is not None and cfg.train.command:
+        # ddpjob cannot know which files a command reads: only its own code was frozen
+        text = (f"{rec['hash']} (ddpjob's own, frozen at submission; the command runs its files as they "
+                "are on disk at each start)")
+    else:
+        text = f"{rec['hash']} (frozen at submission" + {None: ")", False: "; the code on disk is the same)",
+                                                         True: "; the code on disk has changed since)"}[changed]
     return {"hash": rec["hash"], "changed_on_disk": changed, "text": text}
 
 

@@ -14,16 +14,16 @@ import shutil
 import sys
 from pathlib import Path
 
-from ddpjob import config, console, fileio, freeze, jobfile, rundir
+from ddpjob import commandpaths, config, console, fileio, freeze, jobfile, rundir
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import entrycheck, render
+from ddpjob.launch import commandcheck, entrycheck, render
 from ddpjob.launch.backends.sbatch_slurm import SCRIPT  # RUN_DIR/job.sbatch, what a resume resubmits
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
     job = locate_job(args.job)
     flags = jobfile.cli_flags(args)
-    cfg = jobfile.resolve(job, args.overrides, flags)
+    cfg = commandpaths.pinned(jobfile.resolve(job, args.overrides, flags))
     rundir.private_umask(cfg.slurm.share_group)
     if not getattr(args, "no_data_check", False):
         _check_data(cfg)
@@ -31,6 +31,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 
     # train.entry and init_from, as submit checks them: wrong now, wrong after the queue wait
     doctor.raise_on_failures(doctor.code_checks(cfg))
+    commandcheck.check(cfg, strict=False)  # the script is looked for where sbatch will be typed
     for line in entrycheck.unused_overrides(cfg, list(args.overrides)):
         console.warn(line)
     template = render.load_template(args.template)

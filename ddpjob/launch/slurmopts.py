@@ -80,10 +80,13 @@ def warm_start(cfg: JobConfig, ranks_per_host: int | None = None) -> bool:
     rank against 650 MiB per rank started cold). A first start of a single rank per node gains
     nothing (the server imports what the rank would). Not with GPUs: a rank forked in the
     server's step would have that step's devices, not the ones SLURM bound to its own task
-    (ConstrainDevices); not in a container: the server would have to run in the same one."""
+    (ConstrainDevices); not in a container: the server would have to run in the same one; not for
+    a [train] command: its rank never imports torch (the program is a process of its own), and a
+    warm server's fork would only add torch's start-up to each start."""
     s = cfg.slurm
     many = (s.tasks_per_node if ranks_per_host is None else ranks_per_host) > 1
-    return s.warm_start and (s.max_failures > 0 or many) and s.gpus_per_node == 0 and not s.container
+    return (s.warm_start and (s.max_failures > 0 or many) and s.gpus_per_node == 0 and not s.container
+            and not cfg.train.command)
 
 
 # The job step that runs one warm-start server per node of the allocation, spares included:

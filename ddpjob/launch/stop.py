@@ -13,8 +13,9 @@ KillWait) nothing has to finish within a grace time: the ranks stop at their nex
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from ddpjob import console
+from ddpjob import console, jobfile
 from ddpjob.ledger import requests
 from ddpjob.errors import DDPJobError
 from ddpjob.launch import runs
@@ -62,5 +63,19 @@ def cmd_stop(args: argparse.Namespace) -> int:
                               f"`ddpjob cancel {i.run_dir}` ends it (its newest checkpoint stays)")
         requests.ask_stop(i.run_dir, i.job_id, i.attempts[-1] if i.attempts else 0)  # before the signal: rank 0 reads it
         said = backend.stop(i.run_dir, job, i.state)
+        signal_name = _command_signal(i.run_dir)
+        if signal_name and "checkpoint at their next step" in said:
+            # a [train] command: ddpjob writes no checkpoint, the program does what its handler does
+            said = (f"each rank's program gets SIG{signal_name}: it saves what its own handler saves "
+                    "and ends, or dies of it without a handler (docs/commands.md)")
         console.info(f"stopping {i.job_id} ({i.run_dir}): {said}; `ddpjob resume {i.run_dir}` continues")
     return 0
+
+
+def _command_signal(run_dir: Path) -> str | None:
+    """A [train] command run's command_signal ("TERM"), None for a run of the API."""
+    try:
+        cfg = jobfile.read_run_config(run_dir)
+    except DDPJobError:
+        return None
+    return cfg.train.command_signal if cfg.train.command else None

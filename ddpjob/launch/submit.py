@@ -14,11 +14,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddpjob import config, console, fileio, freeze, jobfile, rundir
+from ddpjob import commandpaths, config, console, fileio, freeze, jobfile, rundir
 from ddpjob.rank import entry
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError, UsageError
-from ddpjob.launch import control, entrycheck, local, runs
+from ddpjob.launch import commandcheck, control, entrycheck, local, runs
 from ddpjob.launch.backends import Backend, choose
 from ddpjob.launch.sweep import SweepPoint, expand_sweep
 
@@ -46,13 +46,18 @@ def rank_rows(cfg: JobConfig, backend: Backend, limit: int = 64) -> list[list[An
     for rank in shown:
         node, local = divmod(rank, s.tasks_per_node)
         device = f"cuda:{local}" if s.gpus_per_node > 0 else "cpu"
-        rows.append([rank, f"node {node}" if backend.on_slurm else "localhost", local, device,
-                     master, t.batch_size, accum, t.batch_size * accum * s.world_size])
+        rows.append([rank, f"node {node}" if backend.on_slurm else "localhost", local, device, master,
+                     # a [train] command's batch is its own business: the trainer's keys do not apply
+                     *([] if t.command else [t.batch_size, accum, t.batch_size * accum * s.world_size])])
     return rows
 
 
 RANK_COLUMNS = ["rank", "node", "local rank", "device", "MASTER_ADDR:PORT", "batch/rank",
                 "accumulation", "global batch"]
+
+
+def rank_columns(cfg: JobConfig) -> list[str]:
+    return RANK_COLUMNS[:5] if cfg.train.command else RANK_COLUMNS
 
 
 def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, job: str,
@@ -71,7 +76,7 @@ def dry_run(cfgs: list[JobConfig], points: list[SweepPoint], backend: Backend, j
     else:
         console.info(f"# train.entry: {entry.describe(cfg.train.entry)}; train.args: "
                      f"{shlex.join(cfg.train.args) or '(none)'}")
-    console.table("per-rank view", RANK_COLUMNS, rank_rows(cfg, backend))
+    console.table("per-rank view", rank_columns(cfg), rank_rows(cfg, backend))
     if points:
         console.table("sweep points", ["point", "values"],
                       [[p.id, " ".join(p.overrides)] for p in points])
@@ -113,6 +118,7 @@ def _doctor_checks(cfgs: list[JobConfig], root: Path, *, on_slurm: bool) -> None
         checks = [c for c in doctor.cheap_checks(cfg, on_slurm=on_slurm, runs_root=root.parent)
                   if c.name != "run dir"]
         doctor.raise_on_failures(checks)
+        commandcheck.check(cfg, strict=True)
     for c in checks:
         if c.status == doctor.WARN:
             console.warn(f"preflight '{c.name}': {c.detail}" + (f" (hint: {c.hint})" if c.hint else ""))
@@ -125,8 +131,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     flags = jobfile.cli_flags(args)
     points = expand_sweep(list(args.sweep))
     # Every point is validated before anything is written or submitted.
-    cfgs = [jobfile.resolve(job, [*args.overrides, *p.overrides], flags) for p in points] or \
-        [jobfile.resolve(job, args.overrides, flags)]
+    cfgs = [commandpaths.pinned(jobfile.resolve(job, [*args.overrides, *p.overrides], flags)) for p in points] or \
+        [commandpaths.pinned(jobfile.resolve(job, args.overrides, flags))]
     if any(c.slurm != cfgs[0].slurm for c in cfgs):
         raise UsageError("the sweep varies [slurm] settings, but one job array shares one set of "
                          "resources", "sweep [train]/[data]/[checkpoint] keys; submit separate jobs "

@@ -34,11 +34,12 @@ def current(evs: Sequence[Mapping[str, Any]], job_id: Any, *, starting: bool = F
     """The attempt `job_id` runs now: its newest attempt that has records but no end yet (a
     crash being decided, a start whose ranks died before their first record), else a new one.
     `starting`: asked by a start (rank 0 under the run lock), so an open attempt whose loop
-    already began (its `start` record) was an earlier round that ended unseen (torchrun's agent
-    restarting its ranks): this start is a new attempt."""
+    already began (its `start` record, a [train] command's `launch`) was an earlier round that
+    ended unseen (torchrun's agent restarting its ranks, SLURM's SIGKILL after GraceTime): this
+    start is a new attempt."""
     ended = {(str(e.get("job_id")), _number(e)) for e in evs
              if events.is_decision(e) or e.get("event") in _ENDS
-             or (starting and e.get("event") == "start")}
+             or (starting and e.get("event") in ("start", "launch"))}
     mine = [n for e in evs if str(e.get("job_id")) == str(job_id) and (n := _number(e)) is not None
             and e.get("event") not in ("stop_request", "cancel")]
     for n in reversed(mine):
@@ -68,7 +69,8 @@ def of_run(evs: Sequence[Mapping[str, Any]]) -> list[Attempt]:
     found: dict[int, dict[str, Any]] = {}
     for e in evs:
         n = _number(e)
-        if n is None or e.get("event") in ("stop_request", "cancel", "signal", "straggler"):
+        if n is None or e.get("event") in ("stop_request", "cancel", "signal", "straggler", "baseline",
+                                           "slowdown"):
             continue
         a = found.setdefault(n, {"job_id": str(e.get("job_id")), "source": "?", "resumed": 0,
                                  "started": None, "stop": None})

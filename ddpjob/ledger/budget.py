@@ -11,10 +11,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ddpjob.ledger import events
+from ddpjob.ledger.policy import FAILURES  # spend max_failures; every other requeue spends max_requeues
 
-FAILURES = ("crash", "node_failure")  # spend max_failures; every other requeue spends max_requeues
 IN_PLACE = "in_allocation"  # requeued_by of a crash whose ranks ran again inside the allocation
 SUPERVISOR = "supervisor"  # requeued_by of the local supervisor's restarts
+TORCHRUN = "torchrun"  # requeued_by of a crash whose ranks torchrun's agent started again (rank/rounds.py)
 
 
 def job_chain(evs: Iterable[Mapping[str, Any]], job_id: Any) -> set[str]:

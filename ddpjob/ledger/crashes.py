@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpjob import fileio, rundir
-from ddpjob.ledger import budget, events, policy, requests
+from ddpjob.ledger import budget, events, metricslines, policy, requests
 
 # Two failures on one host by default ([slurm] exclude_after): once may be the job's bad luck,
 # twice is the host (NVRx and Llama 3's operators exclude on repeats too). Preemptions, time limits and the job's own exceptions never
@@ -169,17 +169,20 @@ def classify(culprit: Culprit | None, evs: Sequence[dict[str, Any]], job_id: Any
 def facts(evs: Sequence[dict[str, Any]], job_id: Any, restart: int, culprit: Culprit | None, *,
           resume_at: int, steps_lost: int | None, from_snapshot: bool, here: bool, hosts_left: bool = True,
           lost_hosts: Sequence[str] = (), run: str = "RUN", stop_requested: bool = False,
-          exclude_after: int = 0, own_checkpoint: bool = False) -> policy.Facts:
+          exclude_after: int = 0, own_checkpoint: bool = False, progressed: bool | None = None,
+          evidence: str = "") -> policy.Facts:
     """What the policy needs to know about a crash of attempt (job_id, restart), from the run's
     ledger and what the decider saw (the culprit, the resume point, the hosts left; with
-    `exclude_after`, the decider can leave a failing host out of the restart)."""
+    `exclude_after`, the decider can leave a failing host out of the restart). A [train] command
+    that logs no steps: `progressed` (ledger/progress.py) says whether the attempt got on, by
+    `evidence`; None: nothing tells, and no loop rule fires."""
     chain = budget.job_chain(evs, job_id)
     requeues, failures = budget.used(evs, job_id)
     if lost_hosts:
         cls, what, where = policy.INFRASTRUCTURE, f"node(s) {','.join(lost_hosts)} left the allocation", None
     else:
         cls, what, where = classify(culprit, evs, job_id, restart)
-    streak, _ = no_progress(evs, chain, (job_id, restart, resume_at))
+    streak, _ = no_progress(evs, chain, (job_id, restart, resume_at, progressed))
     # the same failure as the crash before, at the same step, with nothing gained in between
     prev = [e for e in _crashes(evs, chain) if not events.of_attempt(e, job_id, restart)]
     same = (where or (culprit.how if culprit else None))
@@ -195,7 +198,7 @@ def facts(evs: Sequence[dict[str, Any]], job_id: Any, restart: int, culprit: Cul
                         streak, again, here, hosts_left, resume_at, steps_lost, from_snapshot, run,
                         signal_of(culprit) if not lost_hosts else None, where,
                         quarantine=again and same_host and exclude_after > 0, own_checkpoint=own_checkpoint,
-                        cancelled=requests.cancelled(evs, job_id))
+                        cancelled=requests.cancelled(evs, job_id), evidence=evidence if progressed is False else "")
 
 
 def _short(error: str) -> str:
@@ -228,25 +231,29 @@ def excluded(evs: Iterable[dict[str, Any]], chain: set[str] | None = None,
     return [] if after <= 0 else sorted(h for h, n in host_failures(evs, chain).items() if n >= after)
 
 
-def no_progress(evs: Sequence[dict[str, Any]], chain: set[str] | None, now: tuple[Any, int, int] | None
-                ) -> tuple[int, int | None]:
+def no_progress(evs: Sequence[dict[str, Any]], chain: set[str] | None,
+                now: tuple[Any, ...] | None) -> tuple[int, int | None]:
     """(how many attempts in a row ended in a crash without getting past the point they resumed
     from, the step they keep resuming from). An attempt's point is its start record's
     resumed_step (0: from scratch; no start record: it died before its first step, where it
-    began); it got nowhere when the newest checkpoint after it is no newer. Any other stop
-    (preemption, time limit) or a crash after progress ends the streak. `now` = (job id,
-    restart, resume step) of a crash not recorded yet, counted last."""
+    began); it got nowhere when the newest checkpoint after it is no newer. A command that logs
+    no steps: its decision's `progress` (ledger/progress.py) says, and a crash whose progress
+    nothing tells ends the streak. Any other stop (preemption, time limit) or a crash after
+    progress ends it too. `now` = (job id, restart, resume step, progress) of a crash not
+    recorded yet, counted last."""
     starts = {(str(e.get("job_id")), e.get("restart")): e.get("resumed_step") or 0
               for e in evs if e.get("event") == "start"}
-    stops: list[tuple[str, Any, Any, Any]] = [
-        (str(e.get("job_id")), e.get("restart"), e.get("reason"), e.get("step"))
+    stops: list[tuple[str, Any, Any, Any, Any]] = [
+        (str(e.get("job_id")), e.get("restart"), e.get("reason"), e.get("step"), e.get("progress"))
         for e in events.final_decisions(evs) if chain is None or str(e.get("job_id")) in chain]
     if now is not None:
-        stops.append((str(now[0]), now[1], "crash", now[2]))
+        stops.append((str(now[0]), now[1], "crash", now[2], now[3] if len(now) > 3 else None))
     streak, point, last_from = 0, None, None
-    for job_id, restart, reason, step in stops:
+    for job_id, restart, reason, step, progressed in stops:
         began = starts.get((job_id, restart), step if last_from is None else last_from)
-        if reason != "crash" or not isinstance(step, int):
+        if reason == "crash" and isinstance(progressed, bool):
+            streak, point = (0, None) if progressed else (streak + 1, step)
+        elif reason != "crash" or not isinstance(step, int):
             streak, point = 0, None
         elif began is not None and step <= began:
             streak, point = streak + 1, step
@@ -258,17 +265,29 @@ def no_progress(evs: Sequence[dict[str, Any]], chain: set[str] | None, now: tupl
 
 def command_saved(run_dir: Path) -> int | None:
     """A [train] command run's resume point as far as ddpjob can see: the newest step its program
-    logged (docs/commands.md; it resumes from its own checkpoint, at most there), so that a crash
-    after progress is no crash loop."""
-    steps = [r["step"] for r in fileio.read_jsonl(run_dir / rundir.METRICS)[-50:]
-             if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
-    return max(steps) if steps else None
+    said it saved (a "checkpoint" line), else the newest step it logged (docs/commands.md; it
+    resumes from its own checkpoint, at most there), so that a crash after progress is no crash
+    loop. None: it logs no steps."""
+    tail = fileio.read_jsonl(run_dir / rundir.METRICS)[-200:]
+    saved = metricslines.newest_checkpoint(tail)
+    return saved if saved is not None else metricslines.newest_step(tail)
+
+
+def command_point(run_dir: Path) -> tuple[int | None, int | None]:
+    """A [train] command run's (resume step, steps lost past it) as its metrics lines tell: its
+    newest "checkpoint" line and the steps it logged after it; without checkpoint lines the newest
+    step it logged and an unknown loss (None: what it saved is its own secret); (None, None) for
+    a program that logs no steps."""
+    tail = fileio.read_jsonl(run_dir / rundir.METRICS)[-200:]
+    newest, saved = metricslines.newest_step(tail), metricslines.newest_checkpoint(tail)
+    if saved is None:
+        return newest, None
+    return saved, max(0, (newest or saved) - saved)
 
 
 def resume_point(run_dir: Path, saved: int | None) -> tuple[int, int | None]:
     """(the step the next start resumes from: `saved`, what the caller found (store/memsnap.py:
     newest_saved), else 0; steps trained past it that are lost, None: no metrics to tell)."""
     resume_at = saved or 0
-    trained = [int(r["step"]) for r in fileio.read_jsonl(run_dir / rundir.METRICS)[-50:]
-               if isinstance(r.get("step"), int)]
-    return resume_at, (max(0, max(trained) - resume_at) if trained else None)
+    trained = metricslines.newest_step(fileio.read_jsonl(run_dir / rundir.METRICS)[-200:])
+    return resume_at, (max(0, trained - resume_at) if trained is not None else None)

@@ -39,6 +39,9 @@ _STOP_FIELDS = (
     # SLURM's restart count of the job when the decision was made: which start of a requeued
     # job (same id) it decided for (rank/requeue.after_crash)
     "incarnation",
+    # torchrun's agent (its pid) whose restart round was decided (rank/rounds.py): its later
+    # rounds keep an end, a new torchrun of the run does not
+    "agent",
     # a recovery's timestamps (ledger/phases.py)
     "signal_time", "decided_time", "saved_time",
     # the decision: requeued (True / False / None: not asked), by whom, the successor
@@ -48,6 +51,10 @@ _STOP_FIELDS = (
     "verdict", "action", "line", "where",
     # a rank's own crash record (carries `rank`): its error line and what kind of error
     "rank", "host", "error", "error_class", "exception",
+    # a [train] command: what its program did after the stop signal (rank/command_end.py), its
+    # last line of output (the progress evidence of a program that logs no steps), whether the
+    # attempt got anywhere by that evidence (ledger/progress.py)
+    "program", "last_output", "progress",
 )
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
@@ -60,6 +67,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          ("rank", "signal", "at_step", "stop_step", "signal_time", "source")),
     Kind("stop", "an attempt ended: the decision (no `rank`) or a rank's own crash record (`rank`)",
          _STOP_FIELDS),
+    Kind("launch", "rank 0 of a [train] command: its program started (the job's id on record for status and "
+         "stop at once; the start record follows at its first step line)", ("world_size", "host", "source")),
+    Kind("rank_end", "a [train] command's rank: its program ended (rank 0 completes the run only when "
+         "every rank's did with 0 and no stop)", ("rank", "host", "status", "stop", "program")),
     Kind("exit", "rank 0: the process group is torn down after a stop", ("step",)),
     Kind("noop", "rank 0: a requeued run that had completed did nothing", ("reason",)),
     Kind("local_start", "the local supervisor started an attempt's ranks",
@@ -69,8 +80,16 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("local_end", "the local supervisor ended the run", ("source", "state", "reason")),
     Kind("stop_request", "`ddpjob stop` asked the job to checkpoint and end", ("by",)),
     Kind("cancel", "`ddpjob cancel` cancelled the job", ("by",)),
-    Kind("straggler", "rank 0's straggler watch named a slow rank",
-         ("rank", "host", "cause", "busy_ms", "median_ms", "data_ms", "step", "first_step")),
+    Kind("straggler", "rank 0's straggler watch named a slow rank (cause compute or data) or an "
+         "oversubscribed host (cause host: `rank` waited for a core, `load` on `cores`)",
+         ("rank", "host", "cause", "busy_ms", "median_ms", "data_ms", "step", "first_step", "wait_ms",
+          "load", "cores", "line")),
+    Kind("baseline", "rank 0: the run's own speed, the median step over a window after the warm-up",
+         ("step", "world_size", "step_ms", "data_ms", "compute_ms", "allreduce_ms", "busy_ms")),
+    Kind("slowdown", "rank 0: the job's step time stayed above its baseline (state began) or came back (over)",
+         ("state", "since", "step", "ratio", "cause", "ranks", "step_ms", "data_ms", "compute_ms",
+          "allreduce_ms", "baseline_step_ms", "baseline_data_ms", "baseline_compute_ms",
+          "baseline_allreduce_ms", "line")),
     Kind("checkpoint_rejected", "a checkpoint that verified but holds code was skipped", ("step", "reason")),
 )}
 
@@ -126,3 +145,18 @@ def is_rank_crash(e: Mapping[str, Any]) -> bool:
 
 def of_attempt(e: Mapping[str, Any], job_id: Any, restart: Any) -> bool:
     return str(e.get("job_id")) == str(job_id) and e.get("restart") == restart
+
+
+def slowdowns(evs: Sequence[Mapping[str, Any]]) -> list[tuple[Mapping[str, Any], Mapping[str, Any] | None]]:
+    """Each slowdown the watch said (rank/slowdown.py) and its end (None: it lasted to the end
+    of its attempt, or lasts)."""
+    out: list[tuple[Mapping[str, Any], Mapping[str, Any] | None]] = []
+    for e in evs:
+        if e.get("event") != "slowdown":
+            continue
+        if e.get("state") == "began":
+            out.append((e, None))
+        elif out and out[-1][1] is None and (out[-1][0].get("job_id"), out[-1][0].get("restart")) == (
+                e.get("job_id"), e.get("restart")):
+            out[-1] = (out[-1][0], e)
+    return out

@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from ddpjob.ledger import events, phases, policy
+from ddpjob.ledger import events, metricslines, phases, policy
 from ddpjob.slurm import Incarnation
 
 CATEGORIES = ("productive", "queue", "start-up", "load", "replayed", "checkpoint", "eval",
@@ -143,6 +143,8 @@ def build(evs: list[dict[str, Any]], metrics: list[dict[str, Any]],
         t, step = _num(r, "time"), r.get("step")
         if t is None or not isinstance(step, int) or not isinstance(r.get("restart"), int):
             continue
+        if metricslines.is_word(r):
+            continue  # a program's word on its save or its end, not a step it trained
         if r.get("kind") == "eval":
             if (took := _num(r, "eval_s")) is not None and took > 0:
                 spans.append((t - took, t, "eval"))

@@ -76,6 +76,9 @@ class Facts:
     # `ddpjob cancel` was recorded for this job. SLURM 22.05 takes `scontrol requeue` of a job
     # still COMPLETING after its scancel and runs it again; so the policy, not SLURM, says no
     cancelled: bool = False
+    # a command that logs no steps, its attempt judged by other evidence (ledger/progress.py):
+    # what showed that it got nowhere ("its last line of output"), for the loop lines
+    evidence: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,13 +138,20 @@ def _crash(f: Facts, limits: Limits) -> Verdict:
         return Verdict(END, f"not retried: {f.what or 'the I/O error'} came again at the same step and line; "
                             f"it is not passing: {fix}", kind)
     if f.again and kind == INFRASTRUCTURE and f.signal == "SIGKILL" and not f.quarantine:
-        return Verdict(END, f"crash loop: {f.what} again at the same step: likely the kernel's OOM killer "
-                            "on the job's own memory, not the host; not retrying. Lower train.batch_size or "
+        where = f"at the same point ({f.evidence} unchanged)" if f.evidence else "at the same step"
+        lower = ("Lower the program's batch size (its own arguments in train.command)" if f.own_checkpoint
+                 else "Lower train.batch_size")
+        return Verdict(END, f"crash loop: {f.what} again {where}: likely the kernel's OOM killer "
+                            f"on the job's own memory, not the host; not retrying. {lower} or "
                             "ask for more memory ([slurm] mem)", kind, error=True)
     if f.streak >= limits.max_no_progress:
-        died = "" if f.steps_lost is None else f", the last after step {(f.resume_at or 0) + f.steps_lost}"
-        return Verdict(END, f"crash loop: {f.streak} attempts in a row crashed without getting past the "
-                            f"checkpoint at step {f.resume_at or 0}{died}{f' ({f.what})' if f.what else ''}; "
+        if f.evidence:
+            point = f"getting anywhere ({f.evidence} unchanged)"
+        else:
+            died = "" if f.steps_lost is None else f", the last after step {(f.resume_at or 0) + f.steps_lost}"
+            point = f"getting past the checkpoint at step {f.resume_at or 0}{died}"
+        return Verdict(END, f"crash loop: {f.streak} attempts in a row crashed without {point}"
+                            f"{f' ({f.what})' if f.what else ''}; "
                             f"not retrying (slurm.max_no_progress = {limits.max_no_progress})", kind, error=True)
     if f.failures >= limits.max_failures:
         return Verdict(END, f"max_failures = {limits.max_failures} reached: not retrying", kind)
@@ -153,3 +163,27 @@ def _crash(f: Facts, limits: Limits) -> Verdict:
     if f.here:
         return Verdict(RESTART, f"restarting in place {_resumes(f)}; {budget}", kind)
     return Verdict(REQUEUE, f"requeueing {_resumes(f)}; {budget}", kind)
+
+
+def start_refused(requeues: int, failures: int, limits: Limits) -> str | None:
+    """Why a start of the job must not run (None: it may), from the budgets its submission spent.
+    Every verdict of decide() keeps within them (a retry only below the limit), so a start past
+    one was SLURM's own doing: it brings a job back by itself (after GraceTime, after a node
+    failure) without asking ddpjob, and the start is where ddpjob sees it."""
+    if requeues > limits.max_requeues:
+        return f"{requeues} requeues, more than slurm.max_requeues = {limits.max_requeues}"
+    if failures > limits.max_failures:
+        return f"{failures} failure(s) retried, more than slurm.max_failures = {limits.max_failures}"
+    return None
+
+
+def said(verdict: Verdict, f: Facts, logs: str) -> str:
+    """The one line a crash's verdict gets in the job's log (and, as the stop's note, in status),
+    whoever decided it: who broke it, then what happens next. `logs`: the folder of the rank logs,
+    which an error line's hint points to."""
+    if verdict.error:
+        hint = "" if " Hint: " in verdict.line else (
+            f". Hint: the rank logs in {logs} say why; fix it and `ddpjob resume {f.run}`")
+        return f"ddpjob: error: {verdict.line}{hint}"
+    return f"ddpjob: crash verdict: {verdict.crash or f.crash} ({f.what}): {verdict.line}"
+

@@ -44,21 +44,6 @@ def process_started() -> float | None:
         return None
 
 
-def command_environ(env: ClusterEnv, extra: Mapping[str, str],
-                    environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a command entry's child (rank/command.py): this process's own, with
-    what torchrun gives each of its workers for this rank, so a torchrun script runs unchanged,
-    plus ddpjob's `extra` (DDPJOB_RUN_DIR, DDPJOB_ATTEMPT, ...)."""
-    out = dict(os.environ if environ is None else environ)
-    out.update({
-        "RANK": str(env.rank), "LOCAL_RANK": str(env.local_rank), "WORLD_SIZE": str(env.world_size),
-        "LOCAL_WORLD_SIZE": str(env.local_world_size), "GROUP_RANK": str(env.node_rank),
-        "GROUP_WORLD_SIZE": str(env.num_nodes), "MASTER_ADDR": env.master_addr,
-        "MASTER_PORT": str(env.master_port), **extra,
-    })
-    return out
-
-
 def port_for_job(job_id: str | None) -> int:
     """Deterministic MASTER_PORT for a job id (numeric ids map directly, others via crc32)."""
     if not job_id:

@@ -1,43 +1,43 @@
-"""The process group in use: its handle (DistContext) and teardown, and every collective
-ddpjob runs.
+"""The process group in use: its handle (DistContext) and teardown, the hang watch's guard, the
+control channel, and the collectives on small values (objects, votes, sums, broadcasts, bytes).
 
-group.py joins the group and returns the DistContext. This is the only module that calls
-torch.distributed's collectives (the trainer, the checkpoint state, the stop vote, SyncBatchNorm
-and selftest call the helpers below; tests/unit/test_layout.py checks it). With one process there is
-no group and the helpers on the default group become no-ops, so the trainer has a single code
-path.
+group.py joins the group and returns the DistContext. Only this module and its two siblings call
+torch.distributed's collectives: gradsync.py (the gradients: DDP's comm hooks, SyncBatchNorm's
+sum) and modelsync.py (a model's whole state: broadcasts, DCP, gathers); the trainer, the
+checkpoint state, the stop vote and selftest call the helpers; tests/unit/test_layout.py checks
+it. With one process there is no group and the helpers on the default group become no-ops, so
+the trainer has a single code path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
+# Imported with this module, before any group exists, though gradsync.py is its user: imported
+# later (first at job.wrap, once a group stood), a Python comm hook's last callback outlived
+# close() under torchrun, its gloo thread still running into the interpreter's finalization
+# (tests/ranks/test_api.py::test_the_groups_threads_end_before_the_interpreter[torchrun] fails
+# without this line; measured, torch 2.14.1).
+import torch.distributed.nn.functional  # noqa: F401
 
 from ddpjob.errors import DDPJobError
 from ddpjob.node import hang
 from ddpjob.node.cluster import ClusterEnv
 
-# DCP warns at every save and load of a single process that it assumes one process: ddpjob asks
-# for exactly that (no_dist with one rank). Process-wide: catch_warnings is not thread-safe.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
-
 # This process's hang watch (node/hang.py), while it is one rank of a group of several.
 _watch: hang.Watch | None = None
 # True once a failed rank left its process group standing (DistContext.destroy(None)): the
 # process then ends through end_if_left_standing (cli.console; NodeTask under submitit; a
-# script run alone: Job._at_exit).
+# script run alone: ownerror.Uncaught._at_exit).
 left_standing = False
 
 
@@ -50,6 +50,12 @@ def end_if_left_standing(code: int) -> None:
     failures. Everything of ddpjob's is closed by then (Job.close)."""
     if not left_standing:
         return
+    exit_now(code)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` at once, its output flushed, without the interpreter's
+    teardown (end_if_left_standing says why that teardown can abort)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -213,7 +219,8 @@ def rank0_decides(is_rank0: bool, decide: Callable[[], T], what: str) -> T:
 def all_gather_object(obj: Any, what: str = "an all-gather", group: Any = None,
                       background: bool = False) -> list[Any]:
     """Every rank's picklable object, in rank order, on every rank (of `group`, default the
-    job's). `background`: from a writer thread, outside the hang watch (as dcp_save)."""
+    job's). `background`: from a writer thread, outside the hang watch (as
+    modelsync.dcp_save)."""
     if not _active():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
@@ -340,66 +347,6 @@ def all_reduce_(t: torch.Tensor, op: str = "sum", what: str = "an all-reduce") -
     return t
 
 
-def broadcast_buffers(model: torch.nn.Module) -> None:
-    """Rank 0's buffers (BatchNorm statistics) everywhere. DDP broadcasts them at the start of
-    each forward, so after the last step every other rank still holds its own update: without
-    this, the ranks would evaluate slightly different models."""
-    if _active():
-        with guard("the broadcast of rank 0's buffers"):
-            for buf in model.buffers():
-                dist.broadcast(buf, src=0)
-
-
-def broadcast_module(model: torch.nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank, as DDP does when it wraps a model: FSDP's
-    fully_shard cuts each rank's own tensors, so ranks that built different weights (another
-    seed) would otherwise train shards of different models."""
-    if _active():
-        with guard("the broadcast of rank 0's weights"), torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
-
-
-def dcp_save(state: dict[str, Any], writer: Any, planner: Any, group: Any, *, what: str,
-             background: bool = False) -> None:
-    """torch.distributed.checkpoint.save on `group` (None: one process): every rank writes its
-    own shards, rank 0 the metadata. `background`: called from the writer thread, outside the
-    hang watch (which follows the main thread); the group's own timeout bounds it."""
-    import torch.distributed.checkpoint as dcp
-
-    with contextlib.nullcontext() if background else guard(what):
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=group,
-                 no_dist=group is None)
-
-
-def dcp_load(state: dict[str, Any], reader: Any, planner: Any, group: Any, *, what: str) -> None:
-    """torch.distributed.checkpoint.load into `state` in place, resharded to this world size."""
-    import torch.distributed.checkpoint as dcp
-
-    with guard(what):
-        dcp.load(state, storage_reader=reader, planner=planner, process_group=group,
-                 no_dist=group is None)
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
-    """A sharded model's whole state dict, gathered from every rank's shards: plain CPU tensors
-    on rank 0, {} on the others. A collective (all-gathers on the model's own group)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    with guard("the gather of the whole model"):
-        return dict(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                          cpu_offload=True)))
-
-
-def load_full_state_dict(model: torch.nn.Module, state: dict[str, Any]) -> None:
-    """A whole (plain) state dict, present on every rank, into a sharded model: each rank keeps
-    its shard of rank 0's tensors (distribute_tensor scatters from rank 0). A collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    with guard("the load of a whole model into its shards"):
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-
 def broadcast_(t: torch.Tensor, src: int = 0, what: str = "a broadcast") -> torch.Tensor:
     """Rank `src`'s `t` on every rank, in place (a no-op for one process)."""
     if _active():
@@ -408,54 +355,7 @@ def broadcast_(t: torch.Tensor, src: int = 0, what: str = "a broadcast") -> torc
     return t
 
 
-def register_comm_hook(ddp: Any, *, ordered: bool, compression: str = "none") -> None:
-    """How DDP all-reduces the gradients: as it does (ring, fp32), summed in rank order
-    (`ordered`: bit-reproducible across bucket layouts), and/or sent as bfloat16
-    (`compression = "bf16"`: half the bytes on the wire, each gradient rounded to 8 bits of
-    mantissa before the mean). Otherwise no hook: a user's own `register_comm_hook` after
-    `job.wrap` stays possible."""
-    wire = torch.bfloat16 if compression == "bf16" else None
-    if ordered:
-        ddp.register_comm_hook(wire, ordered_sum_hook)
-    elif wire is not None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-
-
-def ordered_sum_hook(wire, bucket):
-    """DDP comm hook: mean of the ranks' gradients, summed in rank order (bit-reproducible);
-    `wire` (the hook's state): the dtype sent, None for the gradients' own.
-
-    Ring all-reduce (gloo and NCCL) adds the ranks' values in an order that depends on the
-    element's offset in its bucket, and DDP rebuilds its buckets after the first iteration of
-    every process: a resumed process would sum (a+b)+c where the uninterrupted one summed
-    a+(b+c). Summing an all-gather in rank order makes the result independent of bucket layout.
-    (No annotations: DDP checks them against the real classes, and this module's annotations
-    are strings under `from __future__ import annotations`.)"""
-    buf = bucket.buffer()
-    send = buf if wire is None else buf.to(wire)
-    world = dist.get_world_size()
-    parts = [torch.empty_like(send) for _ in range(world)]
-    fut = dist.all_gather(parts, send, async_op=True).get_future()
-
-    def reduce(_: Any) -> torch.Tensor:
-        acc = parts[0].to(buf.dtype, copy=True)
-        for p in parts[1:]:
-            acc.add_(p)  # in the gradients' dtype, whatever was sent
-        return buf.copy_(acc.div_(world))
-
-    return fut.then(reduce)
-
-
-# ------------------------------------------------------------ autograd collectives (SyncBatchNorm)
 def group_active(group: Any = None) -> bool:
     """A process group exists and `group` (default: the job's) has more than one rank."""
     return (dist.is_available() and dist.is_initialized()
             and dist.get_world_size(group if group is not None else dist.group.WORLD) > 1)
-
-
-def all_reduce_sum_autograd(t: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Differentiable sum over the ranks of `group` (default: the job's): the backward pass
-    all-reduces the gradient too. Returns a new tensor."""
-    return dist_nn.all_reduce(t, group=group if group is not None else dist.group.WORLD)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpjob.node import dist
+from ddpjob.node import modelsync
 
 # containers without a forward of their own: FSDP gathers a unit's parameters in its forward
 # hooks, so a ModuleList as a unit would never be gathered; its children are the units
@@ -73,7 +73,7 @@ def shard(model: nn.Module, amp: str) -> nn.Module:
 
     if is_sharded(model):
         return model  # wrapped twice (e.g. the trainer and a plugin): nothing more to cut
-    dist.broadcast_module(model)
+    modelsync.broadcast_module(model)
     policy = mixed_precision(amp)
     for unit in units(model):
         fully_shard(unit, mp_policy=policy)

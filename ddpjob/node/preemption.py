@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ddpjob import earlysignals
+
 # Stop codes, ordered by precedence: the ranks all-reduce MAX, so the strongest reason wins.
 NONE, DEADLINE, REQUEUE, PREEMPTED = 0, 1, 2, 3
 REASONS = {NONE: "", DEADLINE: "deadline", REQUEUE: "requeue", PREEMPTED: "preempted"}
@@ -71,11 +73,24 @@ def _kill_daemon_children() -> None:
         child.kill()
 
 
+# The stop signals a rank's launcher holds back until the rank's flag-only handlers are in place
+# (StopFlag.install lets them through): a signal that came while Python was starting is then
+# delivered to the flag, not lost to the default action (USR2's and TERM's end the process)
+HELD = (signal.SIGUSR2, signal.SIGTERM)
+
+
+def block_stop_signals() -> None:
+    """In a launcher's child before exec (the local supervisor's ranks): the blocked mask survives
+    exec, and what arrives meanwhile stays pending."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+
+
 class StopFlag:
     """Signal handlers that only record (signal, time). `code` is read at step boundaries."""
 
     def __init__(self) -> None:
         self.code = NONE
+        self.first = NONE  # the first stop code that came (a [train] command's stop is decided by it)
         self.signum: int | None = None
         self.time: float | None = None
         self.current_step = 0  # kept up to date by the trainer: where the signal found us
@@ -100,11 +115,24 @@ class StopFlag:
 
             atexit.register(_kill_daemon_children)
         _child_ignores = numbers
+        # what came before: a signal earlysignals.hold noted (one not among ours gets its default back),
+        # and one the launcher held back (block_stop_signals), which arrives as the mask opens
+        for signum in earlysignals.EARLY:
+            if signum not in numbers and signal.getsignal(signum) is earlysignals.note:
+                signal.signal(signum, signal.SIG_DFL)
+        while earlysignals.noted:
+            signum, when = earlysignals.noted.pop(0)
+            if signum in numbers:
+                flag._handle(signum, None)
+                flag.time = min(flag.time or when, when)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
         return flag
 
     def _handle(self, signum: int, frame: Any) -> None:
         # Only assignments: safe at any bytecode boundary, never blocks, never re-enters torch.
         code = stop_code_for(signum)
+        if self.first == NONE:
+            self.first = code
         if code > self.code:
             self.code, self.signum, self.time = code, signum, time.time()
             self.signal_step = self.current_step

@@ -38,6 +38,7 @@ import sys
 import time
 from typing import Any
 
+from ddpjob.node import preemption
 from ddpjob.node.warmserver import MAX_FDS, handle_relayed, peer_uid, read_line, run_request, serve
 
 ENV = "DDPJOB_WARM"  # "1" where the servers were started (templates/sbatch.sh.tmpl, launch/local.py)
@@ -113,6 +114,7 @@ def client(module_argv: list[str], addr: bytes | None = None, wait: bool = False
             pending.append(signum)
 
     handle_relayed(relay)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, preemption.HELD)  # held back by the launcher: relayed now
     umask = os.umask(0o077)
     os.umask(umask)
     targets = [0, 1, 2, *_inherited()]

@@ -46,7 +46,7 @@ def state_gaps(state: dict[str, Any]) -> list[str]:
     # The DataLoaders and their live iterators, found once through the garbage collector (they
     # are not in state, which is the mistake): ~0.1 s at a start with a ResNet-50 loaded. By
     # type(), not isinstance(): that would read __class__ of deprecated module proxies (warnings).
-    loaders, iterators, scalers = [], [], []
+    loaders, iterators, scalers, optimizers = [], [], [], []
     for obj in gc.get_objects():
         kind = type(obj)
         if issubclass(kind, DataLoader):
@@ -55,10 +55,21 @@ def state_gaps(state: dict[str, Any]) -> list[str]:
             iterators.append(obj)
         elif issubclass(kind, GradScaler):
             scalers.append(obj)
+        elif issubclass(kind, torch.optim.Optimizer):
+            optimizers.append(obj)
     # A GradScaler (fp16 autocast) outside state restarts its scale at 65536 after every resume:
     # the first steps' gradients overflow and are skipped again. One held by a state value (an
     # attribute of the user's own trainer object) is saved with it.
     held_ids = {id(v) for v in values} | {id(a) for v in values for a in getattr(v, "__dict__", {}).values()}
+    # An optimizer over the model's parameters outside state restarts with no moments (and its
+    # lr schedule's position) at every resume: the first steps after it are not the run's.
+    params = {id(p) for v in values if isinstance(v, torch.nn.Module) for p in v.parameters()}
+    for opt in optimizers:
+        if id(opt) not in held_ids and any(id(p) in params for g in opt.param_groups for p in g["params"]):
+            out.append(f"an optimizer ({type(opt).__name__}) over the model's parameters is not in state: after a "
+                       "resume it starts again without its moments and step counts. Hint: add it, e.g. "
+                       "state['optimizer'] = optimizer")
+            break
     for scaler in scalers:
         if scaler.is_enabled() and id(scaler) not in held_ids:
             out.append("an enabled GradScaler is not in state: after a resume its scale starts again "

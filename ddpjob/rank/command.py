@@ -1,13 +1,16 @@
 """A plain command as the entry ([train] command, docs/commands.md): each rank's `ddpjob run`
 runs the user's program as one child process (no shell; no torch and no process group here: the
-program forms its own at MASTER_ADDR:MASTER_PORT), with torchrun's variables.
+program forms its own at MASTER_ADDR:MASTER_PORT) with what torchrun would give it and nothing of
+ddpjob's internals: the user's environment, umask and Python path (commandenv.py), torchrun's
+variables, the working directory [train] command_cwd.
 
 runner._train hands over here. Rank 0 takes the run lock, checks the budgets and records the
-start (as init() does for the API); the child runs, its output passed through and watched for a
-hang; a stop signal reaches it as [train] command_signal, then SIGKILL after command_grace_s.
-Its ending (ending(): pure) becomes this rank's exit: 0 done (COMPLETED), a stop for a requeue
-(rank 0 decides through requeue.after_stop), a crash with this rank's crash record (the
-traceback's exception and file:line named), or death by the same signal.
+start (as init() does for the API); the child runs, its output passed through whole lines at a
+time and watched for a hang; a stop signal reaches it as [train] command_signal, then SIGKILL
+after command_grace_s. Its ending (command_end.ending: pure) becomes this rank's exit and its
+`rank_end` record: 0 done, a stop for a requeue (rank 0 decides through requeue.after_stop), a
+crash with this rank's crash record, or death by the same signal. The run is COMPLETED only when
+every rank's program exited 0 with no stop pending: rank 0 waits for the others' ends first.
 """
 
 from __future__ import annotations
@@ -15,189 +18,121 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ddpjob import console, exitcodes, rundir, runlock
+from ddpjob import commandpaths, console, exitcodes, fileio, rundir, runlock
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
-from ddpjob.ledger import crashes, events, policy
+from ddpjob.ledger import crashes, events, metricslines, policy
 from ddpjob.node import preemption
-from ddpjob.node.cluster import ClusterEnv, command_environ, process_started
-from ddpjob.rank import requeue
+from ddpjob.node.cluster import ClusterEnv, process_started
+from ddpjob.rank import commandenv, requeue, startcheck
+from ddpjob.ledger.programend import stop_said
+from ddpjob.rank.command_end import Ending, ending
 
 POLL_S = 0.1
 TAIL_CHARS = 32768  # of the child's stderr, kept for its last traceback
-FINAL_LINES = 200  # a traceback that begins within them is the program's last words
 HEARTBEATS = "heartbeats"  # RUN_DIR/heartbeats/rank-N: the file a program touches each step
-
-_FRAME = re.compile(r'\s*File "(.+)", line ([0-9]+)(?:, in .*)?')
-_RANK_PREFIX = re.compile(r"^\[rank[0-9]+\]: ")  # torch.distributed's excepthook marks each line
-_EXCEPTION = re.compile(r"([A-Za-z_][A-Za-z0-9_.]*)(?:: (.*))?")
-# A collective that failed because a peer is gone (its process died, its node left): the peer's
-# end is the crash, this rank's exception only follows from it (as the API's ClusterFailure)
-_PEER_GONE = re.compile(r"DistBackendError|DistNetworkError|DistStoreError|Connection (?:closed|reset) by peer"
-                        r"|Broken pipe|NCCL communicator was aborted|[Ww]atchdog caught collective operation timeout")
-
-
-@dataclass(frozen=True)
-class Raised:
-    """The last Python traceback a program printed: its exception and the innermost frame of its
-    own code (not the interpreter's library or an installed package), where one is shown."""
-
-    exception: str  # "ValueError" (a module-qualified name without its module)
-    message: str
-    where: str | None  # "train.py:42"
-
-
-def _library(path: str) -> bool:
-    folders = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return (path.startswith("<") or "/site-packages/" in path or "/dist-packages/" in path
-            or any(path.startswith(d.rstrip("/") + "/") for d in folders))
-
-
-def last_traceback(text: str) -> Raised | None:
-    """The last traceback in a program's stderr (a chained exception's last part is the one that
-    ended it), or None where none was printed."""
-    lines = [_RANK_PREFIX.sub("", line, count=1) for line in text.splitlines()]
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
-    if not starts:
-        return None
-    frames: list[tuple[str, str]] = []
-    for line in lines[starts[-1] + 1:]:
-        if m := _FRAME.fullmatch(line):
-            frames.append((m.group(1), m.group(2)))
-        elif line[:1] in (" ", "\t", ""):
-            continue  # the frame's source line, the caret markers
-        elif m := _EXCEPTION.fullmatch(line):
-            theirs = [f for f in frames if not _library(f[0])] or frames
-            where = f"{os.path.basename(theirs[-1][0])}:{theirs[-1][1]}" if theirs else None
-            return Raised(m.group(1).rsplit(".", 1)[-1], " ".join((m.group(2) or "").split())[:300], where)
-        else:
-            break
-    return None
-
-
-@dataclass(frozen=True)
-class Ending:
-    """How this rank ends after its program did: its exit status, whether it stopped for a requeue
-    (rank 0 records the stop), the fields of its crash record (None: no crash), and the signal it
-    dies by (the program's own death, passed on so that srun / the supervisor see it)."""
-
-    code: int
-    stop: bool = False
-    crash: dict[str, Any] | None = None
-    signum: int | None = None
-
-
-def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: int = signal.SIGTERM,
-           killed: bool = False, hang_s: float | None = None, stderr_tail: str = "") -> Ending:
-    """The program's exit status -> this rank's ending. 0: done. `requeue_exit`, or death by the
-    stop signal once ddpjob sent it (`stopped`: a program that does not catch it dies of it) or by
-    ddpjob's SIGKILL after the grace (`killed`; SLURM's own SIGKILL ending a step is no stop): a
-    stop for a requeue. Its stderr ending with a Python traceback: a crash named after it (the
-    user's, or infrastructure where it says a peer is gone). Killed by a signal: what the cluster
-    broke (infrastructure). Another status: the user's. `hang_s`: ddpjob ended it as hung."""
-    if hang_s is not None:
-        return Ending(exitcodes.ERROR, crash={
-            "error": f"the command stopped making progress: no output or heartbeat for {hang_s:.0f} s",
-            "error_class": policy.INFRASTRUCTURE})
-    if returncode == 0:
-        return Ending(exitcodes.OK)
-    # Its last words a traceback: it raised, whatever signal came while it was ending (srun ends
-    # the step with SIGTERM once a peer died, and that peer's death is what made it raise)
-    raised = last_traceback("\n".join(stderr_tail.splitlines()[-FINAL_LINES:]))
-    if returncode == requeue_exit or (raised is None and ((stopped and returncode == -stop_signal)
-                                                          or (killed and returncode == -signal.SIGKILL))):
-        return Ending(exitcodes.REQUEUE, stop=True)
-    if returncode < 0 and raised is None:
-        return Ending(128 - returncode, crash={"error": f"the command {_how(returncode)}",
-                                               "error_class": policy.INFRASTRUCTURE}, signum=-returncode)
-    raised = raised or last_traceback(stderr_tail)
-    if raised is None:
-        return Ending(exitcodes.ERROR, crash={"error": f"command exited with status {returncode} "
-                                                       "(no Python traceback on its stderr)",
-                                              "error_class": policy.USER})
-    at = f" at {raised.where}" if raised.where else ""
-    if _PEER_GONE.search(f"{raised.exception}: {raised.message}"):
-        return Ending(exitcodes.ERROR, crash={
-            "error": f"a peer of the command's process group is gone: {raised.exception}: {raised.message[:200]}{at}",
-            "error_class": policy.INFRASTRUCTURE, "exception": raised.exception})
-    return Ending(exitcodes.ERROR, crash={
-        "error": f"your code raised {raised.exception}: {raised.message}{at} (the command "
-                 f"{_how(returncode)})", "error_class": policy.USER, "exception": raised.exception,
-        **({"where": raised.where} if raised.where else {})})
-
-
-def _how(returncode: int) -> str:
-    if returncode >= 0:
-        return f"exited with status {returncode}"
-    try:
-        return f"was killed by {signal.Signals(-returncode).name}"
-    except ValueError:
-        return f"was killed by signal {-returncode}"
+PARTIAL_MAX = 65536  # bytes of a line without its end held back before they are written anyway
 
 
 @dataclass
 class _Output:
-    """The child's stdout and stderr passed through to this rank's, the time of the last byte,
-    and stderr's tail."""
+    """The child's stdout and stderr passed through to this rank's, whole lines at a time (in the
+    rank's log both streams land in one file: chunks written as they come cut each other's lines,
+    "Steps: 256/...dataloader.py:759: UserWarning"); a progress bar's carriage return ends a line
+    too. Also the time of the last byte, stderr's tail and stdout's last line (the progress
+    evidence of a program that logs no steps: ledger/progress.py)."""
 
     last: float = field(default_factory=time.time)
     tail: str = ""
+    last_line: str = ""
     threads: list[threading.Thread] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def follow(self, src: IO[bytes], dst: IO[bytes], keep: bool) -> None:
+        def write(data: bytes) -> None:
+            with self.lock:  # one line at a time across both streams
+                dst.write(data)
+                dst.flush()
+
         def pump() -> None:
+            held = b""
             while chunk := os.read(src.fileno(), 65536):
                 self.last = time.time()
-                dst.write(chunk)
-                dst.flush()
                 if keep:
                     self.tail = (self.tail + chunk.decode("utf-8", "replace"))[-TAIL_CHARS:]
+                held += chunk
+                end = max(held.rfind(b"\n"), held.rfind(b"\r"))
+                if end >= 0 or len(held) > PARTIAL_MAX:
+                    whole, held = (held[:end + 1], held[end + 1:]) if end >= 0 else (held, b"")
+                    write(whole)
+                    if not keep:
+                        self._note(whole)
+            if held:  # its last words without a line end: ended here, so the other stream's lines stay whole
+                write(held + b"\n")
+                if not keep:
+                    self._note(held)
         thread = threading.Thread(target=pump, daemon=True)
         thread.start()
         self.threads.append(thread)
+
+    def _note(self, data: bytes) -> None:
+        lines = [x.strip() for x in data.decode("utf-8", "replace").replace("\r", "\n").split("\n")]
+        lines = [x for x in lines if x]
+        if lines:
+            self.last_line = lines[-1][:200]
 
     def join(self) -> None:
         for thread in self.threads:
             thread.join(timeout=5.0)  # a grandchild may hold the pipe open: do not wait for it
 
 
-def _child_signals(cfg: JobConfig) -> None:
-    """In the child before exec: the command's stop signal at its default action, SLURM's other
-    stop signals ignored (SLURM signals every process of the step: they are ddpjob's to turn into
-    the one the program expects). A program's own handler replaces either."""
-    own = preemption.signal_number(cfg.train.command_signal)
-    for name in (cfg.slurm.signal, "TERM"):
-        if preemption.signal_number(name) != own:
-            signal.signal(preemption.signal_number(name), signal.SIG_IGN)
-    signal.signal(own, signal.SIG_DFL)
-
-
 def _begin(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, runlock.RunLock | None]:
     """This attempt's number, and rank 0's hold on the run dir: the lock, the unseen ends and the
-    budgets (requeue.check_start, as init() does; the start record follows: _Start). The other
+    budgets (startcheck.check_start, as init() does; the start record follows: _Start). The other
     ranks read the number from the ledger (attempts.current: the attempt without an end yet, else
     the next)."""
     if not env.is_rank0:
-        return requeue.attempt_of(env, events.read(run_dir)), None
+        return _peer_attempt(env, run_dir), None
     lock = runlock.RunLock.take(run_dir, f"{env.source} job {env.job_id or '-'} (rank 0, command)")
-    restart, why = requeue.check_start(cfg, env, run_dir)
+    restart, why = startcheck.check_start(cfg, env, run_dir)
     if why:
         lock.release()
         raise DDPJobError(f"this is restart {restart} of run {run_dir.name}: {why}",
                           "raise the budget in [slurm], or find out why the job keeps stopping "
                           "(`ddpjob status RUN_DIR` lists every stop)")
     return restart, lock
+
+
+# A rank other than 0 waits at most this long for rank 0's word on an attempt left open by an
+# earlier start (its records older than this rank's own start, by more than the clocks' slack)
+PEER_WAIT_S, CLOCK_SLACK_S = 120.0, 10.0
+
+
+def _peer_attempt(env: ClusterEnv, run_dir: Path) -> int:
+    """A rank other than 0: the attempt rank 0 takes. The ledger's open attempt of the job is
+    it, unless that attempt's launch (or start) is older than this rank's own start: then an
+    earlier start of the job ended unseen (SIGKILL after GraceTime) and rank 0, under the run
+    lock, is about to record its end and take the next number (startcheck.check_start). Read too
+    early, the ranks ran under two numbers and rank 0 waited forever for the others' ends."""
+    began = process_started() or time.time()
+    deadline = time.time() + PEER_WAIT_S
+    while True:
+        evs = events.read(run_dir)
+        n = startcheck.attempt_of(env, evs)
+        firsts = [float(e.get("time") or 0) for e in evs
+                  if e.get("event") in ("launch", "start") and events.of_attempt(e, env.job_id, n)]
+        if not firsts or max(firsts) >= began - CLOCK_SLACK_S or time.time() > deadline:
+            return n
+        time.sleep(POLL_S * 2)
 
 
 @dataclass
@@ -252,72 +187,108 @@ class _Start:
             self.record(first[0] - 1, first[1])
 
 
-def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv) -> int:
+def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv, stop: preemption.StopFlag | None = None) -> int:
     """Run the command on this rank to its end; this rank's exit status (or death by the
-    signal that killed the program)."""
+    signal that killed the program). `stop`: the flag-only handlers runner installed as it
+    started (a stop that came during start-up is in it), else installed here."""
     t = cfg.train
-    stop = preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
+    stop = stop or preemption.StopFlag.install([cfg.slurm.signal, "TERM"])
     restart, lock = _begin(cfg, env, run_dir)
     begun = _Start(run_dir, env, restart)
     if env.is_rank0:
         begun.first_step()  # what earlier attempts logged is not this one's first step
     beat = run_dir / HEARTBEATS / f"rank-{env.rank}"
     beat.parent.mkdir(exist_ok=True)
-    child_env = command_environ(env, {
-        "DDPJOB_RUN_DIR": str(run_dir), "DDPJOB_ATTEMPT": str(restart),
-        "DDPJOB_METRICS": str(run_dir / rundir.METRICS), "DDPJOB_HEARTBEAT": str(beat)})
+    metrics = run_dir / rundir.METRICS
+    for own in (beat, metrics):  # ddpjob's files, private whatever umask the program has
+        os.close(os.open(own, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    argv = commandpaths.argv(cfg, run_dir, restart)
+    cwd = commandpaths.workdir(cfg, run_dir, restart)
+    child_env = commandenv.environ(cfg, env, run_dir, restart, {
+        "DDPJOB_METRICS": str(metrics), "DDPJOB_HEARTBEAT": str(beat)})
     try:
-        child = subprocess.Popen(list(t.command), env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 preexec_fn=lambda: _child_signals(cfg))
+        child = subprocess.Popen(argv, cwd=cwd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 preexec_fn=commandenv.child_setup(cfg, env))
     except OSError as exc:
         if lock is not None:
             lock.release()
-        err = DDPJobError(f"train.command {t.command[0]!r} cannot be started on {env.hostname} ({exc.strerror}), "
-                          "expected a program on the nodes' PATH or a path from the working directory "
-                          f"{os.getcwd()}", "fix train.command (it runs without a shell)")
+        what = (f"train.command_cwd {str(cwd)!r} is not a directory on {env.hostname}"
+                if not cwd.is_dir() else f"train.command {argv[0]!r} cannot be started on {env.hostname} "
+                f"({exc.strerror}), expected a program on the nodes' PATH or a path from the working directory {cwd}")
+        err = DDPJobError(what, "fix train.command / train.command_cwd (the command runs without a shell)")
         # the user's setting: not retried (a rank crash record without a class reads as the cluster's)
         events.record(run_dir, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
                       restart=restart, error=err.line(), error_class=policy.USER, exception=type(exc).__name__)
         raise err from None
+    launched = time.time()
+    if env.is_rank0:  # the job is on record now (`ddpjob status`, `stop`), whether it ever logs a step or not
+        events.record(run_dir, "launch", job_id=env.job_id, restart=restart, world_size=env.world_size,
+                      host=env.hostname, source=env.source)
     out = _Output()
     out.follow(child.stdout, sys.stdout.buffer, keep=False)  # type: ignore[arg-type]
     out.follow(child.stderr, sys.stderr.buffer, keep=True)  # type: ignore[arg-type]
-    console.print0(f"ddpjob: attempt {restart}: running {' '.join(t.command)[:200]} (pid {child.pid})")
+    console.print0(f"ddpjob: attempt {restart}: running {' '.join(argv)[:200]} in {cwd} (pid {child.pid})")
     sent: float | None = None  # when the stop signal went to the program
     hung: float | None = None
     killed = False  # ddpjob's SIGKILL after the grace
+    signum = preemption.signal_number(t.command_signal)
     while child.poll() is None:
         begun.poll()
         now = time.time()
         if stop.code != preemption.NONE and sent is None:
             sent = now
-            child.send_signal(preemption.signal_number(t.command_signal))
+            child.send_signal(signum)
         heard = max(out.last, beat.stat().st_mtime if beat.exists() else 0.0)
         if sent is None and hung is None and t.command_hang_s > 0 and now - heard > t.command_hang_s:
             hung = t.command_hang_s
             print(f"ddpjob: rank {env.rank}: no output or heartbeat for {hung:.0f} s: ending the command "
-                  f"({signal.Signals(preemption.signal_number(t.command_signal)).name}, then SIGKILL after {t.command_grace_s:.0f} s)",
+                  f"({signal.Signals(signum).name}, then SIGKILL after {t.command_grace_s:.0f} s)",
                   file=sys.stderr, flush=True)
             sent = now
-            child.send_signal(preemption.signal_number(t.command_signal))
+            child.send_signal(signum)
         if sent is not None and now - sent > t.command_grace_s and not killed:
             killed = True
             child.kill()
         time.sleep(POLL_S)
     out.join()
     begun.poll()
-    begun.record(crashes.command_saved(run_dir))
+    # A program that logs no steps: all ddpjob knows is that it ran from its launch, which the
+    # ledger books as training, not start-up (a program that logs steps and ended before its
+    # first line of this attempt spent the attempt starting)
+    saved = crashes.command_saved(run_dir)
+    begun.record(saved, launched if saved is None else None)
     end = ending(child.returncode, requeue_exit=t.command_requeue_exit, stopped=stop.code != preemption.NONE,
-                 stop_signal=preemption.signal_number(t.command_signal), killed=killed and hung is None,
-                 hang_s=hung, stderr_tail=out.tail)
-    return _finish(cfg, env, run_dir, restart, end, stop, lock)
+                 stop_signal=signum, killed=killed and hung is None, hang_s=hung, stderr_tail=out.tail,
+                 trainer_ended=metricslines.trainer_ended(fileio.read_jsonl(metrics)[-50:], restart))
+    if end.note:
+        print(f"ddpjob: rank {env.rank} on {env.hostname}: {end.note}", file=sys.stderr, flush=True)
+    return _finish(cfg, env, run_dir, restart, end, stop, lock, out.last_line)
 
 
-def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: Ending, stop: Any,
-            lock: runlock.RunLock | None) -> int:
-    """Record the ending (rank 0: the run's completion or the stop's decision; any rank: its
-    crash) and leave as it says."""
-    step = crashes.command_saved(run_dir)
+def _others_ended(run_dir: Path, env: ClusterEnv, restart: int, stop: preemption.StopFlag,
+                  grace_s: float) -> list[dict[str, Any]] | None:
+    """Rank 0, its own program done: every rank's `rank_end` of this attempt, waited for (a peer
+    may still be saving, or crash yet: its crash wins over rank 0's exit 0). None: a stop came
+    and a rank had not ended within the grace after it (its `ddpjob run` died without a word:
+    srun or the supervisor ends the step and the batch shell decides what they saw)."""
+    deadline: float | None = None
+    while True:
+        ends = {e.get("rank"): e for e in events.read(run_dir)
+                if e.get("event") == "rank_end" and events.of_attempt(e, env.job_id, restart)}
+        if len(ends) >= env.world_size:
+            return list(ends.values())
+        if stop.code != preemption.NONE and deadline is None:
+            deadline = time.time() + grace_s
+        if deadline is not None and time.time() > deadline:
+            return None
+        time.sleep(POLL_S * 2)
+
+
+def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: Ending,
+            stop: preemption.StopFlag, lock: runlock.RunLock | None, last_line: str) -> int:
+    """Record the ending (every rank: its rank_end; rank 0: the run's completion or the stop's
+    decision; any rank: its crash) and leave as it says."""
+    step, lost = crashes.command_point(run_dir)
     if end.stop and stop.code == preemption.PREEMPTED:
         peer = crashes.peer_crash(events.read(run_dir), env.job_id, restart, env.rank)
         if peer is not None:
@@ -329,15 +300,47 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
                   "crash (srun's SIGTERM): no stop recorded, the crash is decided", file=sys.stderr, flush=True)
             end = Ending(128 + signal.SIGTERM, signum=signal.SIGTERM)
     if end.crash is not None:
+        # the step it crashed after, as far as its lines tell (the verdict's "at step N"), not the
+        # save it resumes from: the decision carries that
+        reached = step + lost if step is not None and lost is not None else step
         events.record(run_dir, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
-                      restart=restart, step=step, **end.crash)
+                      restart=restart, step=reached, last_output=last_line, **end.crash)
         print(f"ddpjob: rank {env.rank} on {env.hostname}: {end.crash['error']}", file=sys.stderr, flush=True)
-    elif env.is_rank0 and end.code == exitcodes.OK:
+    events.record(run_dir, "rank_end", rank=env.rank, host=env.hostname, job_id=env.job_id, restart=restart,
+                  status=end.code, stop=end.stop, **({"program": end.program} if end.program else {}))
+    complete = env.is_rank0 and end.code == exitcodes.OK
+    if complete and env.world_size > 1:
+        ends = _others_ended(run_dir, env, restart, stop, cfg.train.command_grace_s)
+        if ends is None:
+            print(f"ddpjob: rank 0: a stop came and rank(s) had not ended {cfg.train.command_grace_s:.0f} s "
+                  "later: not COMPLETED; the step's end is decided from what srun or the supervisor saw",
+                  file=sys.stderr, flush=True)
+            end, complete = Ending(128 + signal.SIGTERM, signum=signal.SIGTERM), False
+        elif failed := sorted(str(e.get("rank")) for e in ends if e.get("status") != exitcodes.OK and not e.get("stop")):
+            # one rank's crash wins over rank 0's exit 0, and over srun's SIGTERM that followed it
+            # (--kill-on-bad-exit): no stop here, the crash is decided (the batch shell, the supervisor)
+            console.print0(f"ddpjob: rank 0's program exited 0, rank(s) {', '.join(failed)} did not: the run is not COMPLETED")
+            complete = False
+            if stop.code == preemption.PREEMPTED:
+                end = Ending(128 + signal.SIGTERM, signum=signal.SIGTERM)
+        elif stop.code != preemption.NONE or any(e.get("stop") for e in ends):
+            program = next((str(e["program"]) for e in ends if e.get("program")), None)
+            end, complete = Ending(exitcodes.REQUEUE, stop=True, program=program), False
+    elif complete and stop.code != preemption.NONE:
+        end, complete = Ending(exitcodes.REQUEUE, stop=True, program=end.program), False
+    if complete:
         rundir.mark_completed(run_dir, step=step)
-        console.print0(f"ddpjob: the command finished (exit 0): {run_dir} is COMPLETED")
+        events.record(run_dir, "stop", reason="finished", step=step, job_id=env.job_id, restart=restart)
+        console.print0(f"ddpjob: every rank's program exited 0: {run_dir} is COMPLETED")
     elif env.is_rank0 and end.stop:
-        code = stop.code if stop.code != preemption.NONE else preemption.REQUEUE
-        requeue.after_stop(cfg, env, run_dir, code, step, restart=restart, signal_time=stop.time)
+        if end.program:
+            console.print0(f"ddpjob: {stop_said(end.program, signal.Signals(preemption.signal_number(cfg.train.command_signal)).name, cfg.train.command_grace_s)}")
+        # the job's warning signal first (time limit, `ddpjob stop`), then SIGTERM: srun ending the
+        # step once a peer's program had left with its stop status (--kill-on-bad-exit), no scancel
+        code = (stop.first if stop.first == preemption.REQUEUE else stop.code) if stop.code != preemption.NONE \
+            else preemption.REQUEUE
+        requeue.after_stop(cfg, env, run_dir, code, step, restart=restart, signal_time=stop.time,
+                           program=end.program, steps_lost=lost)
     if lock is not None:
         lock.release()
     # only now: `scontrol requeue` of this job signals its step, this process too, while it records

@@ -30,7 +30,7 @@ class Pending(Protocol):
 
 
 class Rider(Protocol):
-    """Values that travel with the vote, after its own three (rank/straggler.StepTimer): the
+    """Values that travel with the vote, after its own three (rank/steptimer.StepTimer): the
     same number on every rank, each rank filling its own slots (the channel takes the MAX)."""
 
     def values(self) -> list[int]: ...

@@ -2,37 +2,25 @@
 
 It wraps the model (DDP or FSDP2), resumes the newest checkpoint, runs the step loop with the
 stop/save decision between steps (decide.py), writes the metric records and the sample log
-(records.py), the final model and the COMPLETED marker, and tears the rank down. A rank's
-exceptions leave through `explain()`, which the runner and a script run alone both use.
+(records.py), the final model and the COMPLETED marker, and tears the rank down. Its parts are
+built by jobparts.py; what the loop records and says (the start, checkpoints, the stop and its
+requeue) is loopevents.py's; a script run alone reports an uncaught error through
+ownerror.Uncaught. A rank's exceptions leave through `explain()`, which the runner and a script
+run alone both use.
 """
 
 from __future__ import annotations
 
-import atexit
 import gc
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpjob import console, exitcodes, fileio, rundir, runlock
-from ddpjob.ledger import events, requests
+from ddpjob import console, fileio, rundir, runlock
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
-from ddpjob.rank.records import MetricLog, SampleLog
-from ddpjob.rank.trackers import Trackers
 from ddpjob.rank.usertable import UserTable
-
-
-class StopForRequeue(SystemExit):
-    """Raised out of `job.steps()` once every rank agreed to stop and the checkpoint is written:
-    the process ends with exitcodes.REQUEUE (3). A SystemExit, so `except Exception` in user code
-    lets it through and `finally` blocks still run."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(exitcodes.REQUEUE)
-        self.step = step
 
 
 class Job:
@@ -48,57 +36,35 @@ class Job:
         code this rank runs (for the checkpoints' code check); `allow_code_change`,
         `from_scratch`: `ddpjob run`'s flags; `on_close`: told when close() ran."""
         self._standalone, self._lock, self._on_close = standalone, lock, on_close
-        # torch loads here, not at import: `import ddpjob` stays light on a login node
-        from ddpjob.node import dist, preemption
-        from ddpjob.rank import probe, straggler
-        from ddpjob.store import memsnap
-        from ddpjob.store.schedule import SaveSchedule
-        from ddpjob.store.state import StateStore
+        from ddpjob.rank import jobparts, steptimer  # torch loads here, not at import (jobparts.build)
 
         self.config, self.env, self._ctx, self.run_dir, self._stop = cfg, ctx.env, ctx, run_dir, stop
         self.rank, self.local_rank = ctx.env.rank, ctx.env.local_rank
         self.world_size, self.device, self.is_rank0 = ctx.env.world_size, ctx.device, ctx.env.is_rank0
         self.user = UserTable(cfg.user)
-        self._checked_user = False  # the [user] keys never read: said once, before the first checkpoint
         self.restart, self.job_id = restart, ctx.env.job_id  # restart: the attempt's number in the run (ledger/attempts.py)
         self.finished = False
         self.stopped_at: int | None = None
-        self._control = dist.Control(ctx)
-        dist.watch_steps(stop)
-        c = cfg.checkpoint
-        self._store = StateStore(run_dir / rundir.CHECKPOINTS, keep_last=c.keep_last,
-                                 config_hash=cfg.hash(), async_save=c.async_save, rank=self.rank,
-                                 world_size=self.world_size, restart=self.restart,
-                                 job_id=self.job_id, control=self._control,
-                                 init_from=c.init_from, init_keys=c.init_keys,
-                                 code=code, allow_code_change=allow_code_change, from_scratch=from_scratch,
-                                 sharded=cfg.train.strategy == "fsdp",
-                                 snapshots=memsnap.for_rank(cfg, ctx.env, run_dir), identity=cfg.identity())
-        self._schedule = SaveSchedule(c.every_steps, c.every_minutes)
-        self._deadline = preemption.DeadlineWatch(end_time)
         self._step: int | None = None  # set by resume()
         self.resumed_world_size: int | None = None  # the checkpoint's, after resume()
-        self._samples = SampleLog(run_dir, rank=self.rank, restart=restart, world_size=self.world_size)
-        self._metrics = MetricLog(
-            run_dir, restart, job_id=self.job_id, textfile=cfg.train.metrics_textfile,
-            trackers=Trackers(cfg, run_dir, job_id=self.job_id, attempt=restart) if cfg.train.trackers else None,
-        ) if self.is_rank0 else None  # rank 0 writes them
         self._closed = False
         self.vote_s = 0.0
-        self._snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
         self._load_s: float | None = None  # resume()'s, for the recovery's phases (ledger/phases.py)
-        self._timer = straggler.for_job(self)  # each step's work and data wait, riding the vote
-        self._probe = probe.Probe.for_rank(ctx.env.ddpjob_vars, run_dir, self.rank, restart)  # ddpjob verify's
+        p = jobparts.build(cfg, ctx, run_dir, stop, self.user, restart=restart, end_time=end_time, code=code,
+                           allow_code_change=allow_code_change, from_scratch=from_scratch)
+        self._control, self._events, self._store = p.control, p.events, p.store
+        self._schedule, self._deadline, self._samples, self._metrics = p.schedule, p.deadline, p.samples, p.metrics
+        self._probe = p.probe  # ddpjob verify's
+        self._timer = steptimer.for_job(self)  # each step's times, riding the vote; the speed watches
         # On GPUs the kernel choice decides both speed and whether a resume is bit-exact: say it.
         kernels = "" if self.device.type != "cuda" else (
             ", deterministic kernels (train.deterministic)" if cfg.train.deterministic
             else ", fastest kernels, cudnn.benchmark (train.deterministic = false: resumes not bit-exact)")
         console.print0(f"ddpjob run {run_dir}: {self.env.describe()}{kernels}")
-        self._uncaught: int | None = None  # the exit status of an uncaught error (scripts run alone)
-        if standalone:
-            atexit.register(self._at_exit)
-            self._excepthook = sys.excepthook
-            sys.excepthook = self._report_uncaught
+        if standalone:  # no `ddpjob run` around: an uncaught error is reported, close() runs at exit
+            from ddpjob.rank import ownerror
+
+            ownerror.Uncaught(self)
 
     @property
     def current_step(self) -> int | None:
@@ -114,26 +80,6 @@ class Job:
         reported = dist.explain_failure(exc)
         return determinism.explain(exc) if reported is exc else reported
 
-    def _report_uncaught(self, kind: type[BaseException], exc: BaseException, tb: Any) -> None:
-        # A script run alone (no `ddpjob run` around it): Python prints the traceback, then the line.
-        self._excepthook(kind, exc, tb)
-        explained = self.explain(exc)
-        if isinstance(explained, DDPJobError):
-            print(explained.line(), file=sys.stderr, flush=True)
-        self._uncaught = 130 if issubclass(kind, KeyboardInterrupt) else 1
-
-    def _at_exit(self) -> None:
-        """Scripts run alone. After an uncaught error this rank failed alone: its peers wait for
-        it inside some collective, not in close()'s exit barrier, which would hold this process
-        for the whole dist_timeout_s (300 s) so that torchrun or srun could not end the job
-        before then. So: no barrier, and no interpreter teardown with the group left standing
-        (dist.end_if_left_standing), as `ddpjob run` does."""
-        self.close(failed=self._uncaught is not None)
-        if self._uncaught is not None:
-            from ddpjob.node import dist
-
-            dist.end_if_left_standing(self._uncaught)
-
     # ------------------------------------------------------------------ model
     def wrap(self, model: Any, **ddp_kwargs: Any) -> Any:
         """Move `model` to this rank's device and wrap it in DDP (when there are several ranks).
@@ -143,7 +89,7 @@ class Job:
         With train.strategy = "fsdp" the model is sharded in place instead (FSDP2 fully_shard
         on each child with parameters and on the root, node/fsdp.py) and returned: build the
         optimizer after wrap(). `ddp_kwargs` are DDP's only."""
-        from ddpjob.node import dist
+        from ddpjob.node import gradsync
 
         model.to(self.device)
         if not self._ctx.initialized:
@@ -155,7 +101,7 @@ class Job:
                 raise DDPJobError(f"job.wrap() got DDP arguments {sorted(ddp_kwargs)} with train.strategy = "
                                   "\"fsdp\", expected none", "drop them, or use strategy = \"ddp\"")
             return fsdp.shard(model, self.config.train.amp)
-        from torch.nn.parallel import DistributedDataParallel as DDP
+        from ddpjob.node.ddpwrap import TimedDDP as DDP  # DDP, its pre-forward timed: rank/steptimer.py
 
         if self.device.type == "cuda":
             ddp_kwargs.setdefault("device_ids", [self.device.index])
@@ -163,8 +109,8 @@ class Job:
         ddp = DDP(model, **ddp_kwargs)
         self._ctx.hold(ddp)  # it lets go of the group at the end (DistContext._release)
         t = self.config.train
-        dist.register_comm_hook(ddp, ordered=t.deterministic_reduce and self.world_size > 2,
-                                compression=t.grad_compression)
+        gradsync.register_comm_hook(ddp, ordered=t.deterministic_reduce and self.world_size > 2,
+                                    compression=t.grad_compression)
         self._timer.watch_forward(ddp, model)
         return ddp
 
@@ -218,24 +164,13 @@ class Job:
         With train.stop_vote = "overlap" (default) the vote started after step s is read after
         step s+1, so no step waits for it: a stop request lands one step later.
         `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
-        from ddpjob.node import compilecache
         from ddpjob.node.sampler import StepSampler
         from ddpjob.rank.decide import StepDecider
 
         if self._step is None:
             self.resume(state)
         step = int(self._step or 0)
-        if self.is_rank0:
-            from ddpjob.node import warmserver
-            from ddpjob.node.cluster import process_started
-
-            if warmserver.FORKED in self.env.ddpjob_vars:  # forked by the node's warm-start server
-                info = {"warm": True, **info}
-            events.record(self.run_dir, "start", restart=self.restart, job_id=self.job_id,
-                                world_size=self.world_size, source=self.env.source,
-                                host=self.env.hostname, resumed_step=step or None,
-                                launched_time=process_started(), load_s=self._load_s, **info)
-        first_step = self.is_rank0  # rank 0 records when the first step of this attempt ends
+        self._events.started(step, self._load_s, info)
         self._store.restore_rng()  # last thing before the first step: see StateStore.restore_rng
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
         decider = StepDecider(self._control, stop=self._stop, schedule=self._schedule, deadline=self._deadline,
@@ -246,16 +181,12 @@ class Job:
             while step < total:
                 self._timer.step_started()
                 if self._probe is not None:  # ddpjob verify: an interruption caused at this step
-                    self._probe.at_step(step, self._stop)
+                    self._probe.at_step(step, self._stop, state)
                 yield step
-                self._timer.step_done()
+                self._timer.step_done(step + 1)
                 step += 1
                 self._step = step
-                if first_step:  # the recovery's last phase ends here (ledger/phases.py)
-                    graphs = compilecache.graphs()  # torch.compile's work is in this first step
-                    events.record(self.run_dir, "first_step", step=step, job_id=self.job_id,
-                                        restart=self.restart, **({"graphs": graphs} if graphs else {}))
-                    first_step = False
+                self._events.stepped(step)
                 self._stop.current_step = step
                 now = decider.after_step(step)
                 if now.last:
@@ -265,88 +196,38 @@ class Job:
                 if now.save:
                     for s in samplers:
                         s.set_step(step)
-                    self._before_checkpoint()
+                    self._events.before_checkpoint()
                     t0, decided = time.monotonic(), time.time()
                     self._store.save(step, state, blocking=bool(now.stop))
                     if self._metrics is not None:
                         self._metrics.saved(step)  # what a resume from this checkpoint keeps is on disk
                     decider.saved(time.monotonic() - t0)
                     if not now.stop:  # a stop's save is the ledger's "stop and save" already
-                        self._record_checkpoint(step, time.monotonic() - t0)
+                        self._events.checkpoint(step, time.monotonic() - t0)
                 if now.stop:
-                    self._stop_for_requeue(step, now.stop, lag=decider.lag, decided_time=decided,
-                                           saved_time=time.time())
+                    self.stopped_at = step
+                    self._events.stop_for_requeue(step, now.stop, lag=decider.lag, decided_time=decided,
+                                                  saved_time=time.time())  # raises StopForRequeue
                 elif self._store.snapshot_due(step):  # node-local memory (a collective once, for "auto")
                     for s in samplers:
                         s.set_step(step)
                     t0 = time.monotonic()
                     self._store.snapshot(step, state)
-                    self._snapshot_s += time.monotonic() - t0
+                    self._events.snapshot_s += time.monotonic() - t0
                 decider.next_step(step)
         finally:
             self.vote_s += decider.vote_s
         decider.close()  # every rank reads the last vote: the groups stay in step
         for s in samplers:
             s.set_step(step)
-        self._before_checkpoint()
+        self._events.before_checkpoint()
         t0 = time.monotonic()
         self._store.save(step, state, blocking=True)
-        self._record_checkpoint(step, time.monotonic() - t0)
+        self._events.checkpoint(step, time.monotonic() - t0)
         if self._metrics is not None:
             self._metrics.saved(step)
         if self._probe is not None:
             self._probe.at_end(state)
-
-    def _before_checkpoint(self) -> None:
-        """Rank 0, before the first checkpoint: the [user] keys the script has not read by now
-        change nothing (a typo trains at the script's default), said while there is time to stop."""
-        if self._checked_user or not self.is_rank0:
-            return
-        self._checked_user = True
-        from ddpjob.rank import checks
-
-        line = checks.unread_user_keys(dict.keys(self.user), self.user.read)
-        if line:
-            console.warn(line)
-
-    def _record_checkpoint(self, step: int, block_s: float) -> None:
-        """Rank 0, after a save: how long it held the loop, and the in-memory snapshots' hold
-        since the last record (the goodput ledger, ledger/goodput.py). One line per checkpoint,
-        nothing per step."""
-        if self.is_rank0:
-            events.record(self.run_dir, "checkpoint", step=step, job_id=self.job_id, restart=self.restart,
-                                block_s=round(block_s, 4), snapshot_s=round(self._snapshot_s, 4))
-        self._snapshot_s = 0.0
-
-    def _stop_for_requeue(self, step: int, code: int, *, lag: int, **times: float) -> None:
-        from ddpjob.node import preemption
-        from ddpjob.rank import requeue
-
-        self.stopped_at = step
-        self._record_signal(step)
-        mine = f"; this rank got {self._stop.describe()}" if self._stop.signum is not None else ""
-        if self.is_rank0 and code == preemption.REQUEUE and requests.stop_requested(self.run_dir, self.job_id):
-            # the checkpoint signal came from `ddpjob stop`: no requeue follows (requeue.after_stop)
-            console.print0(f"stopping at step {step} (`ddpjob stop`{mine}): checkpoint written, not requeued")
-        else:
-            console.print0(f"stopping at step {step} ({preemption.REASONS[code]}{mine}): checkpoint written")
-        if self.is_rank0:
-            requeue.after_stop(self.config, self.env, self.run_dir, code, step, restart=self.restart,
-                               signal_step=self._stop.signal_step, signal_time=self._stop.time,
-                               lag=lag, times=times)
-        # nobody exits (srun --kill-on-bad-exit) before rank 0 requeued
-        self._control.barrier("the barrier after the requeue decision")
-        raise StopForRequeue(step)
-
-    def _record_signal(self, step: int) -> None:
-        import signal
-
-        if self._stop.signum is not None:  # per rank: which signal reached it, and when
-            events.record(self.run_dir, "signal", rank=self.rank,
-                                signal=signal.Signals(self._stop.signum).name,
-                                at_step=self._stop.signal_step, stop_step=step,
-                                signal_time=self._stop.time,
-                                job_id=self.job_id, restart=self.restart)
 
     # ------------------------------------------------------------------ records
     def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
@@ -361,10 +242,10 @@ class Job:
     def broadcast_buffers(self, model: Any) -> None:
         """Rank 0's buffers (BatchNorm running statistics) on every rank, e.g. before an
         evaluation, so that every rank evaluates the same model. A collective."""
-        from ddpjob.node import dist
-        from ddpjob.store.state import plain_module
+        from ddpjob.node import modelsync
+        from ddpjob.store.statecheck import plain_module
 
-        dist.broadcast_buffers(plain_module(model))
+        modelsync.broadcast_buffers(plain_module(model))
 
     def log(self, step: int, *, average: bool | Sequence[str] = False, **scalars: Any) -> dict[str, Any]:
         """Rank 0 appends {step, restart, time, **scalars} to RUN_DIR/metrics.jsonl (what
@@ -396,15 +277,15 @@ class Job:
         """The end of training: RUN_DIR/final/model.pt (a plain state_dict, no `module.`
         prefixes; a sharded model gathered whole) and the COMPLETED marker with `info` (e.g.
         accuracy=0.93). Collective."""
-        from ddpjob.node import dist, fsdp
-        from ddpjob.store.state import plain_module, plain_state_dict
+        from ddpjob.node import fsdp, modelsync
+        from ddpjob.store.statecheck import plain_module, plain_state_dict
 
         self._store.finish_pending()
         step = self._step if self._step is not None else 0
-        self._record_signal(step)
+        self._events.signal(step)
         weights: dict[str, Any] | None = None
         if model is not None and fsdp.is_sharded(plain_module(model)):
-            weights = dist.full_state_dict(plain_module(model))  # every rank: its shards to rank 0
+            weights = modelsync.full_state_dict(plain_module(model))  # every rank: its shards to rank 0
         if self.is_rank0:
             if model is not None:
                 import torch
@@ -414,8 +295,7 @@ class Job:
                 weights = plain_state_dict(model) if weights is None else weights
                 fileio.write_atomic(final / "model.pt", lambda f: torch.save(weights, f))
             rundir.mark_completed(self.run_dir, step=step, **info)
-            events.record(self.run_dir, "stop", reason="finished", step=step, job_id=self.job_id,
-                                restart=self.restart, **{k: v for k, v in info.items() if k == "accuracy"})
+        self._events.finished(step, info)
         self._control.barrier("job.finish()")
         self.finished = True
 
@@ -442,9 +322,7 @@ class Job:
             from ddpjob.store import memsnap
 
             memsnap.remove_job(self.run_dir, self.job_id, memsnap.base_of(self.config))
-        if self.is_rank0 and self.stopped_at is not None:  # the end of the recovery's exit phase
-            events.record(self.run_dir, "exit", step=self.stopped_at, job_id=self.job_id,
-                                restart=self.restart)
+        self._events.exited(self.stopped_at)  # the end of the recovery's exit phase
         if self._lock is not None:  # after the last record: the run dir is free for the next job
             self._lock.release()
         if self._on_close is not None:

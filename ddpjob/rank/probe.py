@@ -8,13 +8,16 @@ the first attempt only (restart 0) the chosen rank
 - pause: writes RUN_DIR/verify/paused.json and waits until its stop flag is raised (verify then
   signals the supervisor, or runs `ddpjob stop`): the stop lands at the same step however long
   the signal takes, never where a timer happens to fire.
+As every step is handed out, every rank of every attempt appends its view of the loop's own
+variables (rank/loopview.py: what the loop holds outside `state`, by content) to
+RUN_DIR/verify/steps-rank-R.jsonl; a replayed step's line comes later in the file.
 After the final save (`at_end`) every rank writes RUN_DIR/verify/rank-R.json: a digest of each
-`state` object as this rank holds it, and of the random generators its code holds outside `state`.
+`state` object as this rank holds it (a PerRank value by its content), and of the random
+generators its code holds outside `state`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import sys
@@ -24,8 +27,12 @@ from types import FrameType, ModuleType
 from typing import Any
 
 from ddpjob import fileio, rundir
-from ddpjob.probeplan import FOLDER, PAUSED, VARIABLE, Instruction, parse
+from ddpjob.probeplan import FOLDER, PAUSED, STEPS, VARIABLE, Instruction, parse
 from ddpjob.errors import DDPJobError
+from ddpjob.rank import loopview
+from ddpjob.rank.loopview import digest
+
+__all__ = ["Probe", "digest"]
 
 PAUSE_LIMIT_S = 300.0  # verify acts within a second; a rank paused longer was forgotten
 
@@ -33,17 +40,28 @@ PAUSE_LIMIT_S = 300.0  # verify acts within a second; a rank paused longer was f
 class Probe:
     """One rank's part of a verify run; `None` from `for_rank` when verify did not ask."""
 
-    def __init__(self, instruction: Instruction, run_dir: Path, rank: int, first_attempt: bool) -> None:
-        self.instruction, self.run_dir, self.rank = instruction, run_dir, rank
-        self.armed = first_attempt and instruction.rank == rank and instruction.action != "record"
+    def __init__(self, instruction: Instruction, run_dir: Path, rank: int, restart: int) -> None:
+        self.instruction, self.run_dir, self.rank, self.restart = instruction, run_dir, rank, restart
+        self.armed = restart == 0 and instruction.rank == rank and instruction.action != "record"
+        self._cache: dict[int, Any] = {}
+        self._inside: set[int] | None = None
 
     @classmethod
     def for_rank(cls, ddpjob_vars: Any, run_dir: Path, rank: int, restart: int) -> Probe | None:
         text = ddpjob_vars.get(VARIABLE)
-        return cls(parse(text), run_dir, rank, restart == 0) if text else None
+        return cls(parse(text), run_dir, rank, restart) if text else None
 
-    def at_step(self, step: int, stop: Any) -> None:
-        """`step` is handed out next; `stop` is the rank's StopFlag."""
+    def at_step(self, step: int, stop: Any, state: dict[str, Any]) -> None:
+        """`step` is handed out next (called from inside `job.steps()`: the frame above it is the
+        user's loop); `stop` is the rank's StopFlag."""
+        if self._inside is None:
+            self._inside = loopview.inside_ids(state)
+            rundir.make_dir(self.run_dir / FOLDER)
+        loop = sys._getframe(2)  # at_step <- Job.steps <- the user's loop, iterating it
+        fileio.append_jsonl(self.run_dir / FOLDER / STEPS.format(rank=self.rank), {
+            "step": step, "restart": self.restart,
+            "view": loopview.view(loop, self._inside, self._cache)})
+        del loop
         if not self.armed or step != self.instruction.step:
             return
         self.armed = False
@@ -69,26 +87,12 @@ class Probe:
                 for name, value in list(scope.items()):
                     for where, g in _named_generators(name, value):
                         if id(g) not in inside:
-                            outside.setdefault(where, digest(_generator_state(g)))
+                            outside.setdefault(where, digest(loopview.generator_state(g)))
             frame = frame.f_back
         rundir.make_dir(self.run_dir / FOLDER)
         fileio.write_json_atomic(self.run_dir / FOLDER / f"rank-{self.rank}.json", {
-            "state": {str(k): digest(v.state_dict() if hasattr(v, "state_dict") else v) for k, v in state.items()},
+            "state": {str(k): digest(_content(v)) for k, v in state.items()},
             "outside": outside})
-
-
-def _is_generator(value: Any) -> bool:
-    """A random generator of its own (torch, numpy, random), not a library's global one."""
-    import random
-
-    import numpy as np
-    import torch
-
-    if isinstance(value, torch.Generator):
-        return value is not torch.default_generator and all(value is not g for g in torch.cuda.default_generators)
-    if isinstance(value, (np.random.Generator, np.random.RandomState)):
-        return value is not np.random.mtrand._rand
-    return isinstance(value, random.Random) and value is not getattr(random, "_inst", None)
 
 
 def _generators(value: Any, depth: int) -> list[Any]:
@@ -101,7 +105,7 @@ def _named_generators(name: str, value: Any, depth: int = 1) -> list[tuple[str, 
     if isinstance(value, (ModuleType, type)) or name.startswith("__"):
         return []
     try:
-        if _is_generator(value):
+        if loopview.is_generator(value):
             return [(name, value)]
     except Exception:  # an object whose isinstance check itself fails: not a generator of the user's
         return []
@@ -112,43 +116,9 @@ def _named_generators(name: str, value: Any, depth: int = 1) -> list[tuple[str, 
     return found
 
 
-def _generator_state(g: Any) -> Any:
-    if hasattr(g, "get_state") and not hasattr(g, "bit_generator"):
-        return g.get_state()  # torch.Generator, numpy RandomState
-    if hasattr(g, "bit_generator"):
-        return g.bit_generator.state
-    return g.getstate()
-
-
-def digest(value: Any) -> str:
-    """sha256 of a nested value of tensors, arrays, numbers and strings, the same for equal
-    contents whatever the object identities (a state_dict, a generator's state)."""
-    h = hashlib.sha256()
-    _feed(h, value)
-    return h.hexdigest()[:16]
-
-
-def _feed(h: Any, value: Any) -> None:
-    import numpy as np
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        local = value.to_local() if hasattr(value, "to_local") else value  # a DTensor: this rank's shard
-        t = local.detach().cpu().contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    elif isinstance(value, np.ndarray):
-        h.update(f"A{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
-    elif isinstance(value, dict):
-        h.update(b"{")
-        for k in sorted(value, key=str):
-            h.update(repr(k).encode())
-            _feed(h, value[k])
-        h.update(b"}")
-    elif isinstance(value, (list, tuple)):
-        h.update(b"[")
-        for v in value:
-            _feed(h, v)
-        h.update(b"]")
-    else:
-        h.update(repr(value).encode())
+def _content(value: Any) -> Any:
+    """What a `state` value holds: a PerRank's saved value, an object's state_dict, a plain value."""
+    capture = getattr(value, "capture", None)
+    if callable(capture) and type(value).__name__ == "PerRank":
+        return capture()
+    return value.state_dict() if callable(getattr(value, "state_dict", None)) else value

@@ -9,7 +9,7 @@ is refused or missing, one successor job (sbatch --dependency=afterany) of the s
 Budgets: max_requeues for preemptions and time limits, max_failures for crashes and node
 failures, both counted from the run dir's events (SLURM_RESTART_COUNT restarts at 0 in a
 successor). An attempt that ended where no ddpjob code ran (a failed node) is found at the
-next start and recorded then from sacct (record_unseen).
+next start and recorded then from sacct (startcheck.record_unseen, with the start's budget check).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddpjob import console, exitcodes, fileio, rundir, slurm
-from ddpjob.ledger import attempts, budget, crashes, events, policy, requests
+from ddpjob.ledger import attempts, budget, crashes, events, policy, recovery, requests
 from ddpjob.config import JobConfig
 from ddpjob.node import hostlist, preemption
 from ddpjob.node.cluster import ClusterEnv
@@ -111,16 +111,23 @@ def _node_failed(env: ClusterEnv, signal_time: float | None) -> bool:
 def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: int | None, *,
                restart: int = 0, signal_step: int | None = None,
                signal_time: float | None = None, lag: int = 0,
-               times: dict[str, float] | None = None) -> bool | None:
+               times: dict[str, float] | None = None, program: str | None = None,
+               steps_lost: int | None = None) -> bool | None:
     """Rank 0: record the stop (the ledger: reason, steps_lost) and, where nobody else will,
-    bring the job back. Returns whether it did (None: it was not asked to)."""
+    bring the job back. Returns whether it did (None: it was not asked to). `program`: a [train]
+    command's, what it did after the stop signal (rank/command_end.py): it saved only where it
+    exited by itself, and no checkpoint of ddpjob's was written."""
     under_slurm = env.source in ("slurm", "torchrun") and bool(env.job_id)
     reason = {preemption.PREEMPTED: "preemption", preemption.NONE: "signal"}.get(code, "time_limit")
     if code == preemption.REQUEUE and requests.stop_requested(run_dir, env.job_id):
         reason = "user_stop"  # `ddpjob stop` sent the checkpoint signal; _decide does not requeue
     fields: dict[str, Any] = {"requeued": None}
     decide = under_slurm
-    if code == preemption.PREEMPTED and under_slurm:
+    if code == preemption.PREEMPTED and requests.cancelled(events.read(run_dir), env.job_id):
+        # `ddpjob cancel` (recorded before its signal): said as what it is, never a preemption
+        reason, decide = "signal", False
+        fields["note"] = "cancelled by `ddpjob cancel`: not requeueing (`ddpjob resume RUN_DIR` continues)"
+    if code == preemption.PREEMPTED and under_slurm and decide:
         preempting = _preempting(str(env.job_id))
         if isinstance(preempting, slurm.Failed):
             # SIGTERM came and scontrol could not say why, even after retries. Reading that as
@@ -140,19 +147,18 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
                 fields.update(requeued=True, requeued_by="slurm",
                               note="a node failed: SLURM ended this attempt (NODE_FAIL) and requeued the job")
     if decide:
-        evs = events.read(run_dir)
-        requeues, failures = budget.used(evs, env.job_id)
-        facts = policy.Facts(reason, stop_requested=requests.stop_requested(run_dir, env.job_id),
-                             requeues=requeues, failures=failures, run=str(run_dir),
-                             cancelled=requests.cancelled(evs, env.job_id))
-        fields.update(carry_out(cfg, env, run_dir, policy.decide(facts, policy.Limits.of(cfg)), fields.get("note")))
+        stop = recovery.decide_stop(cfg, run_dir, events.read(run_dir), env.job_id, reason)
+        fields.update(carry_out(cfg, env, run_dir, stop.verdict, fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
-    lost = None if signal_step is None or step is None else max(0, step - signal_step - 1 - lag)
+    lost = steps_lost if signal_step is None or step is None else max(0, step - signal_step - 1 - lag)
     events.record(run_dir, "stop", reason=reason, step=step, job_id=env.job_id, restart=restart,
                   incarnation=env.restart_count, steps_lost=lost, signal_time=signal_time, **(times or {}),
-                  **fields)
+                  **({"program": program} if program else {}), **fields)
     note = fields.get("note")
-    said = f"stopped at step {step} ({reason}); checkpoint written" if step is not None else f"stopped ({reason})"
+    if cfg.train.command:  # the program's own checkpoint, if it wrote one: command_end.stop_said
+        said = f"stopped ({reason}" + ("" if step is None else f"; the program had logged step {step}") + ")"
+    else:
+        said = f"stopped at step {step} ({reason}); checkpoint written" if step is not None else f"stopped ({reason})"
     console.print0(f"ddpjob: {said}" + (f"; {note}" if note else ""))
     return fields["requeued"]
 
@@ -211,27 +217,16 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
     with _term_held():
         # in place the job's snapshots count too (the restart resumes from them; a spare's new
         # ranks get theirs from the survivors, store/peers.py): the newest all folders left hold
-        saved, from_snapshot = memsnap.newest_saved(run_dir, str(env.job_id) if in_place else None,
-                                                   memsnap.base_of(cfg))
-        if cfg.train.command:  # it resumes from its own checkpoint: its newest step is what ddpjob sees
-            saved, from_snapshot = crashes.command_saved(run_dir), False
-        resume_at, steps_lost = crashes.resume_point(run_dir, saved)
-        facts = crashes.facts(evs, env.job_id, restart, culprit, resume_at=resume_at, steps_lost=steps_lost,
-                              from_snapshot=from_snapshot,
-                              here=in_place, hosts_left=not in_place or restart_layout(run_dir, env, cfg, culprit) is not None,
-                              lost_hosts=lost, run=str(run_dir),
-                              stop_requested=requests.stop_requested(run_dir, env.job_id),
-                              exclude_after=cfg.slurm.exclude_after if in_place else 0,
-                              own_checkpoint=bool(cfg.train.command))
-        verdict = policy.decide(facts, policy.Limits.of(cfg))
+        saved = memsnap.retry_point(cfg, run_dir, str(env.job_id) if in_place else None)
+        crash = recovery.decide(cfg, run_dir, evs, env.job_id, restart, culprit, here=in_place, saved=saved,
+                                hosts_left=not in_place or restart_layout(run_dir, env, cfg, culprit) is not None,
+                                lost_hosts=lost, exclude_after=cfg.slurm.exclude_after if in_place else 0)
         why = (f"node(s) {','.join(lost)} left allocation {env.job_id}" if lost
                else f"ranks exited with status {status}")
-        fields = carry_out(cfg, env, run_dir, verdict, why)
-        events.record(run_dir, "stop", reason=facts.reason, step=resume_at, job_id=env.job_id,
-                      restart=restart, incarnation=env.restart_count, status=status, steps_lost=steps_lost, no_progress=facts.streak,
-                      **({"lost_hosts": lost} if lost else {}), **({"where": facts.where} if facts.where else {}),
-                      **(culprit.fields() if culprit else {}), **fields)
-    print(verdict_line(verdict, facts, run_dir), file=sys.stderr, flush=True)
+        fields = carry_out(cfg, env, run_dir, crash.verdict, why)
+        recovery.record(run_dir, crash, job_id=env.job_id, restart=restart, incarnation=env.restart_count,
+                        status=status, **fields)
+    print(crash.line(run_dir), file=sys.stderr, flush=True)
     return fields["requeued"]
 
 
@@ -245,16 +240,6 @@ def _step_ended_by_srun(decision: dict[str, Any], srun: crashes.Culprit | None) 
     "Terminated" tasks: the stop stands."""
     return decision.get("reason") == "signal" and decision.get("requeued") is None and srun is not None \
         and not crashes.terminated(srun.how)
-
-
-def verdict_line(verdict: policy.Verdict, facts: policy.Facts, run_dir: Path) -> str:
-    """The one line a crash's verdict gets in the job's log (and, as the stop's note, in status):
-    who broke it, then what happens next."""
-    if verdict.error:
-        hint = "" if " Hint: " in verdict.line else (
-            f". Hint: the rank logs in {run_dir / rundir.LOGS} say why; fix it and `ddpjob resume {run_dir}`")
-        return f"ddpjob: error: {verdict.line}{hint}"
-    return f"ddpjob: crash verdict: {verdict.crash or facts.crash} ({facts.what}): {verdict.line}"
 
 
 # The batch script's line before each srun (templates/sbatch.sh.tmpl): what srun wrote after
@@ -328,82 +313,6 @@ def _term_held() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
         if came:
             signal.raise_signal(signal.SIGTERM)
-
-
-# How sacct's state of an attempt that ended unseen maps to the ledger's reasons.
-UNSEEN = {"NODE_FAIL": "node_failure", "PREEMPTED": "preemption", "TIMEOUT": "time_limit",
-          "FAILED": "crash", "OUT_OF_MEMORY": "crash", "BOOT_FAIL": "node_failure",
-          "CANCELLED": "signal", "REQUEUED": "requeue", "DEADLINE": "time_limit"}
-
-
-def record_unseen(run_dir: Path, job_id: str | None) -> list[dict[str, Any]]:
-    """Rank 0 at a start: the stops nobody recorded. An attempt that started and has no stop
-    ended where no ddpjob code ran: its node failed (SLURM requeues a --requeue job by itself),
-    SIGKILL after GraceTime, the OOM killer. sacct says how each ended; the stop is recorded
-    now so the budgets count it (a node failure spends max_failures, not max_requeues) and
-    status/plot show it. Returns the records written."""
-    evs = events.read(run_dir)
-    seen = {(str(e.get("job_id")), e.get("restart")) for e in evs
-            if events.is_decision(e)}
-    unseen = [e for e in evs if e.get("event") == "start" and e.get("source") in ("slurm", "torchrun")
-              and (str(e.get("job_id")), e.get("restart")) not in seen
-              and slurm.JOB_ID.fullmatch(str(e.get("job_id")))]
-    written: list[dict[str, Any]] = []
-    for start in unseen:
-        old = str(start["job_id"])
-        fields: dict[str, Any] = {"reason": "killed", "unseen": True}
-        runs = slurm.incarnations(old)
-        if isinstance(runs, slurm.Failed):
-            fields["note"] = f"no stop was recorded and sacct did not answer ({runs.why})"
-        else:
-            # The attempt is the last sacct start before its start event (sacct keeps seconds).
-            t = float(start.get("time") or 0)
-            match = [r for r in runs if r.start is not None and r.start <= t + 1]
-            if match:
-                fields["reason"] = UNSEEN.get(match[-1].state, "killed")
-                fields["signal_time"] = match[-1].end  # when it ended: the ledger times from it
-                fields["note"] = f"no stop was recorded; sacct says {match[-1].state}"
-            else:
-                fields["note"] = "no stop was recorded and sacct does not list that start"
-        if old == str(job_id):  # the same job started again: SLURM requeued it by itself
-            fields.update(requeued=True, requeued_by="slurm")
-        else:
-            fields["requeued"] = False
-        fields["step"], fields["steps_lost"] = crashes.resume_point(run_dir, memsnap.newest_saved(run_dir, None)[0])
-        events.record(run_dir, "stop", job_id=old, restart=start.get("restart"), **fields)
-        written.append(fields)
-    return written
-
-
-def attempt_of(env: ClusterEnv, evs: list[dict[str, Any]], *, starting: bool = False) -> int:
-    """This rank's attempt number (ledger/attempts.py): the one the local supervisor took for its
-    ranks (DDPJOB_RESTART_COUNT), else the job's current one in the run's ledger (every rank
-    reads the same: rank 0 decides it under the run lock at the start and broadcasts it)."""
-    if "DDPJOB_RESTART_COUNT" in env.ddpjob_vars:
-        return env.restart_count
-    return attempts.current(evs, env.job_id, starting=starting)
-
-
-def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, str | None]:
-    """Rank 0 at a start: (this start's restart number within the run, why it must not run or
-    None). The budgets are checked here too because SLURM brings a job back by itself (after
-    GraceTime, after a node failure) without asking ddpjob."""
-    if env.source in ("slurm", "torchrun") and slurm.JOB_ID.fullmatch(str(env.job_id)):
-        for rec in record_unseen(run_dir, env.job_id):
-            console.print0(f"ddpjob: the previous attempt ended unseen: {rec['reason']} ({rec['note']})")
-    evs = events.read(run_dir)  # after the unseen ends are on record: this attempt is a new one
-    restart = attempt_of(env, evs, starting=True)
-    requeues, failures = budget.used(evs, env.job_id)
-    s = cfg.slurm
-    why = None
-    if requeues > s.max_requeues:
-        why = f"{requeues} requeues, more than slurm.max_requeues = {s.max_requeues}"
-    elif failures > s.max_failures:
-        why = f"{failures} failure(s) retried, more than slurm.max_failures = {s.max_failures}"
-    if why:
-        events.record(run_dir, "stop", reason="budget", step=None, job_id=env.job_id,
-                      restart=restart, incarnation=env.restart_count, requeued=None, note=why)
-    return restart, why
 
 
 def main(argv: list[str]) -> int:

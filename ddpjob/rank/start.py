@@ -27,8 +27,10 @@ from ddpjob.rank.job import Job
 
 
 class StartRefused(DDPJobError):
-    """A start the budgets refuse (requeue.check_start): its `budget` record is the attempt's
-    decision already, so no rank records a crash for it."""
+    """A start the budgets refuse (startcheck.check_start): its `budget` record is the attempt's
+    decision already, so no rank records a crash for it (ownerror.report)."""
+
+    on_record = True
 
 
 class AlreadyCompleted(SystemExit):
@@ -157,14 +159,14 @@ def _check_budget(cfg: JobConfig, env: ClusterEnv, path: Path, ctx: Any) -> tupl
     checks the budgets; every rank gets its answer (one reader: the file may be changing under
     the others)."""
     from ddpjob.node import dist
-    from ddpjob.rank import requeue
+    from ddpjob.rank import startcheck
 
     lock: runlock.RunLock | None = None
     answer: tuple[int, str | None, tuple[str, str] | None] | None = None
     if env.is_rank0:
         try:
             lock = runlock.RunLock.take(path, f"{env.source} job {env.job_id or '-'} (rank 0)")
-            answer = (*requeue.check_start(cfg, env, path), None)
+            answer = (*startcheck.check_start(cfg, env, path), None)
         except runlock.Busy as exc:
             answer = (0, None, (exc.message, exc.hint))
     restart, why, busy = dist.broadcast_object(answer, what="the start's budget check")

@@ -28,12 +28,12 @@ from typing import Any, Mapping
 from ddpjob import console, fileio, rundir
 from ddpjob.config import JobConfig
 from ddpjob.errors import DDPJobError
-from ddpjob.ledger import events, goodput
+from ddpjob.ledger import events, goodput, metricslines
 
 FOLDER = "trackers"
 KINDS = ("train", "eval")  # MetricLog's record kinds: an eval may share its step with a train record
 ENDS = ("finished", "stopped", "failed")  # how an attempt ends: done, stopped for a requeue, crashed
-NOT_VALUES = ("kind", "time", "step", "restart")  # metrics.jsonl's own keys
+NOT_VALUES = tuple(sorted(metricslines.OWN_KEYS))  # metrics.jsonl's own keys
 
 
 # The goodput categories a tracker gets: the queue wait needs sacct (`ddpjob status` has it).

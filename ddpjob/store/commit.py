@@ -3,24 +3,21 @@
 Every rank writes its files into one staging folder `.tmp-step-<N>-<attempt>/`; after a barrier
 rank 0 hashes them, writes manifest.json last and renames the folder to `step-<N>` in one atomic
 step, so a kill -9 at any moment leaves a complete checkpoint or none. `latest()` resumes from the
-newest one that verifies; every file loads with `torch.load(weights_only=True)`. Host snapshots
-and background writes live in snapshot.py, RNG state in rng.py, the save schedule in schedule.py.
+newest one that verifies; every file loads with `torch.load(weights_only=True)` (loadable.py).
+Host snapshots and background writes live in snapshot.py, the file-level write steps in
+diskio.py, RNG state in rng.py, the save schedule in schedule.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import sys
 import time
 import uuid
-from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +27,8 @@ import torch
 from ddpjob.version import __version__
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.store import manifest
+from ddpjob.store.diskio import ErrnoRecorder, fsync_dir, io_error, write_durably
+from ddpjob.store.loadable import check_loadable, load_file
 from ddpjob.store.nocrc import save as _torch_save  # without the zip's CRC32: nocrc.py says why
 from ddpjob.store.snapshot import AsyncWrite, snapshot_tree
 
@@ -42,19 +41,6 @@ class CheckpointInfo:
     path: Path
     step: int
     manifest: dict[str, Any]  # parsed manifest.json; {} when missing or unparsable (see verify)
-
-
-def load_file(src: Any, map_location: Any, what: str) -> Any:
-    """torch.load with weights_only=True: a file that would import anything beyond tensors and
-    plain values is refused in one line, never unpickled."""
-    try:
-        return torch.load(src, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        why = f"it would import {found.group(1)}" if found else str(err).splitlines()[0]
-        raise DDPJobError(f"refusing to load {what}: it holds more than tensors and plain values ({why})",
-                          "load only checkpoints you trust; ddpjob loads with weights_only=True and "
-                          "never runs code from a file") from None
 
 
 class CheckpointStore:
@@ -107,7 +93,7 @@ class CheckpointStore:
         try:
             path.mkdir(parents=True, exist_ok=True)  # all ranks race here: exist_ok
         except OSError as err:
-            raise _io_error(err, path, "create the checkpoint staging folder") from None
+            raise io_error(err, path, "create the checkpoint staging folder") from None
         self._open.add(path)
         for old in [p for p in list(self._digests) if p.parent != path]:  # saves are sequential
             self._digests.pop(old, None)
@@ -179,8 +165,8 @@ class CheckpointStore:
             assert files, f"commit of an empty staging folder {staging}"
             # serialised before anything is written: meta that is not JSON fails here, cleanly
             text = json.dumps(self._manifest(step, meta, files), indent=1, sort_keys=True)
-            _write_durably(staging / manifest.MANIFEST, text)
-            _fsync_dir(staging)
+            write_durably(staging / manifest.MANIFEST, text)
+            fsync_dir(staging)
             if target.exists():
                 # Same step saved again (e.g. preempted right after a resume). A valid one stays:
                 # replacing it would need two renames, and a kill between them would lose it.
@@ -189,10 +175,10 @@ class CheckpointStore:
                     return target
                 self._delete(target)
             os.rename(staging, target)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except OSError as err:
             self.abort(staging)
-            raise _io_error(err, target, "commit the checkpoint") from None
+            raise io_error(err, target, "commit the checkpoint") from None
         self._open.discard(staging)
         self._committed = target
         try:
@@ -226,7 +212,7 @@ class CheckpointStore:
         try:
             found = manifest.committed(self.root)
         except OSError as err:
-            raise _io_error(err, self.root, "list the checkpoint folder") from None
+            raise io_error(err, self.root, "list the checkpoint folder") from None
         return [CheckpointInfo(p, step, manifest.read(p)) for step, p in found]
 
     def verify(self, info: CheckpointInfo, *, config_hash: str | None = None) -> str | None:
@@ -318,10 +304,10 @@ class CheckpointStore:
 
     def _write_file(self, staging: Path, name: str, obj: Any, abort: bool = True) -> None:
         tmp = staging / f"{name}.tmp"
-        recorder: _ErrnoRecorder | None = None
+        recorder: ErrnoRecorder | None = None
         try:
             with open(tmp, "wb") as f:
-                recorder = _ErrnoRecorder(f)
+                recorder = ErrnoRecorder(f)
                 _torch_save(obj, recorder)
                 f.flush()
                 os.fsync(f.fileno())
@@ -339,7 +325,7 @@ class CheckpointStore:
             os_err = err if isinstance(err, OSError) else (recorder.error if recorder else None)
             if os_err is None:
                 raise
-            raise _io_error(os_err, staging / name, "write the checkpoint file") from None
+            raise io_error(os_err, staging / name, "write the checkpoint file") from None
 
     def _manifest(self, step: int, meta: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
         assert meta.get("step", step) == step, f"meta step {meta.get('step')} != commit step {step}"
@@ -351,78 +337,8 @@ class CheckpointStore:
                 "created_unix": time.time(), "files": files}
 
 
-class _ErrnoRecorder:
-    """File wrapper for torch.save that remembers the OSError (ENOSPC...) torch would hide,
-    and hashes the bytes on their way out (torch.save writes sequentially, never seeks)."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-        self.error: OSError | None = None
-        self.digest, self.size = hashlib.sha256(), 0
-
-    def write(self, data: Any) -> int:
-        try:
-            n = self.f.write(data)
-        except OSError as err:
-            self.error = err
-            raise
-        self.digest.update(data)
-        self.size += memoryview(data).nbytes
-        return n
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-_SAFE_LEAVES = (str, bytes, bytearray, int, float, bool, complex, type(None),
-                torch.Tensor, torch.nn.Parameter, torch.Size, torch.device, torch.dtype)
-
-
-def check_loadable(obj: Any, where: list[Any]) -> None:
-    """Refuse at save time what weights_only loading would refuse at resume time (exact types:
-    a numpy float64 is a float subclass yet does not load)."""
-    kind = type(obj)
-    if kind in _SAFE_LEAVES:
-        return
-    if kind in (dict, OrderedDict, Counter):
-        for key, value in obj.items():
-            where.append(key)
-            check_loadable(key, where)
-            check_loadable(value, where)
-            where.pop()
-    elif kind in (list, tuple, set):
-        for i, value in enumerate(obj):
-            where.append(i)
-            check_loadable(value, where)
-            where.pop()
-    elif kind not in torch.serialization.get_safe_globals():
-        at = str(where[0]) + "".join(f"[{k!r}]" for k in where[1:])
-        raise DDPJobError(f"checkpoint value {at} is a {kind.__module__}.{kind.__qualname__}, which "
-                          "torch.load(weights_only=True) refuses",
-                          "store only tensors, numbers, strings, lists and dicts (torch.from_numpy for "
-                          "arrays, .state_dict() for objects)")
-
-
 def _check_name(name: str) -> None:
     assert manifest.FILE_NAME.fullmatch(name) and name != manifest.MANIFEST and not name.endswith(".tmp"), f"bad file name {name!r}"
-
-
-def _write_durably(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make renames inside `path` durable (a crash of the node, not just of the process)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _newest_mtime(path: Path) -> float:
@@ -430,15 +346,3 @@ def _newest_mtime(path: Path) -> float:
         return max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.iterdir()])
     except OSError:
         return time.time()  # vanishing under us: somebody is working on it, leave it
-
-
-def _io_error(err: OSError, path: Path, doing: str) -> DDPJobError:
-    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return DDPJobError(f"could not {doing} {path}: {err.strerror} (disk or quota full)",
-                           "free space on that filesystem or lower checkpoint.keep_last; committed "
-                           "checkpoints were not touched")
-    if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
-        return DDPJobError(f"could not {doing} {path}: {err.strerror}",
-                           "point the run directory at a writable folder on a filesystem every node shares")
-    return DDPJobError(f"could not {doing} {path}: {err.strerror or err}",
-                       "check that the run directory's filesystem is mounted and healthy on this node")

@@ -21,7 +21,7 @@ import torch
 from ddpjob import rundir
 from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
-from ddpjob.node import dist, fsdp
+from ddpjob.node import dist, fsdp, modelsync
 from ddpjob.store import manifest
 from ddpjob.store.commit import CheckpointInfo
 
@@ -99,7 +99,7 @@ def load(state: MutableMapping[str, Any], source: str, keys: tuple[str, ...], ra
                     raise DDPJobError(f"checkpoint.init_keys names '{key}', a sharded optimizer: its "
                                       "saved state is keyed by position, a sharded one by parameter name",
                                       "start a fsdp run from the weights only: init_keys = [\"model\"]")
-                dist.load_full_state_dict(obj, loaded[key])
+                modelsync.load_full_state_dict(obj, loaded[key])
             else:
                 obj.load_state_dict(loaded[key])
         except DDPJobError:

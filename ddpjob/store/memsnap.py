@@ -25,15 +25,8 @@ the holder's manifest digests. A spare node's ranks thus resume from the snapsho
 instead of falling back to the durable checkpoint.
 
 `snapshot_every = "auto"` (the default; on only for a job that may restart, slurm.max_failures >
-0) measures the interval at each start, since what a snapshot costs against a step depends on the
-model, the hardware and the load (bench P13: >= 14 steps for cnn_tiny and >= 9 for ResNet-18 on
-2 CPU cores, >= 37-70 for ResNet-18 on an H100). The probe is a real snapshot, AUTO.probe steps
-after the start; the cost is the time it held the loop plus the CPU time of its background write
-(on CPUs the write competes with the training threads; on a GPU this overstates it, which only
-lengthens the interval). AUTO.decide steps after the probe, rank 0 sets the interval to the
-fewest steps that keep cost / (interval x median step time) <= AUTO.goal and every rank takes
-it (one broadcast: they must snapshot the same steps to share a newest one). The folder
-tree is 0700 and must be ours: /dev/shm is writable by everyone, and a tree another user made is
+0) measures the interval at each start (store/snapauto.py: a probe snapshot, then rank 0's
+interval broadcast to every rank, which must snapshot the same steps). The folder tree is 0700 and must be ours: /dev/shm is writable by everyone, and a tree another user made is
 never read. The batch script, the local supervisor and a finished run remove the job's tree.
 A requeue onto other nodes finds none (or one of an earlier attempt that still verifies) and
 resumes from the durable checkpoint.
@@ -42,18 +35,16 @@ resumes from the durable checkpoint.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import shutil
 import stat
-import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ddpjob import console, rundir
 from ddpjob.store import manifest, snaproom
+from ddpjob.store.snapauto import AUTO, Auto, AutoRule
 
 if TYPE_CHECKING:  # torch: imported by a rank only (the crash decision reads the paths too)
     from ddpjob.store.commit import CheckpointInfo
@@ -69,51 +60,6 @@ def _room(base: Path, job_tree: Path) -> int | None:
     if free is not None and job_tree.is_dir() and refuse(job_tree, base) is None:
         free += snaproom.bytes_under(job_tree)
     return free
-
-
-@dataclass(frozen=True)
-class AutoRule:
-    probe: int = 20  # steps after the start: past the first steps' compiles and cold caches
-    decide: int = 10  # steps after the probe: its background write is done by then, usually
-    goal: float = 0.01  # one snapshot's cost as a fraction of the steps between two
-    most: int = 100_000
-
-
-AUTO = AutoRule()
-
-
-@dataclass
-class Auto:
-    """snapshot_every = "auto" on one rank: the start, the step times and the probe's cost."""
-
-    rule: AutoRule = AUTO
-    start: int | None = None  # the step the loop began at (first snapshot_due call - 1)
-    probe_at: int | None = None  # the step of the probe: the first asked about from start + probe on
-    step_s: list[float] = field(default_factory=list)
-    last: tuple[int, float] | None = None  # (step, time) of the previous observe()
-    block_s: float | None = None  # the probe's hold on the loop (the copy)
-    write_cpu_s: float | None = None  # its background write's CPU time
-
-    def probe_now(self, step: int) -> bool:
-        """The probe is the first snapshot asked about at or past start + probe (not at a step
-        a checkpoint was written at: Snapshots.due)."""
-        if self.probe_at is None and self.start is not None and step >= self.start + self.rule.probe:
-            self.probe_at = step
-        return step == self.probe_at
-
-    def decide_step(self) -> int | None:
-        return None if self.probe_at is None else self.probe_at + self.rule.decide
-
-    def interval(self) -> tuple[int, str]:
-        """(steps between snapshots, 0: none; the line that says why)."""
-        if self.block_s is None or not self.step_s:
-            return 0, "in-memory snapshots off: the probe snapshot could not be taken"
-        step = statistics.median(self.step_s)
-        cost = self.block_s + (self.write_cpu_s or 0.0)
-        n = min(self.rule.most, max(1, math.ceil(cost / (self.rule.goal * max(step, 1e-6)))))
-        return n, (f"in-memory snapshots every {n} steps (snapshot_every = \"auto\"): one costs "
-                   f"{cost * 1e3:.1f} ms ({self.block_s * 1e3:.1f} ms holding the loop), a step "
-                   f"{step * 1e3:.1f} ms, so <= {self.rule.goal:.0%} of the time between two")
 
 
 def job_root(run_dir: Path, job_id: str | None, base: Path = SHM) -> Path:
@@ -185,6 +131,13 @@ def newest_saved(run_dir: Path, job_id: str | None, base: Path = SHM) -> tuple[i
     if snap is not None and (found is None or snap > found[0]):
         return snap, True
     return (found[0] if found else None), False
+
+
+def retry_point(cfg: Any, run_dir: Path, job_id: str | None) -> tuple[int | None, bool]:
+    """What a retry of the job (`cfg`: its JobConfig) on this machine resumes from, for
+    ledger/recovery.decide: newest_saved under the job's snapshot folder, or (None, False) for a
+    [train] command, which resumes from its own checkpoint."""
+    return (None, False) if cfg.train.command else newest_saved(run_dir, job_id, base_of(cfg))
 
 
 def remove_job(run_dir: Path, job_id: str | None, base: Path = SHM) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpjob.node import dist
-from ddpjob.store.commit import load_file
+from ddpjob.store.loadable import load_file
 from ddpjob.store.memsnap import Snapshots
 from ddpjob.store.source import Source
 

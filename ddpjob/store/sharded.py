@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ddpjob.errors import DDPJobError
-from ddpjob.node import dist
+from ddpjob.node import dist, modelsync
 from ddpjob.store import manifest
 from ddpjob.store.snapshot import snapshot_tree
 
@@ -45,7 +45,7 @@ class Unit:
 
 
 def units(state: Mapping[str, Any]) -> list[Unit]:
-    """The state's models with their optimizers (values already unwrapped: state._target).
+    """The state's models with their optimizers (values already unwrapped: statecheck._target).
     Every rank computes the same answer, so an error here stops every rank alike."""
     found = [Unit(k, v) for k, v in state.items() if isinstance(v, nn.Module)]
     owner = {id(p): u for u in found for p in u.module.parameters()}
@@ -156,8 +156,8 @@ def save(staging: Path, state: dict[str, Any], control: dist.Control, rank: int,
     from ddpjob.store.dcpio import planner, writer
 
     group = control.io_group()
-    dist.dcp_save(state, writer(staging), planner(), group, what="the sharded checkpoint's write",
-                  background=background)
+    modelsync.dcp_save(state, writer(staging), planner(), group,
+                       what="the sharded checkpoint's write", background=background)
     mine = sorted(staging.glob(f"__{rank}_*.distcp")) + ([staging / METADATA] if rank == 0 else [])
     digests = {p.name: (p.stat().st_size, p.stat().st_mtime_ns, manifest.sha256(p)) for p in mine}
     every = dist.all_gather_object(digests, what="the sharded checkpoint's digests", group=group,
@@ -173,8 +173,8 @@ def load(path: Path, found: list[Unit], control: dist.Control) -> None:
 
     target = state_dicts(found)
     try:
-        dist.dcp_load(target, Reader(path), LoadPlanner(), control.io_group(),
-                      what="the sharded checkpoint's read")
+        modelsync.dcp_load(target, Reader(path), LoadPlanner(), control.io_group(),
+                           what="the sharded checkpoint's read")
         set_state_dicts(found, target)
     except DDPJobError:
         raise

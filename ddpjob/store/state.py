@@ -12,134 +12,65 @@ rank writes its shards into the same staging folder, and the manifest covers the
 
 from __future__ import annotations
 
-import hashlib
 import random
-import re
 import secrets
 import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ddpjob import rundir
 from ddpjob.ledger import events
 from ddpjob.console import print0
 from ddpjob.errors import DDPJobError
 from ddpjob.node import dist
 from ddpjob.store import memsnap, perrank, rng, sharded
-from ddpjob.store.commit import CheckpointInfo, CheckpointStore, check_loadable
+from ddpjob.store.commit import CheckpointInfo, CheckpointStore
 from ddpjob.store.source import Source
 from ddpjob.store.snapshot import AsyncWrite
+from ddpjob.store.statecheck import _code_inside, _plain, _stateful, _target, check_state, seed_for
+
+if TYPE_CHECKING:
+    from ddpjob.config import JobConfig
+    from ddpjob.node.cluster import ClusterEnv
 
 State = MutableMapping[str, Any]
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
-_RESERVED = {"values", "manifest"}
-
-
-def _code_inside(info: CheckpointInfo) -> str:
-    """The globals a .pt file of the checkpoint would import when unpickled, beyond what
-    torch.load(weights_only=True) allows ("" when there are none): read from the pickle's
-    opcodes, nothing is executed."""
-    from torch.serialization import get_unsafe_globals_in_checkpoint
-
-    for name in info.manifest.get("files", {}):
-        if name.endswith(".pt"):
-            try:
-                found = get_unsafe_globals_in_checkpoint(info.path / name)
-            except Exception:  # not a readable torch file: the load says so, in its own line
-                continue
-            if found:
-                return f"{name} imports {', '.join(sorted(found)[:3])}"
-    return ""
-
-
-def check_state(state: Any) -> None:
-    if not isinstance(state, MutableMapping) or not state:
-        raise DDPJobError(f"the state is {type(state).__name__}, expected a non-empty dict of name -> "
-                          "object with state_dict()/load_state_dict() or plain value",
-                          "pass e.g. {'model': model, 'optimizer': optimizer, 'sampler': sampler}")
-    for key in state:
-        if not isinstance(key, str) or not _KEY.fullmatch(key) or key in _RESERVED:
-            raise DDPJobError(f"state key {key!r} is not usable as a checkpoint file name, expected "
-                              "letters, digits and _ (not 'values' or 'manifest')",
-                              "rename the key, e.g. 'optimizer' or 'lr_scheduler'")
-    # what the first checkpoint would refuse, refused now (at resume(), not steps later)
-    for key, value in state.items():
-        if isinstance(value, torch.Generator):
-            raise DDPJobError(f"state[{key!r}] is a torch.Generator, which a checkpoint cannot hold as it is, "
-                              "expected an object with state_dict()/load_state_dict() or a plain value",
-                              f"each rank's own generator: state[{key!r}] = ddpjob.PerRank(generator) "
-                              "(saved and resumed per rank, docs/api.md)")
-        if _plain(value):
-            check_loadable(value, [f"state[{key!r}]"])
-
-
-# wrapper class -> the attribute holding the wrapped module (DDP, torch.compile)
-_WRAPPERS = {"DistributedDataParallel": "module", "OptimizedModule": "_orig_mod"}
-
-
-def _target(obj: Any) -> Any:
-    """What to load into: the module inside DDP / torch.compile wrappers (in any nesting), so
-    checkpoints hold plain names (`fc.weight`, not `module.fc.weight`) and load at any world
-    size, also unwrapped."""
-    while (attr := _WRAPPERS.get(type(obj).__name__)) is not None:
-        obj = getattr(obj, attr)
-    return obj
-
-
-def plain_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP / torch.compile wrappers."""
-    return _target(model)
-
-
-def plain_state_dict(model: torch.nn.Module) -> dict[str, Any]:
-    return dict(_target(model).state_dict())
-
-
-def _stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _plain(obj: Any) -> bool:
-    """A plain value of the state (values.pt, rank 0's): neither stateful nor per rank."""
-    return not _stateful(obj) and not isinstance(obj, perrank.PerRank)
-
-
-def seed_for(*parts: Any) -> int:
-    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest(), "little")
 
 
 class StateStore:
     """Resume and collective saves (blocking or async) of one state dict, for one process."""
 
-    def __init__(self, root: Path, *, keep_last: int, config_hash: str, async_save: bool,
-                 rank: int, world_size: int, restart: int, job_id: str | None,
-                 control: dist.Control, init_from: str = "", init_keys: tuple[str, ...] = ("model",),
-                 code: Callable[[], tuple[str, tuple[str, ...]]] | None = None,
-                 allow_code_change: bool = False, sharded: bool = False, from_scratch: bool = False,
-                 snapshots: memsnap.Snapshots | None = None, identity: dict[str, Any] | None = None) -> None:
-        self.store = CheckpointStore(root, keep_last=keep_last, config_hash=config_hash)
+    def __init__(self, cfg: JobConfig, env: ClusterEnv, run_dir: Path, *, control: dist.Control, restart: int,
+                 code: Callable[[], tuple[str, tuple[str, ...]]] | None = None, allow_code_change: bool = False,
+                 from_scratch: bool = False, snapshots: memsnap.Snapshots | None = None) -> None:
+        """The store of RUN_DIR/checkpoints as `cfg` says: its [checkpoint] section (keep_last,
+        async, init_from, init_keys), train.strategy and the config's hash; this rank's place
+        from `env`. `snapshots`: this rank's in-memory ones, memsnap.for_rank() (a caller that
+        wants none passes none: the config's default "auto" would make them)."""
+        c = cfg.checkpoint
+        self.store = CheckpointStore(run_dir / rundir.CHECKPOINTS, keep_last=c.keep_last, config_hash=cfg.hash())
         # what config_hash is taken of (JobConfig.identity()), in each manifest: a checkpoint of
         # another config is then refused naming the keys that differ
-        self.identity = identity
+        self.identity = cfg.identity()
+        self.sharded = cfg.train.strategy == "fsdp"  # models and optimizers through DCP
         # checkpoint.snapshot_every: this rank's in-memory copies (memsnap.py); not with fsdp
-        self.snapshots = None if sharded else snapshots
-        self.sharded = sharded  # train.strategy = "fsdp": models and optimizers through DCP
-        self.init_from, self.init_keys = init_from, init_keys
+        self.snapshots = None if self.sharded else snapshots
+        self.init_from, self.init_keys = c.init_from, c.init_keys
         # (hash of the code this process runs, hashes it accepts): ddpjob/freeze.py. Asked on
         # rank 0 only, once (it may hash a repository); None: not checked (tests, benchmarks).
         self._code = code
         self._code_hash: tuple[str, tuple[str, ...]] | None = None
         self.allow_code_change = allow_code_change
         self.from_scratch = from_scratch  # checkpoints none of which resumes: moved aside, step 0
-        self.async_save = async_save
-        self.rank, self.world_size, self.restart, self.job_id = rank, world_size, restart, job_id
+        self.async_save = c.async_save
+        self.rank, self.world_size, self.restart, self.job_id = env.rank, env.world_size, restart, env.job_id
         self.control = control
         # Same staging name on every rank, new for each (re)start: a folder left by a killed
         # incarnation (half-written .tmp files) is never reused.
-        token = dist.broadcast_object(secrets.token_hex(4) if rank == 0 else None,
+        token = dist.broadcast_object(secrets.token_hex(4) if self.rank == 0 else None,
                                      what="the checkpoint store's start")
         self.attempt = f"r{restart}-{token}"
         self.saved_step: int | None = None
@@ -241,7 +172,7 @@ class StateStore:
         for info in self.store.list():
             reason = self.store.verify(info)
             written = info.manifest.get("config")
-            if reason and "config hash" in reason and isinstance(written, dict) and self.identity is not None:
+            if reason and "config hash" in reason and isinstance(written, dict):
                 from ddpjob.config import identity_differences
 
                 reason += f": {'; '.join(identity_differences(written, self.identity))[:400]}"
@@ -370,7 +301,7 @@ class StateStore:
         code = self.code_hash() if self.rank == 0 else None  # rank 0 writes the manifest
         return {"step": step, "world_size": self.world_size, "restart": self.restart,
                 "job_id": self.job_id, **({"code_hash": code[0]} if code else {}),
-                **({"config": self.identity} if self.identity is not None and self.rank == 0 else {}), **extra}
+                **({"config": self.identity} if self.rank == 0 else {}), **extra}
 
     def save(self, step: int, state: State, *, blocking: bool, meta: dict[str, Any] | None = None,
              before: Callable[[], None] | None = None) -> None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ddpjob.node import dist
+from ddpjob.node import dist, gradsync
 
 
 class GlobalBatchNorm(_BatchNorm):
@@ -44,10 +44,10 @@ class GlobalBatchNorm(_BatchNorm):
         shape = [1, -1] + [1] * (x.dim() - 2)
         xf = x.float()  # statistics in fp32 also under autocast
         local = torch.cat([xf.sum(dims), xf.new_full((1,), x.numel() / x.size(1))])
-        total = dist.all_reduce_sum_autograd(local, group)
+        total = gradsync.all_reduce_sum_autograd(local, group)
         count, mean = total[-1], total[:-1] / total[-1]
         centered = xf - mean.view(shape)
-        var = dist.all_reduce_sum_autograd((centered * centered).sum(dims), group) / count
+        var = gradsync.all_reduce_sum_autograd((centered * centered).sum(dims), group) / count
         if self.track_running_stats:
             assert self.num_batches_tracked is not None and self.running_mean is not None
             assert self.running_var is not None

@@ -27,7 +27,8 @@ import pytest
 import clirun
 from clirun import TESTS, job_env, wait_for, without_job_env
 from ranks import write_job
-from runlogs import events, lines
+import runlogs
+from runlogs import events, lines, rank_crashes
 from test_preemption_slurm import preempt, release
 
 pytestmark = pytest.mark.cluster
@@ -53,7 +54,7 @@ def rank_log(run: Path, rank: int) -> str:
 
 
 def decisions(run: Path) -> list[dict[str, Any]]:
-    return [e for e in events(run, "stop") if "rank" not in e]
+    return runlogs.stops(events(run))
 
 
 def preempted_at_step_7(run: Path, jid: str, tmp_path: Path) -> None:
@@ -161,7 +162,7 @@ def test_a_killed_ddpjob_run_under_a_script_without_a_handler_restarts_in_place(
         ("signal", None, None), ("crash", "infrastructure", "restart")], decided
     assert "not being preempted" in decided[0]["note"], decided
     assert decided[1]["failed_rank"] == 1 and decided[1]["failed_how"] == "Killed", decided
-    assert not [e for e in events(run, "stop") if e.get("rank") == 1], "rank 1's ddpjob run was killed: no record"
+    assert not rank_crashes(events(run), rank=1), "rank 1's ddpjob run was killed: no record"
     assert_resumed(run, 5)
     assert [r["step"] for r in lines(run / "metrics.jsonl") if r["restart"] == 1] == list(range(6, STEPS + 1))
     text = ddpjob("status", str(run), cwd=tmp_path).stdout

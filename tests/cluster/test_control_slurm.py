@@ -17,6 +17,7 @@ from ranks import LAG
 from ddpjob import fileio, jobfile, rundir
 from ddpjob.launch import runs
 from ddpjob.ledger.events import read as read_events
+from runlogs import decisions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +46,7 @@ def test_a_stop_decided_while_ddpjob_cancel_is_recorded_is_not_requeued(slurm_cl
     requests.cancel(run, jid, 0)  # `ddpjob cancel`'s first half; its scancel would follow
     assert subprocess.run(["scancel", "--signal=USR2", jid], timeout=60).returncode == 0
     slurmtools.wait_done(jid, 300)
-    decided = [e for e in read_events(run) if e["event"] == "stop" and "rank" not in e]
+    decided = decisions(read_events(run))
     assert [(d["reason"], d.get("action")) for d in decided] == [("time_limit", "end")], decided
     assert "cancelled by `ddpjob cancel`" in decided[0]["note"], decided
     assert len(slurmtools.sacct_times(jid)) == 1  # one start: never requeued
@@ -150,7 +151,7 @@ def test_resume_of_a_cancelled_sbatch_run_finishes_it(slurm_cluster, tmp_path):
     slurmtools.read_when(run / "logs" / "rank-0.log", "paused at call 6", timeout=300)
     assert ddpjob("cancel", str(run), cwd=tmp_path).returncode == 0
     assert slurmtools.wait_done(first, timeout=120) == "CANCELLED"
-    [stop] = [e for e in read_events(run) if e.get("event") == "stop" and "rank" not in e]
+    [stop] = decisions(read_events(run))
     assert (stop["reason"], stop["step"], stop["requeued"]) == ("signal", 6 + LAG, None), stop
     env.pop("DDPJOB_TEST_SIGNAL")  # sbatch passes resume's environment on to the job
     out = subprocess.run([sys.executable, "-m", "ddpjob", "resume", str(run), "--set", "train.max_steps=12"],

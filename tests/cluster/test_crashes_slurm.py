@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from ranks import write_job
+from runlogs import decisions
 from test_preemption_slurm import CHECKPOINT, DATA, SLURM, TRAIN, ddpjob, events, train_records
 from test_requeue_slurm import sbatch
 
@@ -37,7 +38,7 @@ def test_a_host_whose_rank_dies_twice_is_excluded_and_the_job_finishes_without_i
     # the checkpoint at 30, and again after resuming from it. n2 then has 2 host failures.
     run, jid = crash_job(tmp_path, "* 34 2 die\n", max_failures=3)
     assert slurmtools.wait_done(jid, 900) == "COMPLETED"
-    stops = [e for e in events(run, "stop") if "rank" not in e]
+    stops = decisions(events(run))
     assert [e["reason"] for e in stops] == ["crash", "crash", "finished"], stops
     for crash in stops[:2]:
         assert (crash["failed_rank"], crash["failed_host"], crash["host_fault"]) == (2, "n2", True), crash
@@ -68,7 +69,7 @@ def test_a_crash_at_the_same_step_on_every_host_ends_the_job_after_max_no_progre
     run, jid = crash_job(tmp_path, "* 15 0 crash\n* 15 2 crash\n", max_failures=10, max_no_progress=3,
                          retry_user_errors=True)
     assert slurmtools.wait_done(jid, 900) == "FAILED"
-    stops = [e for e in events(run, "stop") if "rank" not in e]
+    stops = decisions(events(run))
     assert [(e["reason"], e["step"], e["no_progress"]) for e in stops] == [
         ("crash", 10, 0), ("crash", 10, 1), ("crash", 10, 2), ("crash", 10, 3)], stops
     assert [e["requeued"] for e in stops] == [True, True, True, None]  # 7 of max_failures left unused

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from ranks import write_job
+import runlogs
+from runlogs import rank_crashes
 from test_preemption_slurm import DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob, events, job_env
 from test_requeue_slurm import sbatch
 
@@ -38,7 +40,7 @@ def submit(tmp_path: Path, via: str, **env: str) -> tuple[Path, str, str]:
 
 
 def decisions(run: Path) -> list[dict[str, Any]]:
-    return [e for e in events(run, "stop") if "rank" not in e]
+    return runlogs.decisions(events(run))
 
 
 def restarted_in_place(tmp_path: Path, reference: Reference, via: str, how: str, srun_says: str) -> None:
@@ -88,7 +90,7 @@ def test_the_users_exception_is_named_and_not_retried(slurm_cluster: Any, tmp_pa
     [crash] = decisions(run)
     assert (crash["verdict"], crash["action"], crash["requeued"]) == ("user", "end", None), crash
     assert crash["where"].startswith("trainer_plugins.py:"), crash
-    [raised] = [e for e in events(run, "stop") if e.get("rank") == 1]
+    [raised] = rank_crashes(events(run), rank=1)
     (_, _, end), = slurmtools.sacct_times(jid)
     assert end - raised["time"] <= 60, (raised["time"], end)
     assert len(events(run, "start")) == 1 and "attempt 1:" not in (run / "logs" / log).read_text()

@@ -53,9 +53,15 @@ def failed(result: dict[str, doctor.Check]) -> dict[str, doctor.Check]:
 
 
 # ------------------------------------------------------------------ against the real cluster
+# The test cluster's nodes say RealMemory=2000 (tests/cluster/start.sh) and SLURM tracks no memory:
+# a good job there is one whose ranks fit that, so not two ResNet-18 ranks and their snapshots (~2.6
+# GB; test_restart_in_place_checks_on_the_test_cluster), whatever the host's page cache holds.
+SMALL = ("--set", "train.model=cnn_tiny")
+
+
 @pytest.mark.cluster
 def test_good_job_passes_every_check(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    result = checks(str(job))
+    result = checks(str(job), *SMALL)
     assert not failed(result), failed(result)
     assert {"job file", "slurm commands", "controller", "accounting", "requeue policy", "run dir",
             "dataset", "tasks per gpu", "partition", "nodes", "time limit", "cpus", "preemption",
@@ -64,10 +70,18 @@ def test_good_job_passes_every_check(job: Path, capsys: pytest.CaptureFixture[st
     assert all(c.status == doctor.PASS for c in result.values()), result
     assert "GraceTime 20" in result["preemption"].detail
     assert "--signal=USR2@120" in result["signal routing"].detail
+    assert "within 2000 MiB (the nodes' RealMemory; SLURM tracks no memory here" in result["memory limit"].detail
 
-    code = main(["doctor", str(job)])
+    code = main(["doctor", str(job), *SMALL])
     out = capsys.readouterr().out
     assert code == 0 and "20 passed, 0 warning(s), 0 failed" in out
+
+
+def assert_memory_warns_on_the_test_cluster(mem: doctor.Check) -> None:
+    assert mem.status == doctor.WARN, mem
+    assert "+ snapshots" in mem.detail and "per node, more than 2000 MiB (the nodes' RealMemory" in mem.detail, mem
+    assert "SLURM tracks no memory here, SelectTypeParameters=" in mem.detail and "FreeMem" not in mem.detail, mem
+    assert "only a warning" in mem.hint, mem
 
 
 @pytest.mark.cluster
@@ -206,9 +220,10 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.cluster
-def test_restart_in_place_checks_pass_on_the_test_cluster(job: Path) -> None:
+def test_restart_in_place_checks_on_the_test_cluster(job: Path) -> None:
     """ResNet-18 (the default model) + SGD momentum, 2 ranks: 2 x 3 x 89 MiB in /dev/shm; no
-    job container; SLURM tracks no memory here, so the nodes' free memory is the limit."""
+    job container; SLURM tracks no memory here, so the nodes' RealMemory (2000 MB) is the most
+    the ranks can have, and the ranks + snapshots are more: a warning, not a failure."""
     result = checks(str(job), *RESTARTS)
     assert not failed(result), failed(result)
     room = result["snapshot room"]
@@ -216,8 +231,7 @@ def test_restart_in_place_checks_pass_on_the_test_cluster(job: Path) -> None:
         "11.69 M parameters" in room.detail and "free in /dev/shm here" in room.detail, room
     shm = result["private /dev/shm"]
     assert shm.status == doctor.PASS and "shared by the node's jobs (JobContainerType=job_container/none)" in shm.detail
-    mem = result["memory limit"]
-    assert mem.status == doctor.PASS and "+ snapshots" in mem.detail and "FreeMem" in mem.detail, mem
+    assert_memory_warns_on_the_test_cluster(result["memory limit"])
 
 
 @pytest.mark.cluster

@@ -30,6 +30,7 @@ import pytest
 from clirun import ddpjob, without_job_env
 from example_jobs import CHARLM, CHARLM_SMALL, CIFAR, CIFAR_SMALL, hook_job, samples_by_step
 from ranks import LAG, assert_bit_equal, run
+from runlogs import decisions
 from test_preemption_slurm import events, job_env, poll, release, train_records, wait_high, wait_stop
 
 ENTRY = "example_slurm_hooks:main"
@@ -135,17 +136,25 @@ def _assert_two_stops(run_dir: Path, jid: str, stops: list[dict[str, Any]], tota
     starts = events(run_dir, "start")
     assert [(s["restart"], s["world_size"], s["resumed_step"]) for s in starts] == \
         [(0, world, None), (1, world, stops[0]["step"]), (2, world, stops[1]["step"])], starts
-    sig = sorted((e["restart"], e["rank"], e["signal"]) for e in events(run_dir, "signal"))
-    assert sig[:world] == [(0, r, "SIGTERM") for r in range(world)], sig
-    # restart 1's time-limit stop: SLURM's USR2 (signal_lead_s before the end) to every rank, or
-    # ddpjob's own deadline watch first, when the slowed steps on a busy machine raised its
-    # estimate of step + checkpoint time above what was left (the rank log says "(deadline)");
-    # either is a time_limit stop, and a USR2 that came during its save is recorded too
-    usr2 = [(1, r, "SIGUSR2") for r in range(world)]
+    # Which ranks record the signal is not the ranks' agreement: a rank records the signal that
+    # reached it before the stop step (job._record_signal), and the one vote stops every rank as
+    # soon as any rank has a flag. SLURM signals each node through its own slurmd, so on a busy
+    # machine one rank's signal can come after the ranks already agreed, saved and left (a
+    # cluster run saw restart 1's USR2 recorded by rank 0 only). What is guaranteed: the signal
+    # each restart got, on at least one rank, and never another; every rank stops at the one
+    # step of the decision (asserted below and by the bit-exact comparison).
+    sig = {(e["restart"], e["rank"], e["signal"]) for e in events(run_dir, "signal")}
+    preempted = {(0, r, "SIGTERM") for r in range(world)}
+    assert sig & preempted and {x for x in sig if x[0] == 0} <= preempted, sig
+    # restart 1's time-limit stop: SLURM's USR2 (signal_lead_s before the end), or ddpjob's own
+    # deadline watch first, when the slowed steps on a busy machine raised its estimate of step +
+    # checkpoint time above what was left (the rank log says "(deadline)", and no rank need have
+    # had a signal yet); either is a time_limit stop
+    usr2 = {(1, r, "SIGUSR2") for r in range(world)}
     log = (run_dir / "logs" / f"{jid}_0_log.out").read_text(errors="replace")
-    assert sig[world:] == usr2 or (f"stopping at step {stops[1]['step']} (deadline)" in log
-                                   and set(sig[world:]) <= set(usr2)), (sig, log[-2000:])
-    assert [(e["reason"], e["step"]) for e in events(run_dir, "stop") if "rank" not in e] == \
+    assert {x for x in sig if x[0] == 1} <= usr2 and {x[0] for x in sig} <= {0, 1}, sig
+    assert sig & usr2 or f"stopping at step {stops[1]['step']} (deadline)" in log, (sig, log[-2000:])
+    assert [(e["reason"], e["step"]) for e in decisions(events(run_dir))] == \
         [(s["reason"], s["step"]) for s in stops] + [("finished", total)]
     assert slurmtools.job_info(jid)["Restarts"] == "2"
     assert (run_dir / "COMPLETED").is_file()

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ranks import write_job
-from runlogs import assert_each_sample_once_per_epoch, events, sample_log, train_records
+from runlogs import assert_each_sample_once_per_epoch, decisions, events, sample_log, train_records
 from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, STEPS, STEPS_PER_EPOCH, TRAIN, Reference,
                                    assert_same_as_reference, ddpjob, job_env)
 from test_requeue_slurm import node_pids
@@ -79,7 +79,7 @@ def test_a_lost_node_is_left_behind_inside_the_allocation(three_nodes: Any, tmp_
     slurmtools.read_when(run / "logs" / "rank-2.log", "paused at call 55", timeout=300)
     lose_n2(jid)
     assert slurmtools.wait_done(jid, 900) == "COMPLETED"
-    stops = [e for e in events(run, "stop") if "rank" not in e]
+    stops = decisions(events(run))
     assert [e["reason"] for e in stops] == ["node_failure", "finished"], stops
     lost = stops[0]
     assert lost["lost_hosts"] == ["n2"] and lost["requeued_by"] == "in_allocation", lost

@@ -43,7 +43,7 @@ import pytest
 import clirun
 from clirun import job_env, wait_for, without_job_env
 from ranks import LAG, Ranks, assert_bit_equal, final_state, write_job
-from runlogs import assert_each_sample_once_per_epoch, events, lines, sample_log, train_records
+from runlogs import assert_each_sample_once_per_epoch, decisions, events, lines, sample_log, train_records
 
 TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2,
              max_steps=200, lr=0.05, warmup_steps=5, log_every=1, eval_every=50, amp="off",
@@ -85,7 +85,7 @@ def wait_step(run: Path, step: int, restart: int, job_id: str, timeout: float = 
 def wait_stop(run: Path, n: int, job_id: str, timeout: float = 240) -> dict[str, Any]:
     """The n-th stop event written by rank 0 (stops of failed ranks carry a `rank`)."""
     def stop() -> dict[str, Any] | None:
-        stops = [e for e in events(run, "stop") if "rank" not in e]
+        stops = decisions(events(run))
         return stops[n - 1] if len(stops) >= n else None
     return poll(f"stop {n}", timeout, stop, job_id)
 

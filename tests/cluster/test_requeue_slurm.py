@@ -18,6 +18,7 @@ import pytest
 
 from clirun import wait_for
 from ranks import LAG, write_job
+from runlogs import decisions
 from test_preemption_slurm import (CHECKPOINT, DATA, SLURM, TRAIN, Reference, assert_same_as_reference, ddpjob,
                                    events, job_env, job_file, preempt, preempt_and_finish, release, wait_step,
                                    wait_stop)
@@ -66,7 +67,7 @@ def test_preempted_job_without_scontrol_requeue_comes_back_as_a_successor(
     starts = events(run, "start")
     assert [s["job_id"] for s in starts] == [jid, new] and starts[1]["restart"] == 1, starts
     assert starts[1]["resumed_step"] == stop["step"]
-    assert [e["reason"] for e in events(run, "stop") if "rank" not in e] == ["preemption", "finished"]
+    assert [e["reason"] for e in decisions(events(run))] == ["preemption", "finished"]
     assert_same_as_reference(run, reference.run_dir())
     status = ddpjob("status", str(run), cwd=tmp_path).stdout
     assert f"successor -> job {new}" in status and new in status, status
@@ -86,7 +87,7 @@ def test_a_crash_is_retried_only_within_max_failures(slurm_cluster: Any, tmp_pat
     # rank 1 raises in its 25th training forward call (step 13), first incarnation only
     run, jid = sbatch(tmp_path, job, DDPJOB_TEST_SIGNAL="1:25:0:crash")
     assert slurmtools.wait_done(jid, 600) == final
-    stops = [e for e in events(run, "stop") if "rank" not in e]
+    stops = decisions(events(run))
     crash = [e for e in stops if e["reason"] == "crash"]
     assert len(crash) == 1 and crash[0]["requeued"] is (True if max_failures else None), stops
     assert (stops[-1]["reason"] == "finished") is bool(max_failures), stops
@@ -112,7 +113,7 @@ def test_kill_9_of_one_rank_restarts_inside_the_allocation_bit_exact(
     # rank 2's 67th training forward call: micro-step 1 of step 34, 3 steps past the checkpoint at 30
     run, jid = sbatch(tmp_path, job_file(tmp_path, max_failures=1), DDPJOB_TEST_SIGNAL="2:67:0:kill")
     assert slurmtools.wait_done(jid, 900) == "COMPLETED"
-    stops = [e for e in events(run, "stop") if "rank" not in e]
+    stops = decisions(events(run))
     assert [e["reason"] for e in stops] == ["crash", "finished"], stops
     crash = stops[0]
     assert crash["requeued_by"] == "in_allocation" and crash["step"] == 30 and crash["steps_lost"] == 3, crash
@@ -140,7 +141,7 @@ def test_kill_9_resumes_from_the_in_memory_snapshot_inside_the_allocation(
                     checkpoint={**CHECKPOINT, "snapshot_every": 2})
     run, jid = sbatch(tmp_path, job, DDPJOB_TEST_SIGNAL="2:67:0:kill", DDPJOB_TEST_SNAP_WAIT="32")
     assert slurmtools.wait_done(jid, 900) == "COMPLETED"
-    stops = [e for e in events(run, "stop") if "rank" not in e]
+    stops = decisions(events(run))
     assert [e["reason"] for e in stops] == ["crash", "finished"], stops
     crash = stops[0]
     assert (crash["step"], crash["steps_lost"], crash["failed_rank"], crash["failed_host"]) == (32, 1, 2, "n2"), crash
@@ -181,7 +182,7 @@ def test_submitit_kill_9_restarts_inside_the_allocation_from_the_in_memory_snaps
     jid = json.loads((run / "job.json").read_text())["job_id"]
     slurmtools.submitted.append(jid)  # conftest cancels what a failed test leaves
     assert slurmtools.wait_done(jid, 900) == "COMPLETED"
-    stops = [e for e in events(run, "stop") if "rank" not in e]
+    stops = decisions(events(run))
     assert [e["reason"] for e in stops] == ["crash", "finished"], stops
     crash = stops[0]
     assert (crash["step"], crash["steps_lost"], crash["failed_rank"]) == (32, 1, 2), crash
@@ -285,7 +286,7 @@ def test_a_failed_node_is_a_node_failure_that_spends_max_failures(
     if freeze:
         release(jid)
     assert slurmtools.wait_done(jid, 900) == final
-    stops = [e for e in events(run, "stop") if "rank" not in e]
+    stops = decisions(events(run))
     failure = stops[0]
     assert (failure["reason"], failure["job_id"], failure["restart"]) == ("node_failure", jid, 0), stops
     assert failure["requeued_by"] == "slurm" and failure["requeued"] is True, failure

@@ -13,6 +13,7 @@ import pytest
 from clirun import ddpjob
 from ddpjob import fileio, jobfile, rundir
 from ddpjob.ledger.events import read as read_events
+from runlogs import decisions
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -124,7 +125,7 @@ def test_slurm_sweep_points_run_and_resume_their_own_frozen_code(slurm_cluster, 
             starts = 2  # each point: its first run and the resumed one
             for text in mine:
                 assert text.count(where) == starts, text[-3000:]
-            stops = [e for e in read_events(p) if e.get("event") == "stop" and "rank" not in e]
+            stops = decisions(read_events(p))
             assert stops[0]["reason"] == "time_limit" and stops[0]["requeued_by"] == "scontrol", stops
             assert stops[0]["job_id"] == ids[i] and stops[0]["note"] == f"requeued job {ids[i]}", stops
             assert stops[-1]["reason"] == "finished" and stops[-1]["restart"] == starts - 1, stops

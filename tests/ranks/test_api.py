@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from clirun import ddpjob as ddpjob_cli
 from ranks import LAG, TESTS, Ranks, assert_bit_equal, base_env, events, final_state, free_port, metrics, write_job
+from runlogs import stops
 
 SCRIPT = TESTS / "api_script.py"
 
@@ -151,10 +153,47 @@ def test_torchrun_max_restarts_resumes_a_killed_rank_bit_identical(tmp_path: Pat
         (runs[name],) = (folder / "runs").iterdir()
     starts = [e for e in events(runs["killed"]) if e["event"] == "start"]
     assert [(s["restart"], s["resumed_step"]) for s in starts] == [(0, None), (1, 5)], starts
+    # the round torchrun ended got its verdict from the next round's rank 0 (rank/rounds.py),
+    # counted against max_failures like a SLURM restart in place
+    (crash,) = stops(events(runs["killed"]))
+    assert (crash["reason"], crash["verdict"], crash["action"], crash["requeued_by"], crash["restart"]) == \
+        ("crash", "infrastructure", "restart", "torchrun", 0), crash
+    assert crash["line"].startswith("restarting in place from the checkpoint of step 5") and \
+        crash["line"].endswith("failure 1 of max_failures = 20"), crash
+    # the killed rank is the culprit, not rank 0 whose all-reduce saw it go
+    assert crash["failed_rank"] == 1 and "ended without a word" in crash["failed_how"], crash
+    assert "ddpjob: crash verdict: infrastructure (rank 1 on " in out.stderr and "restarting in place" in out.stderr
+    assert "attempt     crash at step 5" in ddpjob_cli("status", str(runs["killed"]), check=True).stdout
     assert runs["killed"].name.startswith("t-torchrun-")
     assert_bit_equal(final_state(runs["plain"]), final_state(runs["killed"]), "final")  # model, optimizer
     done = [json.loads((runs[n] / "COMPLETED").read_text()) for n in ("plain", "killed")]
     assert done[0]["note"] == done[1]["note"] == "at 20" and done[1]["step"] == 20
+
+
+def test_a_users_bug_under_torchrun_max_restarts_is_named_and_not_run_again(tmp_path: Path) -> None:
+    """`torchrun --max-restarts 2`, rank 1 raises in step 3 in every round: torchrun starts the
+    ranks again twice, and without a verdict the bug ran three times. The second round's rank 0
+    decides the first round (rank/rounds.py): the user's ValueError at its line, not retried; that
+    round and the third refuse to train, and the torchrun fails in the verdict's words."""
+    job = write_job(tmp_path / "job.toml", train={"threads": 1, "dist_timeout_s": 3600},
+                    checkpoint={"every_steps": 5}, user={"steps": 20, "raise_at": "1:3"})
+    cmd = _torchrun(SCRIPT, job)
+    cmd[3:3] = ["--max-restarts", "2"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    evs = events(run)
+    assert [e["restart"] for e in evs if e["event"] == "start"] == [0], evs  # trained once
+    decided = stops(evs)
+    crash = decided[0]
+    assert (crash["reason"], crash["verdict"], crash["action"], crash["restart"]) == ("crash", "user", "end", 0), crash
+    assert crash["line"].startswith("not retried: rank 1's ValueError at api_script.py:"), crash
+    # the later rounds: refused at their start, each with the first round's verdict
+    assert [d["reason"] for d in decided[1:]] == ["budget", "budget"], decided
+    assert all("round 0 of this torchrun was decided: not retried: rank 1's ValueError" in d["note"]
+               for d in decided[1:]), decided
+    assert "not retried: rank 1's ValueError at api_script.py:" in out.stderr
+    assert not (run / "COMPLETED").exists()
 
 
 SLOW_HOOK_SCRIPT = """

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from ddpjob.config import JobConfig
 from ddpjob.store.commit import CheckpointStore
 from ranks import REPO, TESTS, assert_bit_equal
 
@@ -27,6 +28,7 @@ WORKER = textwrap.dedent("""
     import torch
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from ddpjob.config import CheckpointConfig, JobConfig
     from ddpjob.node import dist, group
     from ddpjob.node.cluster import ClusterEnv
     from ddpjob.store import commit
@@ -52,8 +54,8 @@ WORKER = textwrap.dedent("""
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    store = StateStore(root, keep_last=3, config_hash="h", async_save=how == "async", rank=env.rank,
-                       world_size=env.world_size, restart=0, job_id=None, control=dist.Control(ctx))
+    cfg = JobConfig(checkpoint=CheckpointConfig(keep_last=3, async_save=how == "async"))
+    store = StateStore(cfg, env, root.parent, control=dist.Control(ctx), restart=0)
     state = {"model": model, "optimizer": opt, "note": "x"}
     error = ""
     for step in (1, 2):
@@ -108,7 +110,7 @@ def test_two_ranks_split_the_files_and_the_manifest_verifies(tmp_path: Path, how
     # each save: rank 0 the model, the plain values and its RNG streams; rank 1 the optimizer
     assert r0["wrote"] == ["rank-0.pt", "model.pt", "values.pt"] * 2
     assert r1["wrote"] == ["rank-1.pt", "optimizer.pt"] * 2
-    store = CheckpointStore(root, config_hash="h")
+    store = CheckpointStore(root, config_hash=JobConfig().hash())
     info = store.latest(log=lambda _: None)  # every file's sha256 checked
     assert info is not None and info.step == 2 and [i.step for i in store.list()] == [2, 1]
     assert sorted(info.manifest["files"]) == ["model.pt", "optimizer.pt", "rank-0.pt", "rank-1.pt", "values.pt"]
@@ -133,7 +135,7 @@ def test_one_ranks_failed_write_commits_nothing_and_stops_both(tmp_path: Path, h
     assert "No space left on device" in r1["error"] and "disk or quota full" in r1["error"]
     assert "rank 1 could not write its files of checkpoint" in r0["error"], r0
     assert "No space left on device" in r0["error"]
-    store = CheckpointStore(root, config_hash="h")
+    store = CheckpointStore(root, config_hash=JobConfig().hash())
     assert [i.step for i in store.list()] == [1]
     assert store.latest(log=lambda _: None).step == 1
     assert [p.name for p in root.iterdir() if p.name.startswith(".")] == []

@@ -22,7 +22,7 @@ from typing import Any
 
 from clirun import TESTS, ddpjob, job_env, wait_for, without_job_env
 from ranks import write_job
-from runlogs import events
+from runlogs import events, rank_crashes, stops
 
 SCRIPT = TESTS / "command_scripts" / "plain_train.py"
 STEPS = 12
@@ -67,7 +67,7 @@ def test_a_preempted_command_resumes_its_own_checkpoint_and_finishes(tmp_path: P
     assert [h["exit_codes"] for h in local(run_dir)["history"]] == [[3, 3], [0, 0]]
     assert "stopping at step 7 for a requeue" in log(run_dir, 0)
     assert "resumed from" in log(run_dir, 0) and "at step 7" in log(run_dir, 0)
-    stop = [e for e in events(run_dir, "stop") if "rank" not in e]
+    stop = stops(events(run_dir))
     assert [(s["reason"], s["step"]) for s in stop] == [("time_limit", 7)], stop
     # every step once per attempt: 1..7 in attempt 0, 8..12 in attempt 1 (its own checkpoint)
     steps = [(r["restart"], r["step"]) for r in train_lines(run_dir)]
@@ -95,13 +95,13 @@ def test_a_preempted_command_resumes_its_own_checkpoint_and_finishes(tmp_path: P
 def test_a_killed_rank_of_a_command_restarts_in_place(tmp_path: Path) -> None:
     run_dir, _ = submit(tmp_path, DDPJOB_TEST_AT="1:8:0:kill")
     assert ended(run_dir) == "COMPLETED", log(run_dir, 0) + log(run_dir, 1)
-    crash = [e for e in events(run_dir, "stop") if "rank" not in e]
+    crash = stops(events(run_dir))
     assert len(crash) == 1 and crash[0]["reason"] == "crash" and crash[0]["verdict"] == "infrastructure", crash
     assert crash[0]["action"] == "restart", crash
     assert "restarting in place from the command's own checkpoint (it had logged step 8)" in crash[0]["line"], crash
     # the attempt's start record: where the script's own checkpoint took it (its first step, less one)
     assert [s.get("resumed_step") for s in events(run_dir, "start")] == [None, 5]
-    mine = [e for e in events(run_dir, "stop") if e.get("rank") == 1]
+    mine = rank_crashes(events(run_dir), rank=1)
     assert mine and mine[0]["error"] == "the command was killed by SIGKILL", mine
     # saved every 5 steps: the restart resumes from step 5 and replays 6..8
     assert "resumed from" in log(run_dir, 0) and "at step 5" in log(run_dir, 0)
@@ -113,11 +113,11 @@ def test_a_killed_ddpjob_run_of_a_command_restarts_in_place(tmp_path: Path) -> N
     rank 0's waits there: no crash record from rank 1; the supervisor saw its rank die by SIGKILL."""
     run_dir, _ = submit(tmp_path, DDPJOB_TEST_AT="0:8:0:pause,1:8:0:killwrapper")
     assert ended(run_dir) == "COMPLETED", log(run_dir, 0) + log(run_dir, 1)
-    decided = [e for e in events(run_dir, "stop") if "rank" not in e]
+    decided = stops(events(run_dir))
     assert [(d["reason"], d.get("verdict"), d.get("action")) for d in decided] == [
         ("crash", "infrastructure", "restart")], decided
     assert decided[0]["failed_rank"] == 1 and "SIGKILL" in decided[0]["failed_how"], decided
-    assert not [e for e in events(run_dir, "stop") if e.get("rank") == 1], "its ddpjob run was killed: no record"
+    assert not rank_crashes(events(run_dir), rank=1), "its ddpjob run was killed: no record"
     assert [r["step"] for r in train_lines(run_dir) if r["restart"] == 1] == list(range(6, STEPS + 1))
 
 
@@ -125,7 +125,7 @@ def test_a_bug_raised_by_the_command_fails_the_run_naming_its_line(tmp_path: Pat
     line = next(n for n, text in enumerate(SCRIPT.read_text().splitlines(), 1) if 'raise ValueError(f"a bug' in text)
     run_dir, _ = submit(tmp_path, DDPJOB_TEST_AT="*:4::raise")
     assert ended(run_dir) == "FAILED"
-    decision = [e for e in events(run_dir, "stop") if "rank" not in e]
+    decision = stops(events(run_dir))
     assert len(decision) == 1 and decision[0]["verdict"] == "user" and decision[0]["action"] == "end", decision
     assert decision[0]["where"] == f"plain_train.py:{line}", decision
     assert f"ValueError at plain_train.py:{line}" in decision[0]["line"], decision
@@ -136,7 +136,7 @@ def test_a_bug_raised_by_the_command_fails_the_run_naming_its_line(tmp_path: Pat
 def test_a_command_that_cannot_start_fails_once_with_one_line(tmp_path: Path) -> None:
     run_dir, _ = submit(tmp_path, command=[str(tmp_path / "no-such-program"), "--x"])
     assert ended(run_dir) == "FAILED"
-    decision = [e for e in events(run_dir, "stop") if "rank" not in e]
+    decision = stops(events(run_dir))
     assert len(decision) == 1 and (decision[0]["verdict"], decision[0]["action"]) == ("user", "end"), decision
     assert "no-such-program' cannot be started" in log(run_dir, 0) + log(run_dir, 1)
     assert len(local(run_dir)["history"]) == 1
@@ -148,8 +148,8 @@ def test_a_silent_hung_command_is_ended_and_restarted_in_place(tmp_path: Path) -
     SIGTERM, SIGKILL after the grace, and records the hang; restarted in place, it finishes."""
     run_dir, _ = submit(tmp_path, train=dict(command_hang_s=30, command_grace_s=2), DDPJOB_TEST_AT="1:6:0:hang")
     assert ended(run_dir) == "COMPLETED", log(run_dir, 0) + log(run_dir, 1)
-    hung = [e for e in events(run_dir, "stop") if e.get("rank") == 1]
+    hung = rank_crashes(events(run_dir), rank=1)
     assert hung and "no output or heartbeat for 30 s" in hung[0]["error"], hung
-    crash = [e for e in events(run_dir, "stop") if "rank" not in e]
+    crash = stops(events(run_dir))
     assert len(crash) == 1 and (crash[0]["verdict"], crash[0]["action"]) == ("infrastructure", "restart"), crash
     assert "at step 5" in log(run_dir, 0)  # resumed from the script's checkpoint of step 5

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ranks import LAG, REPO, TESTS, assert_bit_equal, base_env, events, final_state, metrics, write_job
+from runlogs import decisions
 
 
 STOP_AT = 6  # job.steps() hands out index 6: the stop lands at 6 + 1 + LAG
@@ -55,7 +56,7 @@ def test_a_compiled_run_resumes_from_its_cached_graphs_bit_exactly(tmp_path: Pat
                     slurm=dict(tasks_per_node=2, max_requeues=2))
     run = tmp_path / "run"
     _submit(job, run, _env(DDPJOB_TEST_STOP_AT=str(STOP_AT)))
-    stops = [e for e in events(run) if e["event"] == "stop" and "rank" not in e]
+    stops = decisions(events(run))
     assert [(s["reason"], s["step"]) for s in stops] == [("time_limit", STOP_AT + 1 + LAG),
                                                          ("finished", 14)], stops
     first, resumed = _graphs(run)

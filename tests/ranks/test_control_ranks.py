@@ -194,7 +194,7 @@ def test_a_torchrun_run_with_a_killed_rank_is_shown_completed_with_its_two_attem
         logs = ddpjob("logs", str(run), "--rank", str(rank), cwd=tmp_path).stdout.splitlines()
         marks = [line for line in logs if line.startswith("==> ")]
         assert marks == [f"==> attempt 0 (job {job_id}, first start) <==",
-                         f"==> attempt 1 (job {job_id}, restarted after crash at step 11) <=="], logs
+                         f"==> attempt 1 (job {job_id}, restarted by torchrun after crash at step 10) <=="], logs
     logs = ddpjob("logs", str(run), cwd=tmp_path).stdout
     assert "resumed from step-000000010" in logs and "finished: step 30" in logs, logs
     plot = ddpjob("plot", str(run), "-o", str(tmp_path / "curves.png"), cwd=tmp_path).stdout

@@ -17,6 +17,7 @@ import pytest
 
 from clirun import ddpjob
 from ranks import write_job
+import runlogs
 from runlogs import events
 from test_failure import DATA, TRAIN, assert_same_as_reference, reference, submit_wait  # noqa: F401  (fixture)
 
@@ -33,7 +34,7 @@ def submit(tmp_path: Path, **env: str) -> tuple[Path, subprocess.CompletedProces
 
 
 def decisions(run_dir: Path) -> list[dict[str, Any]]:
-    return [e for e in events(run_dir, "stop") if "rank" not in e]
+    return runlogs.decisions(events(run_dir))
 
 
 def supervisor_log(run_dir: Path) -> str:

@@ -105,7 +105,8 @@ HOOK_WORKER = textwrap.dedent("""
     import json, sys
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from ddpjob.node import dist as d, group
+    from ddpjob.node import group
+    from ddpjob.node.gradsync import register_comm_hook
     from ddpjob.node.cluster import ClusterEnv
     ordered, compression = sys.argv[1] == "ordered", sys.argv[2]
     env = ClusterEnv.from_environ(argv=[])
@@ -113,7 +114,7 @@ HOOK_WORKER = textwrap.dedent("""
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     ddp = DDP(model)
-    d.register_comm_hook(ddp, ordered=ordered, compression=compression)
+    register_comm_hook(ddp, ordered=ordered, compression=compression)
     ddp(torch.randn(8, 64, generator=torch.Generator().manual_seed(env.rank))).square().sum().backward()
     print("RESULT " + json.dumps({"rank": env.rank, "grad": model.weight.grad.flatten().tolist()}), flush=True)
     del ddp  # its reducer holds the group: freed first, gloo's threads are joined in destroy (test_trainer)

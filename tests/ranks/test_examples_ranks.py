@@ -16,6 +16,7 @@ import pytest
 
 from example_jobs import CHARLM, CHARLM_SMALL, CIFAR, CIFAR_SMALL, hook_job, samples_by_step
 from ranks import LAG, PYTHON, assert_bit_equal, base_env, events, metrics, run
+from runlogs import decisions, rank_crashes
 from test_examples import _cli, _entry_job, _error_lines
 
 
@@ -137,8 +138,8 @@ def _failed_run(tmp_path: Path, job: Path) -> tuple[Path, str]:
     (failed,) = [x for x in (p.stdout + p.stderr).splitlines() if "FAILED" in x]
     assert failed.startswith(f"ddpjob: {out}: FAILED (not retried: rank 0's ") and "is the code's own" in failed
     stops = [e for e in events(out) if e["event"] == "stop"]
-    assert [s["reason"] for s in stops if "rank" in s] == ["crash"], stops  # the rank's own record
-    (decision,) = [s for s in stops if "rank" not in s]  # the supervisor's: not retried
+    assert [s["reason"] for s in rank_crashes(stops)] == ["crash"], stops  # the rank's own record
+    (decision,) = decisions(stops)  # the supervisor's: not retried
     assert decision["reason"] == "crash" and decision["requeued"] is None, decision
     assert decision["verdict"] == "user" and "not retried" in decision["note"], decision  # by default
     assert [e["restart"] for e in events(out) if e["event"] == "local_start"] == [0]  # no requeue

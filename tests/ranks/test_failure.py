@@ -26,7 +26,7 @@ import pytest
 
 from clirun import job_env, wait_for
 from ranks import LAG, assert_bit_equal, final_state, run, write_job
-from runlogs import assert_each_sample_once_per_epoch, events, sample_log, train_records
+from runlogs import assert_each_sample_once_per_epoch, decisions, events, sample_log, train_records
 
 TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2,
              max_steps=80, lr=0.05, warmup_steps=5, log_every=1, eval_every=40, amp="off",
@@ -85,7 +85,7 @@ def step_of(run_dir: Path, restart: int) -> int:
 
 
 def stops(run_dir: Path) -> list[dict[str, Any]]:
-    return [e for e in events(run_dir, "stop") if "rank" not in e]
+    return decisions(events(run_dir))
 
 
 def assert_same_as_reference(run_dir: Path, ref: Path) -> int:

@@ -25,6 +25,7 @@ import torch
 
 from ranks import (LAG, REPO, assert_bit_equal, base_env, events, final_state, free_port, metrics, run,
                    write_job)
+from runlogs import decisions
 from test_selftest import VENV_BIN, assert_ok
 from test_selftest import run as run_clean
 
@@ -137,7 +138,7 @@ def _assert_same_run(a: Path, b: Path) -> None:
 
 def _stopped_once(run_dir: Path, at: int) -> None:
     """One stop at step `at` (example_hooks' DDPJOB_TEST_STOP_AT), then the run to its end."""
-    stops = [e for e in events(run_dir) if e["event"] == "stop" and "rank" not in e]
+    stops = decisions(events(run_dir))
     assert [(e["reason"], e["step"]) for e in stops] == [("time_limit", at), ("finished", 24)], stops
 
 
@@ -210,7 +211,7 @@ def test_interrupted_local_run_resumes_bit_exactly(tmp_path: Path) -> None:
                     slurm=dict(tasks_per_node=WORLD, gpus_per_node=WORLD, max_requeues=3))
     _submit_local(job, tmp_path / "reference")
     _submit_local(job, tmp_path / "interrupted", DDPJOB_TEST_SIGNAL="0:23:0")
-    stops = [e for e in events(tmp_path / "interrupted") if e["event"] == "stop" and "rank" not in e]
+    stops = decisions(events(tmp_path / "interrupted"))
     assert [(e["reason"], e["step"]) for e in stops][:1] == [("time_limit", 12 + LAG)], stops
     starts = [e.get("resumed_step") for e in events(tmp_path / "interrupted") if e["event"] == "start"]
     assert starts == [None, 12 + LAG], starts
@@ -252,14 +253,14 @@ def test_async_snapshot_blocks_briefly(tmp_path: Path, model_name: str, bound_ms
     90 MB, ResNet-50: 190 MB): they catch pageable copies or a sync per tensor, not jitter."""
     import torch.nn.functional as F
 
-    from ddpjob.config import JobConfig
+    from ddpjob.config import CheckpointConfig, JobConfig
     from ddpjob.node import dist
     from ddpjob.node.cluster import ClusterEnv
     from ddpjob.store.state import StateStore
     from ddpjob.train import models, trainer
 
     device = torch.device("cuda", 0)
-    cfg = JobConfig()
+    cfg = JobConfig(checkpoint=CheckpointConfig(keep_last=2, async_save=True))
     torch.manual_seed(0)
     model = models.build_model(model_name, 10, cifar_stem=True).to(device)
     optimizer = trainer.build_optimizer(model, cfg)
@@ -267,8 +268,7 @@ def test_async_snapshot_blocks_briefly(tmp_path: Path, model_name: str, bound_ms
                     torch.zeros(8, dtype=torch.long, device=device)).backward()
     optimizer.step()  # momentum buffers exist from here on
     ctx = dist.DistContext(ClusterEnv(), "none", device, initialized=False)
-    store = StateStore(tmp_path / "checkpoints", keep_last=2, config_hash=cfg.hash(), async_save=True,
-                       rank=0, world_size=1, restart=0, job_id=None, control=dist.Control(ctx))
+    store = StateStore(cfg, ctx.env, tmp_path, control=dist.Control(ctx), restart=0)
     state = {"model": model, "optimizer": optimizer}
     blocking = []
     for k in range(5):
@@ -379,7 +379,7 @@ def test_a_killed_gpu_rank_resumes_from_its_in_memory_snapshot(tmp_path: Path) -
     _submit_local(job, tmp_path / "reference")
     run_dir = tmp_path / "killed"
     _submit_local(job, run_dir, DDPJOB_TEST_SIGNAL="0:67:0:kill", DDPJOB_TEST_SNAP_WAIT="32")
-    crash = [e for e in events(run_dir) if e["event"] == "stop" and "rank" not in e][0]
+    crash = decisions(events(run_dir))[0]
     assert (crash["reason"], crash["step"], crash["steps_lost"]) == ("crash", 32, 1), crash
     starts = [e.get("resumed_step") for e in events(run_dir) if e["event"] == "start"]
     assert starts == [None, 32], starts

@@ -20,7 +20,7 @@ import pytest
 
 from clirun import ddpjob, job_env
 from ranks import write_job
-from runlogs import events, train_records
+from runlogs import decisions, events, train_records
 
 TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=1, max_steps=140,
              lr=0.05, warmup_steps=5, log_every=1, eval_every=140, amp="off", channels_last=False, threads=1,
@@ -63,7 +63,7 @@ def assert_one_history(run: Path, cwd: Path, first: dict[str, Any] | None = None
 def assert_the_sequence(run: Path, cwd: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The six stops in order, every view's attempts (assert_one_history), and goodput's replayed
     steps against the steps trained twice; returns the decisions and goodput's record."""
-    stops = [e for e in events(run, "stop") if "rank" not in e]
+    stops = decisions(events(run))
     assert [(s["restart"], s["reason"]) for s in stops] == [
         (0, "user_stop"), (1, "time_limit"), (2, "crash"), (3, "user_stop"), (4, "time_limit"), (5, "finished")]
     assert stops[2]["action"] == "restart" and stops[2]["verdict"] == "infrastructure", stops[2]

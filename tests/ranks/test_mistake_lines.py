@@ -41,6 +41,7 @@ def _before_first_checkpoint(ranks: Ranks, line_at: int) -> None:
     ("", {"leraning_rate": 0.5},
      "[user] 'leraning_rate' (did you mean 'learning_rate'?) was never read by the script before its first checkpoint"),
     ("scaler", {}, "an enabled GradScaler is not in state"),
+    ("optimizer", {}, "an optimizer (AdamW) over the model's parameters is not in state"),
     ("shared_generator", {}, "state['offsets'] differs between the ranks (rank 1's is not rank 0's)"),
     ("twice", {}, "job.log(1, lr=...) writes a second train record for step 1"),
 ])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ddpjob.cli import main
-from ddpjob.launch import plot
+from ddpjob.launch import history, plot, summary
 from ddpjob.ledger import phases
 from ranks import LAG, Ranks, events, run, signal_when_paused, write_job
 
@@ -63,7 +63,7 @@ def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: P
     record = plot.plot_runs([requeued_run], png)
     assert record.markers == {"run": [(resumed[0], "restart 1: time_limit"),
                                       (resumed[1], "restart 2: preemption")]}
-    assert all(record.series[key] == ["run"] for key, _ in plot.PANELS)
+    assert all(record.series[key] == ["run"] for key, _ in history.PANELS)
 
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
@@ -90,7 +90,7 @@ def test_plot_of_a_requeued_run_has_markers_at_the_resumed_steps(requeued_run: P
 @pytest.mark.slow
 def test_summary_of_a_requeued_run(requeued_run: Path) -> None:
     stops, _ = _stops_and_starts(requeued_run)
-    lines = plot.summary(requeued_run)
+    lines = summary.summary(requeued_run)
     text = "\n".join(lines)
     assert lines[0].startswith("state       completed at step 24")
     assert "progress    step 24," in text

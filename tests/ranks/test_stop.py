@@ -17,6 +17,7 @@ from ddpjob.ledger.events import read as read_events
 from clirun import REPO as ROOT
 from clirun import ddpjob as run_cli
 from ranks import LAG
+from runlogs import decisions
 
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
 
@@ -35,7 +36,7 @@ def _paused(log: Path, timeout: float = 240) -> None:
 
 
 def _stops(run: Path) -> list[dict[str, Any]]:
-    return [e for e in read_events(run) if e.get("event") == "stop" and "rank" not in e]
+    return decisions(read_events(run))
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from clirun import ddpjob as run_cli
 from ddpjob import fileio, jobfile, rundir
 from ddpjob.launch.backends import submitit_slurm
 from ddpjob.ledger.events import read as read_events
+from runlogs import decisions
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -72,7 +73,7 @@ def test_a_stopped_run_dir_is_resumed_at_other_resources_never_while_it_runs(tmp
     while fileio.read_record(run / "local.json").get("state") != "CANCELLED":
         assert time.monotonic() < deadline, fileio.read_record(run / "local.json")
         time.sleep(0.2)
-    stop = [e for e in read_events(run) if e.get("event") == "stop" and "rank" not in e][-1]
+    stop = decisions(read_events(run))[-1]
     assert stop["step"] == 6 + LAG, stop  # the step in flight finishes, the vote's, then the checkpoint
     # `ddpjob resume` takes the run's own config (the job file may have changed since)
     second = run_cli("resume", str(run), "--tasks-per-node", "1", "--wait", cwd=tmp_path, env=env,

@@ -16,7 +16,7 @@ import pytest
 
 from clirun import ddpjob, job_env, without_job_env
 from ranks import metrics, write_job
-from runlogs import events
+from runlogs import decisions, events
 
 mlflow = pytest.importorskip("mlflow")
 wandb_pb = pytest.importorskip("wandb.proto.wandb_internal_pb2")
@@ -91,7 +91,7 @@ def test_one_tracker_run_across_a_preemption_a_restart_in_place_and_a_resume(tmp
     out = ddpjob("resume", str(run), "--wait", cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
 
-    stops = [(e["reason"], e["step"]) for e in events(run) if e["event"] == "stop" and "rank" not in e]
+    stops = [(e["reason"], e["step"]) for e in decisions(events(run))]
     starts = [(e.get("restart"), e.get("resumed_step")) for e in events(run) if e["event"] == "start"]
     assert [r for r, _ in stops][:3] == ["preemption", "crash", "crash"] and stops[-1][0] == "finished", stops
     logged = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]

@@ -47,8 +47,9 @@ def test_step_times_skip_gate_waits_and_take_the_slowest_rank() -> None:
 
 
 def test_every_id_has_a_benchmark_and_the_job_file_exists() -> None:
-    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P12", "P13", "P14", "P15"]
-    assert ON_DEMAND == {"P11", "P12", "P15"}  # never in the default set nor CI's --tiny run: they need the cluster
+    assert list(BENCHMARKS) == IDS[:10] + ["P11", "P12", "P13", "P14", "P15", "P16", "P17"]
+    # never in the default set nor CI's --tiny run: the cluster, many runs (P16), the trainer packages (P17)
+    assert ON_DEMAND == {"P11", "P12", "P15", "P16", "P17"}
     assert harness.JOB.is_file()
     # the benchmark's config is the user's job file plus overrides, and it validates
     from ddpjob import jobfile
@@ -226,3 +227,16 @@ def test_scale_rows_pass_when_ddpjobs_rpcs_store_requests_and_files_stay_flat() 
     assert "REQUEST_JOB_REQUEUE 1 / 16 (GROWS)" in bad[0].measured
     fewer = p15_rows.rows_of([_scale_result(2, requeues=2), _scale_result(32, requeues=1)])
     assert fewer[0].passed is True  # fewer at more ranks is no growth
+
+
+def test_p16_counts_false_flags_detections_and_the_slowdown_s_cause() -> None:
+    from bench import p16
+
+    host = {"event": "straggler", "cause": "host", "rank": 0, "step": 50}
+    found = {"clean": [[host], []],
+             "30%": [[{"event": "straggler", "cause": "compute", "rank": 1, "step": 60}], [host]],
+             "1.5x": [[{"event": "slowdown", "state": "began", "step": 90, "cause": "data", "ratio": 0.66}]]}
+    clean, share, slow = p16.rows(found)
+    assert clean.measured == "0 in 2 runs (host line in 1, slowdown line in 0)" and clean.passed
+    assert share.measured.startswith("1/2, median 30 steps (1.5 windows)") and not share.passed
+    assert slow.measured == "1/1, median 30 steps (1.5 windows), most 30; cause data in 1" and slow.passed

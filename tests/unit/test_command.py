@@ -4,15 +4,20 @@ the torchrun environment its child gets. The processes: tests/ranks/test_command
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import pytest
 
-from ddpjob import exitcodes, jobfile
+from ddpjob import commandpaths, exitcodes, jobfile
 from ddpjob.errors import UsageError
 from ddpjob.ledger import policy
-from ddpjob.node.cluster import ClusterEnv, command_environ
-from ddpjob.rank.command import Raised, ending, last_traceback
+from ddpjob.node.cluster import ClusterEnv
+from ddpjob.rank.commandenv import command_environ
+from ddpjob import commandpaths
+from ddpjob.ledger.programend import DIED, EXITED, KILLED, PEER_GONE
+from ddpjob.rank.command_end import Ending, Raised, clip, ending, last_traceback
 
 
 def _cfg(**train: object):
@@ -66,14 +71,46 @@ def test_the_last_traceback_names_the_exception_and_the_scripts_own_innermost_li
     assert last_traceback("just a log line\nexit\n") is None
 
 
+def test_a_teardown_abort_after_the_trainers_own_end_is_done_and_nowhere_else() -> None:
+    """An integration's "end" line, then SIGABRT with libstdc++'s line as the last words: torch's
+    threads met the interpreter's end, the run is done. Without the end line, with a traceback,
+    or with another last line, it stays a crash."""
+    tail = "done at step 300\nterminate called without an active exception\n"
+    done = ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail, trainer_ended=300)
+    assert done.code == exitcodes.OK and done.crash is None and "step 300" in (done.note or "")
+    assert ending(128 + signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail, trainer_ended=300).code == 0
+    assert ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail).crash is not None
+    assert ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail="done\n",
+                  trainer_ended=300).crash is not None
+    assert ending(-signal.SIGSEGV, requeue_exit=3, stopped=False, stderr_tail=tail, trainer_ended=300).crash is not None
+    assert ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=TRACE + tail,
+                  trainer_ended=300).crash is not None
+
+
+def test_the_trainers_end_line_of_this_attempt_only() -> None:
+    from ddpjob.ledger import metricslines
+
+    lines = [{"kind": "train", "step": 300, "restart": 1}, {"kind": "end", "step": 300, "restart": 0}]
+    assert metricslines.trainer_ended(lines, 1) is None
+    assert metricslines.trainer_ended(lines, 0) == 300
+
+
 def test_exit_statuses_map_to_the_ranks_ending() -> None:
     assert ending(0, requeue_exit=3, stopped=False).code == exitcodes.OK
     assert ending(3, requeue_exit=3, stopped=False).stop
     assert ending(-signal.SIGTERM, requeue_exit=3, stopped=True).stop  # died of the stop signal: requeue
     assert ending(-signal.SIGKILL, requeue_exit=3, stopped=True, killed=True).stop  # still saving after the grace
     assert not ending(-signal.SIGKILL, requeue_exit=3, stopped=True).stop  # SLURM's kill of the step
-    # a status after a stop is no stop: a peer's end failed the collective while srun ended the step
+    # after ddpjob's stop signal: a handler that saves and exits 0 (Lightning's) is a stop, never done
+    assert ending(0, requeue_exit=3, stopped=True) == Ending(exitcodes.REQUEUE, stop=True, program=EXITED)
+    assert ending(-signal.SIGTERM, requeue_exit=3, stopped=True).program == DIED
+    assert ending(128 + signal.SIGTERM, requeue_exit=3, stopped=True).program == DIED  # a wrapper shell died of it
+    assert ending(-signal.SIGKILL, requeue_exit=3, stopped=True, killed=True).program == KILLED
+    # another status after a stop, without a peer's traceback, is the program's own: a crash
     assert not ending(1, requeue_exit=3, stopped=True).stop
+    # an exception of its own while it stopped stays a crash
+    own = ending(1, requeue_exit=3, stopped=True, stderr_tail=TRACE)
+    assert not own.stop and own.crash is not None and own.crash["error_class"] == policy.USER
     killed = ending(-signal.SIGKILL, requeue_exit=3, stopped=False)
     assert killed.signum == signal.SIGKILL and killed.crash == {
         "error": "the command was killed by SIGKILL", "error_class": policy.INFRASTRUCTURE}
@@ -85,10 +122,14 @@ def test_exit_statuses_map_to_the_ranks_ending() -> None:
     peer = ending(1, requeue_exit=3, stopped=False, stderr_tail="Traceback (most recent call last):\n"
                   '  File "t.py", line 5, in <module>\nRuntimeError: Connection closed by peer [127.0.0.1]:1\n').crash
     assert peer is not None and peer["error_class"] == policy.INFRASTRUCTURE
-    # srun's SIGTERM to the step after a peer died, while this one was raising its failed collective
+    # the stop signal reached the ranks a little apart: the survivor's collective failed as its peer
+    # left (or srun's SIGTERM after a peer crashed: rank/command._finish reads the peer's crash
+    # record and lets that be decided)
     ended = ending(-signal.SIGTERM, requeue_exit=3, stopped=True, stderr_tail="Traceback (most recent call last):\n"
                    '  File "t.py", line 5, in <module>\nRuntimeError: Connection reset by peer\n')
-    assert not ended.stop and ended.crash is not None and ended.crash["error_class"] == policy.INFRASTRUCTURE
+    assert ended == Ending(exitcodes.REQUEUE, stop=True, program=PEER_GONE)
+    assert ending(1, requeue_exit=3, stopped=True, stderr_tail="Traceback (most recent call last):\n"
+                  '  File "t.py", line 5, in <module>\nRuntimeError: Connection reset by peer\n').program == PEER_GONE
     hung = ending(-9, requeue_exit=3, stopped=False, hang_s=30).crash
     assert hung is not None and "no output or heartbeat for 30 s" in hung["error"]
     assert hung["error_class"] == policy.INFRASTRUCTURE
@@ -105,6 +146,37 @@ def test_the_child_gets_torchruns_variables_and_ddpjobs() -> None:
         "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
         "MASTER_ADDR": "n1", "PATH": "/bin", "DDPJOB_ATTEMPT": "2"}
     assert out["MASTER_PORT"] == str(env.master_port)
+    # the elastic set too: Lightning and Accelerate tell a torchrun launch by it
+    assert {k: out[k] for k in ("GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
+                                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE")} == {
+        "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "3", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": "4",
+        "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert "TORCHELASTIC_RUN_ID" in out and "TORCHELASTIC_MAX_RESTARTS" in out
+
+
+def test_the_child_gets_the_users_python_not_ddpjobs(tmp_path: Path) -> None:
+    """`python train.py` must put the script's folder first on sys.path again: no PYTHONSAFEPATH,
+    and the run's frozen code (ddpjob's own) off PYTHONPATH; the user's own entries stay."""
+    env = ClusterEnv.from_environ({}, argv=[])
+    code = tmp_path / "run" / "code" / "python"
+    code.mkdir(parents=True)
+    out = command_environ(env, {}, environ={"PYTHONSAFEPATH": "1", "PYTHONPATH": f"{code}:/home/me/lib"},
+                          own_code=str(code), run_id="run-1", max_restarts=20)
+    assert "PYTHONSAFEPATH" not in out and out["PYTHONPATH"] == "/home/me/lib"
+    assert out["TORCHELASTIC_RUN_ID"] == "run-1" and out["TORCHELASTIC_MAX_RESTARTS"] == "20"
+    alone = command_environ(env, {}, environ={"PYTHONPATH": str(code)}, own_code=str(code))
+    assert "PYTHONPATH" not in alone
+
+
+def test_placeholders_fill_the_arguments_and_nothing_else(tmp_path: Path) -> None:
+    assert commandpaths.expand("{run_dir}/snapshot.pt", tmp_path, 2) == f"{tmp_path}/snapshot.pt"
+    assert commandpaths.expand("out-{attempt}", tmp_path, 2) == "out-2"
+    assert commandpaths.expand('{"lr": 1}', tmp_path, 2) == '{"lr": 1}'  # the program's own braces
+
+
+def test_an_error_line_is_cut_at_a_word() -> None:
+    assert clip("remote worker at 10.0.0.1 went away", 16) == "remote worker…"
+    assert clip("short", 16) == "short"
 
 
 def test_words_after_dashes_become_the_command_of_submit_and_sbatch_only() -> None:
@@ -135,3 +207,80 @@ def test_a_commands_crash_verdict_resumes_from_its_own_checkpoint() -> None:
                          resume_at=8, steps_lost=0, own_checkpoint=True)
     line = policy.decide(facts, policy.Limits()).line
     assert line.startswith("restarting in place from the command's own checkpoint (it had logged step 8);"), line
+
+
+def test_the_childs_two_streams_reach_the_log_whole_lines_at_a_time(tmp_path: Path) -> None:
+    """stdout and stderr land in one rank log: a line of one is never cut by the other's
+    ("Steps: 256/...dataloader.py:759: UserWarning"); a progress bar's \\r ends a line too."""
+    import io
+    import threading
+
+    from ddpjob.rank.command import _Output
+
+    class Sink(io.BytesIO):
+        lock = threading.Lock()
+
+    log = Sink()
+    out = _Output()
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    out.follow(os.fdopen(r1, "rb"), log, keep=False)
+    out.follow(os.fdopen(r2, "rb"), log, keep=True)
+    for part in (b"Steps: 2", b"56/512\n", b"Epoch 3 | loss 0.1\r", b"tail without end"):
+        os.write(w1, part)
+        os.write(w2, b"dataloader.py:759: UserWarning\n")
+    os.close(w1)
+    os.close(w2)
+    out.join()
+    lines = log.getvalue().replace(b"\r", b"\n").split(b"\n")
+    assert b"Steps: 256/512" in lines and b"Epoch 3 | loss 0.1" in lines, lines
+    assert b"tail without end" in lines and lines.count(b"dataloader.py:759: UserWarning") == 4, lines
+    assert out.last_line == "tail without end" and "UserWarning" in out.tail
+
+
+def test_threes_with_zeros_are_a_stop_for_the_local_supervisor() -> None:
+    from ddpjob.launch.local import stopped
+
+    assert stopped([3, 3]) and stopped([3, 0]) and stopped([0, 3])
+    assert not stopped([0, 0]) and not stopped([3, 1]) and not stopped([3, -9])
+
+
+def test_a_peer_rank_waits_for_rank_0_when_the_open_attempt_is_an_earlier_starts(tmp_path: Path) -> None:
+    """A command's rank other than 0 reads its attempt number from the ledger. An attempt left
+    open by an earlier start of the job (SIGKILLed after GraceTime: only its launch on record)
+    is not this start's: the rank waits until rank 0 recorded that end, and takes the number rank
+    0 takes. A launch newer than this rank's own start is rank 0's of this start: taken at once."""
+    import threading
+    import time
+
+    from ddpjob.ledger import events
+    from ddpjob.rank import command
+
+    env = ClusterEnv(rank=1, world_size=2, job_id="77", restart_count=1, source="slurm")
+    events.record(tmp_path, "launch", job_id="77", restart=0, world_size=2, host="n1", source="slurm",
+                  time=time.time() - 3600)
+
+    def rank_0() -> None:
+        time.sleep(0.5)
+        events.record(tmp_path, "stop", reason="preemption", job_id="77", restart=0, requeued=True,
+                      requeued_by="slurm", unseen=True)
+
+    t = threading.Thread(target=rank_0)
+    began = time.monotonic()
+    t.start()
+    assert command._peer_attempt(env, tmp_path) == 1
+    assert time.monotonic() - began >= 0.5  # it waited for rank 0's record (written after its sleep)
+    t.join()
+    events.record(tmp_path, "launch", job_id="77", restart=1, world_size=2, host="n1", source="slurm")
+    assert command._peer_attempt(env, tmp_path) == 1  # rank 0's launch of this start: no wait (no end comes)
+
+
+def test_an_end_line_is_no_curve_point_and_no_training_time(tmp_path) -> None:
+    """The integrations' `end` line at step 300 leaves step 300's train line (its loss) in place."""
+    from ddpjob import rundir
+    from ddpjob.launch.history import load_history
+
+    (tmp_path / rundir.METRICS).write_text(
+        '{"kind": "train", "step": 300, "restart": 0, "time": 1.0, "loss": 0.5}\n'
+        '{"kind": "end", "step": 300, "restart": 0, "time": 2.0}\n')
+    assert [r.get("loss") for r in load_history(tmp_path).train] == [0.5]

@@ -129,7 +129,7 @@ def test_the_json_record_of_a_run(tmp_path):
         "checkpoint": {"step": 10, "path": str(run / "checkpoints" / "step-000000010")},
         "best_accuracy": {"value": 0.75, "step": 12}, "final_accuracy": None, "code": None,
         "goodput": None,  # its starts recorded no times: no ledger (tests/unit/test_goodput.py)
-        "stragglers": []}
+        "stragglers": [], "slowdowns": [], "baseline_step_ms": None}
     # a damaged run dir is still one line, and no runs are no lines
     (tmp_path / "runs" / "bad").mkdir()
     (tmp_path / "runs" / "bad" / "config.json").write_text("{}")
@@ -216,9 +216,9 @@ LOCAL_HISTORY = [
 def test_the_ledger_says_who_brought_a_local_run_back(tmp_path):
     """Not "not requeued" where the local supervisor requeued (its local_requeue record) or
     restarted the ranks in place (the crash decision's requeued_by "supervisor")."""
-    from ddpjob.launch import plot
+    from ddpjob.launch import summary
 
-    lines = [line for line, _ in plot.ledger(LOCAL_HISTORY)]
+    lines = [line for line, _ in summary.ledger(LOCAL_HISTORY)]
     assert lines == [
         "time_limit at step 7 (job local-1), steps lost ?, requeued by the local supervisor, resumed step 7 after 5 s",
         "crash at step 10 (job local-1), steps lost ?, restarted in place by the local supervisor, "
@@ -251,11 +251,11 @@ def test_logs_mark_each_attempt_in_the_appended_rank_log(tmp_path, capsys):
 
 def test_metrics_a_run_does_not_have_are_not_shown(tmp_path):
     """A loop that evaluates a loss but no accuracy: no "best acc nan" line, null in --json."""
-    from ddpjob.launch import plot, report
+    from ddpjob.launch import report, summary
 
     run = _run_with(tmp_path, LOCAL_HISTORY[:2], [{"kind": "train", "step": 5, "loss": 0.5, "time": 11.0},
                                                   {"kind": "eval", "step": 5, "eval_loss": 0.7, "time": 12.0}])
-    lines = plot.summary(run)
+    lines = summary.summary(run)
     assert not [line for line in lines if line.startswith("best acc")], lines
     assert "progress    step 5, loss 0.5000" in lines, lines
     info = runs.run_info(run)
@@ -383,3 +383,16 @@ def test_a_local_run_that_ends_between_the_two_reads_is_its_end_not_a_dead_super
     monkeypatch.setattr(local_procs, "pid_alive", lambda pid, marker=local_procs.SUPERVISOR: False)
     got = local_procs.LocalBackend().state(run, {"pid": 4242}, None)
     assert got.state == "FAILED" and "supervisor died" in got.reason, got
+
+
+def test_the_mark_of_a_torchrun_round_says_torchrun_brought_it_back():
+    """rank/rounds.py's decision (requeued_by torchrun, its step the resume point) as the next
+    round's mark, in the words the other backends' restarts get."""
+    history = [
+        {"event": "start", "job_id": "torchrun-1", "restart": 0},
+        {"event": "stop", "reason": "crash", "rank": 1, "step": 11, "job_id": "torchrun-1", "restart": 0},
+        {"event": "stop", "reason": "crash", "step": 10, "job_id": "torchrun-1", "restart": 0, "requeued": True,
+         "requeued_by": "torchrun", "source": "torchrun"},
+        {"event": "start", "job_id": "torchrun-1", "restart": 1}]
+    assert [mark for _, mark in control.attempt_marks(history)][1] == \
+        "==> attempt 1 (job torchrun-1, restarted by torchrun after crash at step 10) <=="

@@ -15,10 +15,11 @@ import fake_checkpoint
 
 from ddpjob import config, exitcodes, fileio, jobfile
 from ddpjob.ledger import budget, crashes, requests
-from ddpjob.launch import plot
+from ddpjob.launch import summary
 from ddpjob.rank import requeue
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.ledger.events import read as read_events
+from runlogs import decisions
 
 ENV = ClusterEnv(source="slurm", job_id="77", restart_count=0, hosts=("n1", "n2"), num_nodes=2)
 KILLED = ("ddpjob: attempt 0: ranks on 2 node(s)\n"
@@ -157,7 +158,7 @@ def test_a_node_lost_with_on_node_loss_continue_is_left_behind_inside_the_alloca
     assert stop["note"].startswith("node(s) n2 left allocation 77; restarting in place from the checkpoint of step 30")
     # srun's "Node failure on n2" names the culprit, not the first task it then killed (on n1)
     assert (stop["failed_rank"], stop["failed_host"], stop["failed_how"]) == (None, "n2", "node failure")
-    assert "node n2 failed" in "\n".join(plot.summary(d))
+    assert "node n2 failed" in "\n".join(summary.summary(d))
     assert requeue.restart_layout(d, env, cfg) == layout
     fileio.append_jsonl(d / "events.jsonl", start("77", 1, 30))
     batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n1: task 1: Exited with exit code 1\n")
@@ -204,16 +205,16 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     assert [e.get("failed_rank") for e in read_events(d) if e["event"] == "stop"] == [2, 3]
     assert requeue.restart_layout(d, ENV, cfg) == (1, ["n2"])
     # what `ddpjob status` shows while job 77 runs: its next restart leaves n2 out
-    lines = "\n".join(plot.summary(d, live_job="77"))
+    lines = "\n".join(summary.summary(d, live_job="77"))
     assert "hosts       n2 2 failures (excluded from job 77)" in lines and "rank 3 on n2: Bus error" in lines, lines
     # once the job has ended (or for another job: a successor of a resume) nothing is excluded
-    lines = "\n".join(plot.summary(d))
+    lines = "\n".join(summary.summary(d))
     assert "hosts       n2 2 failures" in lines and "excluded" not in lines, lines
     # [slurm] exclude_after = 3: two failures are not yet the host, for the decision and status
     cfg3 = jobfile.from_dict({"name": "t", "slurm": {"nodes": 2, "tasks_per_node": 2, "exclude_after": 3}})
     fileio.write_text_atomic(d / "config.json", cfg3.to_json())
     assert requeue.restart_layout(d, ENV, cfg3) == (2, [])
-    lines = "\n".join(plot.summary(d, live_job="77"))
+    lines = "\n".join(summary.summary(d, live_job="77"))
     assert "n2 2 failures" in lines and "excluded" not in lines, lines
 
 
@@ -240,7 +241,7 @@ def test_rank_0s_stop_that_decided_nothing_gives_way_to_the_task_srun_saw_die(
         assert [(e["reason"], e["restart"], e.get("failed_rank")) for e in stops] == [
             ("signal", 0, None), ("crash", 0, 1)], stops
         assert stops[1]["verdict"] == "infrastructure" and stops[1]["action"] == "restart", stops
-        shown = [line for line, _ in plot.ledger(read_events(d))]
+        shown = [line for line, _ in summary.ledger(read_events(d))]
         assert len(shown) == 1 and shown[0].startswith("crash at step 30"), shown  # status: one stop
     else:
         assert [e["reason"] for e in stops] == ["signal"], stops
@@ -305,7 +306,7 @@ def test_a_crash_loop_ends_the_job_with_one_line(fake_slurm, tmp_path, capsys) -
         answers.append(requeue.after_crash(cfg, ENV, d, 139, in_place=True))
     # the first attempt got from 0 to 10; the next three got nowhere: the third of them ends it
     assert answers == [True, True, True, None]
-    stops = [e for e in read_events(d) if e["event"] == "stop" and "rank" not in e]
+    stops = decisions(read_events(d))
     assert [s["no_progress"] for s in stops] == [0, 1, 2, 3]
     assert [s["verdict"] for s in stops] == ["infrastructure"] * 4
     assert budget.used(read_events(d), "77")[1] == 3  # 7 retries of max_failures were left

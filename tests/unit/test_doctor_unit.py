@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ddpjob.errors import DDPJobError
-from ddpjob.launch import checks as checks_mod, doctor, restartchecks
+from ddpjob.launch import checks as checks_mod, doctor, restartchecks, signalchecks, slurmchecks
 from test_doctor import checks, job
 
 
@@ -26,25 +26,25 @@ def test_no_slurm_on_path_is_one_failed_check(job: Path, monkeypatch: pytest.Mon
 
 
 def test_gres_and_record_parsing() -> None:
-    assert doctor._gpus("(null)") == 0
-    assert doctor._gpus("gpu:4") == 4
-    assert doctor._gpus("gpu:a100:4(S:0-1)") == 4
-    assert doctor._gpus("gpu:a100:2,gpu:v100:2(S:0),mps:100") == 4
+    assert slurmchecks.gres_gpus("(null)") == 0
+    assert slurmchecks.gres_gpus("gpu:4") == 4
+    assert slurmchecks.gres_gpus("gpu:a100:4(S:0-1)") == 4
+    assert slurmchecks.gres_gpus("gpu:a100:2,gpu:v100:2(S:0),mps:100") == 4
     recs = checks_mod.records("NodeName=n1 Gres=gpu:2 OS=Linux 6.1 #1 SMP Partitions=low,high\n\n"
                            "NodeName=n2 Gres=(null)\n")
     assert [r["NodeName"] for r in recs] == ["n1", "n2"] and recs[0]["Partitions"] == "low,high"
-    assert doctor._limit_s("UNLIMITED") is None and doctor._limit_s("1-00:00:00") == 86400
+    assert slurmchecks.limit_s("UNLIMITED") is None and slurmchecks.limit_s("1-00:00:00") == 86400
 
 
 def test_signal_routing_on_raw_values() -> None:
-    assert doctor.signal_routing("USR2", [], 120).status == doctor.PASS
-    assert doctor.signal_routing("USR1", ["--exclusive"], 90).detail.startswith("SIGUSR1 reaches")
-    assert doctor.signal_routing("b:usr2", []).status == doctor.FAIL
+    assert signalchecks.signal_routing("USR2", [], 120).status == doctor.PASS
+    assert signalchecks.signal_routing("USR1", ["--exclusive"], 90).detail.startswith("SIGUSR1 reaches")
+    assert signalchecks.signal_routing("b:usr2", []).status == doctor.FAIL
     # sbatch expands abbreviations: --sig=B:... is --signal=B:...
     for extra in ("--sig=B:USR2@60", "--sign=b:USR2@60", "--signal=B:USR2@60"):
-        assert doctor.signal_routing("USR2", [extra]).status == doctor.FAIL, extra
-    assert doctor.signal_routing("USR2", ["--comment=B:x"]).status == doctor.PASS
-    c = doctor.signal_routing("USR2", ["--exclusive", "--signal=B:TERM@30"])
+        assert signalchecks.signal_routing("USR2", [extra]).status == doctor.FAIL, extra
+    assert signalchecks.signal_routing("USR2", ["--comment=B:x"]).status == doctor.PASS
+    c = signalchecks.signal_routing("USR2", ["--exclusive", "--signal=B:TERM@30"])
     assert c.status == doctor.FAIL and "'--signal=B:TERM@30'" in c.detail
 
 
@@ -118,12 +118,47 @@ def test_the_memory_limit_comes_from_mem_else_the_partition_else_the_nodes() -> 
     nodes = [{"RealMemory": "2000", "FreeMem": "900"}, {"RealMemory": "4000", "FreeMem": "3000"}]
     assert restartchecks._slurm_mem("32G") == 32 << 30 and restartchecks._slurm_mem("4000") == 4000 << 20
     assert restartchecks._slurm_mem("UNLIMITED") is None and restartchecks._slurm_mem("0") is None
-    assert restartchecks.memory_limit(_cfg("slurm.mem=3G"), {"DefMemPerNode": "1000"}, {}, nodes) == (3 << 30, "slurm.mem = 3G")
-    assert restartchecks.memory_limit(_cfg(), {"DefMemPerCPU": "500"}, {"DefMemPerNode": "9000"}, nodes)[0] == 1000 << 20
-    assert restartchecks.memory_limit(_cfg(), {}, {"DefMemPerNode": "9000", "MaxMemPerNode": "8000"}, nodes)[0] == 8000 << 20
-    assert restartchecks.memory_limit(_cfg(), {}, {"SelectTypeParameters": "CR_Core_Memory"}, nodes)[0] == 2000 << 20
-    limit, src = restartchecks.memory_limit(_cfg(), {}, {"SelectTypeParameters": "CR_CORE"}, nodes)
-    assert limit == 900 << 20 and "FreeMem" in src
+    limit = restartchecks.memory_limit(_cfg("slurm.mem=3G"), {"DefMemPerNode": "1000"}, {}, nodes)
+    assert limit == restartchecks.MemoryLimit(3 << 30, "slurm.mem = 3G", enforced=True)
+    assert restartchecks.memory_limit(_cfg(), {"DefMemPerCPU": "500"}, {"DefMemPerNode": "9000"}, nodes).size == 1000 << 20
+    assert restartchecks.memory_limit(_cfg(), {}, {"DefMemPerNode": "9000", "MaxMemPerNode": "8000"}, nodes).size == 8000 << 20
+    tracked = restartchecks.memory_limit(_cfg(), {}, {"SelectTypeParameters": "CR_Core_Memory"}, nodes)
+    assert tracked.size == 2000 << 20 and tracked.enforced
+    # SLURM tracks no memory: the nodes' RealMemory, never FreeMem (which leaves out the page cache)
+    untracked = restartchecks.memory_limit(_cfg(), {}, {"SelectTypeParameters": "CR_CORE"}, nodes)
+    assert untracked.size == 2000 << 20 and not untracked.enforced
+    assert "RealMemory" in untracked.source and "tracks no memory" in untracked.source and "FreeMem" not in untracked.source
+    assert restartchecks.memory_limit(_cfg(), {}, {}, [{"FreeMem": "900"}]) == \
+        restartchecks.MemoryLimit(None, "no memory limit found")
+
+
+def test_a_node_whose_page_cache_fills_its_memory_passes_where_slurm_tracks_no_memory() -> None:
+    """The issue's setup: `ddpjob doctor jobs/smoke.toml` on nodes of 8000 MB RealMemory, SLURM
+    tracking no memory, the nodes' FreeMem 437 MiB (the rest page cache): it FAILed with "2
+    rank(s) ~ 1317 MiB ... above the limit 437 MiB". Now the ranks fit the nodes' memory."""
+    from ddpjob.jobfile import resolve
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = resolve(str(root / "jobs" / "smoke.toml"), [], {})
+    busy = [{"RealMemory": "8000", "AllocMem": "0", "FreeMem": "437"}] * 2
+    limit = restartchecks.memory_limit(cfg, {}, {"SelectTypeParameters": "CR_Core"}, busy)
+    state, _ = restartchecks.state_estimate(cfg, Path("/nonexistent"))
+    c = restartchecks.memory_check(cfg, state, limit)
+    assert c.status == doctor.PASS and "within 8000 MiB (the nodes' RealMemory" in c.detail, c
+
+
+def test_past_the_nodes_memory_where_slurm_tracks_none_is_a_warning_that_says_why() -> None:
+    """Nothing is reserved or enforced there and the ranks' use is a guess: a WARN, never a FAIL;
+    two GPU ranks (3 GiB each, estimated) on 2000 MiB nodes."""
+    cfg = _cfg("slurm.gpus_per_node=2", "slurm.max_failures=0")
+    limit = restartchecks.MemoryLimit(2000 << 20, "the nodes' RealMemory; SLURM tracks no memory here", enforced=False)
+    c = restartchecks.memory_check(cfg, None, limit)
+    assert c.status == doctor.WARN and "2 rank(s) ~ 6144 MiB per node, more than 2000 MiB" in c.detail, c
+    assert "nothing reserves memory" in c.detail and "only a warning" in c.hint and "snapshot_every" not in c.hint
+    enforced = restartchecks.memory_check(cfg, None, restartchecks.MemoryLimit(2000 << 20, "slurm.mem = 2000M"))
+    assert enforced.status == doctor.FAIL and "killed for memory" in enforced.detail
+    fits = restartchecks.memory_check(cfg, None, restartchecks.MemoryLimit(8000 << 20, "RealMemory", enforced=False))
+    assert fits.status == doctor.PASS
 
 
 def test_the_memory_check_fails_when_the_ranks_alone_do_not_fit_and_warns_for_the_snapshots() -> None:
@@ -131,8 +166,8 @@ def test_the_memory_check_fails_when_the_ranks_alone_do_not_fit_and_warns_for_th
     state = 10 << 20
     use = 2 * restartchecks.rank_use(cfg, state)
     snaps = 2 * state + 6 * state  # each rank's pooled copy + 2 ranks x (2 kept + 1 written)
-    assert restartchecks.memory_check(cfg, state, (use + snaps, "x")).status == doctor.PASS
-    c = restartchecks.memory_check(cfg, state, (use + snaps - 1, "x"))
+    assert restartchecks.memory_check(cfg, state, restartchecks.MemoryLimit(use + snaps, "x")).status == doctor.PASS
+    c = restartchecks.memory_check(cfg, state, restartchecks.MemoryLimit(use + snaps - 1, "x"))
     assert c.status == doctor.WARN and "keep 1 snapshot instead of 2" in c.detail
-    c = restartchecks.memory_check(cfg, state, (use - 1, "slurm.mem = 1G"))
+    c = restartchecks.memory_check(cfg, state, restartchecks.MemoryLimit(use - 1, "slurm.mem = 1G"))
     assert c.status == doctor.FAIL and "killed for memory" in c.detail and "slurm.mem" in c.hint

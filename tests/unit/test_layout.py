@@ -1,5 +1,6 @@
 """The package layout's rules: the login side (cli, config, launch/) never imports torch at
-import time, every torch.distributed collective is called from ddpjob/node/dist.py only, and
+import time, every torch.distributed collective is called from ddpjob/node/dist.py and its two
+siblings only (gradsync.py: the gradients; modelsync.py: a model's whole state), and
 the packages import down the layer order (shared -> ledger -> node -> store -> rank -> face ->
 train),
 never in a circle."""
@@ -90,27 +91,35 @@ def test_collective_finder_sees_the_usual_spellings() -> None:
         "8: d.new_group", "9: torch.distributed.broadcast"]
 
 
+# The owners of ddpjob's collectives: the group's (dist.py), the gradients' (gradsync.py), a
+# model's whole state's (modelsync.py).
+OWNERS = ("ddpjob/node/dist.py", "ddpjob/node/gradsync.py", "ddpjob/node/modelsync.py")
+
+
 def test_collectives_only_in_node_dist() -> None:
     offenders = {}
-    seen_in_dist = []
+    seen = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE.parent).as_posix()
         found = collective_calls(path.read_text(encoding="utf-8"))
-        if rel == "ddpjob/node/dist.py":
-            seen_in_dist = found
+        if rel in OWNERS:
+            seen[rel] = found
         elif found:
             offenders[rel] = found
-    assert offenders == {}, f"collectives outside ddpjob/node/dist.py: {offenders}"
-    assert seen_in_dist, "the finder found no collective in ddpjob/node/dist.py: it is broken"
+    assert offenders == {}, f"collectives outside {', '.join(OWNERS)}: {offenders}"
+    for rel in OWNERS:
+        assert seen.get(rel), f"the finder found no collective in {rel}: it is broken"
 
 
 # ------------------------------------------------------------------ the layer order
 # Lowest first; a module may import its own layer and the ones below it. shared = the modules
 # at ddpjob/'s top (config, rundir, slurm, freeze, ...); face = ddpjob/__init__.py and api.py,
 # the public API, which re-exports the rank layer for user scripts and the built-in trainer.
+# integrations: the trainer callbacks a user's HF / Lightning program imports (node and shared only).
 # launch (the login side) stands above all and never imports rank or face: it reaches the rank
 # layer only by name (a module path in a script or a pickle).
-LEVELS = {"shared": 0, "ledger": 1, "node": 2, "store": 3, "rank": 4, "face": 5, "train": 6, "launch": 7}
+LEVELS = {"shared": 0, "ledger": 1, "node": 2, "store": 3, "rank": 4, "face": 5, "train": 6, "integrations": 6,
+          "launch": 7}
 BY_NAME_ONLY = {("launch", "rank"), ("launch", "face")}
 # Imports that break the order on purpose, at most 4, each with its reason.
 ALLOWED = {

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpjob.store import memsnap, snaproom
+from ddpjob.store import memsnap, snapauto, snaproom
 
 
 def snaps(base: Path, rank: int = 0, host: str = "n1", every: int = 2) -> memsnap.Snapshots:
@@ -93,15 +93,15 @@ def test_the_decision_sees_the_newest_step_every_rank_holds_and_the_job_end_remo
 
 
 def test_auto_interval_keeps_a_snapshot_within_one_percent_of_the_steps_between_two() -> None:
-    rule = memsnap.AutoRule()
-    auto = memsnap.Auto(rule, start=0, step_s=[0.050, 0.048, 0.052], block_s=0.002, write_cpu_s=0.008)
+    rule = snapauto.AutoRule()
+    auto = snapauto.Auto(rule, start=0, step_s=[0.050, 0.048, 0.052], block_s=0.002, write_cpu_s=0.008)
     n, line = auto.interval()
     # 10 ms per snapshot against 50 ms steps: 20 steps hold it to 1%, 19 would not
     assert n == 20 and "every 20 steps" in line and "10.0 ms" in line and "50.0 ms" in line, line
     assert 0.010 / (n * 0.050) <= rule.goal < 0.010 / ((n - 1) * 0.050)
-    cheap = memsnap.Auto(rule, start=0, step_s=[1.0], block_s=0.001, write_cpu_s=0.0)
+    cheap = snapauto.Auto(rule, start=0, step_s=[1.0], block_s=0.001, write_cpu_s=0.0)
     assert cheap.interval()[0] == 1  # never less than every step
-    assert memsnap.Auto(rule, start=0, step_s=[1.0]).interval() == (
+    assert snapauto.Auto(rule, start=0, step_s=[1.0]).interval() == (
         0, "in-memory snapshots off: the probe snapshot could not be taken")
 
 

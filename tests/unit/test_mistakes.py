@@ -21,7 +21,7 @@ from ddpjob.rank import checks
 from ddpjob.rank.usertable import UserTable
 from ddpjob.rank.records import MetricLog
 from ddpjob.store import perrank
-from ddpjob.store.state import check_state
+from ddpjob.store.statecheck import check_state
 from mistakes_script import Offsets  # the user's own per-rank object of the ranks test
 
 
@@ -80,6 +80,16 @@ def test_an_enabled_grad_scaler_outside_state_is_said_at_resume() -> None:
     scaler2 = torch.amp.GradScaler("cpu", enabled=False)  # bf16 / fp32 share the path: nothing to keep
     del scaler
     assert not [g for g in checks.state_gaps({"model": model}) if "GradScaler" in g], scaler2
+
+
+def test_an_optimizer_over_the_models_parameters_outside_state_is_said_at_resume() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # another model's: not this one's
+    said = [g for g in checks.state_gaps({"model": model}) if "optimizer" in g]
+    assert said == ["an optimizer (AdamW) over the model's parameters is not in state: after a resume it starts "
+                    "again without its moments and step counts. Hint: add it, e.g. state['optimizer'] = optimizer"]
+    assert not [g for g in checks.state_gaps({"model": model, "optimizer": opt}) if "optimizer (" in g], other
 
 
 def test_a_raw_generator_or_unsaveable_value_is_refused_at_resume() -> None:
@@ -166,11 +176,11 @@ def _store(root: Path, cfg: config.JobConfig) -> object:
     from types import SimpleNamespace
 
     from ddpjob.node import dist
+    from ddpjob.node.cluster import ClusterEnv
     from ddpjob.store.state import StateStore
 
     control = dist.Control(SimpleNamespace(initialized=False, timeout_s=300.0))  # type: ignore[arg-type]
-    return StateStore(root, keep_last=3, config_hash=cfg.hash(), async_save=False, rank=0, world_size=1,
-                      restart=0, job_id=None, control=control, identity=cfg.identity())
+    return StateStore(cfg, ClusterEnv(), root, control=control, restart=0)
 
 
 def test_a_checkpoint_of_another_config_names_each_key_that_differs(tmp_path: Path) -> None:

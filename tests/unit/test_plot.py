@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddpjob.cli import main
-from ddpjob.launch import plot
+from ddpjob.launch import history, plot, summary
 
 pytest.importorskip("matplotlib")  # the `plot` extra; in the `test` extra too
 
@@ -44,8 +44,8 @@ def test_sweep_overlay_and_states(tmp_path: Path) -> None:
     assert record.series["loss"] == ["lr-0.05", "lr-0.1", "lr-0.2"]
     assert record.markers == {"lr-0.05": [], "lr-0.1": [(12, "restart 1: deadline")], "lr-0.2": []}
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
-    assert plot.summary(runs[1])[0] == "state       running (restart 1)"
-    assert plot.summary(runs[0])[-1] == "restarts    0"
+    assert summary.summary(runs[1])[0] == "state       running (restart 1)"
+    assert summary.summary(runs[0])[-1] == "restarts    0"
 
 
 def test_a_custom_loops_own_metrics_are_plotted_and_summarized(tmp_path: Path) -> None:
@@ -62,9 +62,9 @@ def test_a_custom_loops_own_metrics_are_plotted_and_summarized(tmp_path: Path) -
     record = plot.plot_runs([d], tmp_path / "mine.png")
     assert record.series["loss"] == ["mine"] and record.series["grad_norm"] == ["mine"]
     assert record.series["eval_f1"] == ["mine"] and record.series["img_s"] == []
-    assert "progress    step 8, epoch 0.8, loss 0.1250, grad_norm 0.5, source 2" in plot.summary(d)
+    assert "progress    step 8, epoch 0.8, loss 0.1250, grad_norm 0.5, source 2" in summary.summary(d)
     trainer_like = _fake_run(tmp_path, "built-in", 0.05, 30, None)  # the built-in trainer's line as before
-    assert "progress    step 30, epoch 3, loss 1.3809, lr 0.05, 1100 img/s" in plot.summary(trainer_like)
+    assert "progress    step 30, epoch 3, loss 1.3809, lr 0.05, 1100 img/s" in summary.summary(trainer_like)
 
 
 def test_the_goodput_bars_under_the_curves_and_the_status_line(tmp_path: Path, capsys) -> None:
@@ -100,7 +100,7 @@ def test_the_goodput_bars_under_the_curves_and_the_status_line(tmp_path: Path, c
 
 def test_restart_without_a_stop_record_is_a_kill() -> None:
     ev = [{"event": "start", "restart": 0}, {"event": "start", "restart": 1, "resumed_step": 40}]
-    assert plot.restart_markers(ev) == [plot.Marker(40, "killed (no stop recorded)", 1)]
+    assert history.restart_markers(ev) == [history.Marker(40, "killed (no stop recorded)", 1)]
 
 
 def test_empty_run_and_missing_matplotlib_are_one_line(tmp_path: Path, capsys,

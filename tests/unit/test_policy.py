@@ -19,6 +19,7 @@ from ddpjob.ledger import budget, crashes, policy
 from ddpjob.ledger.events import read as read_events, record as record_event
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.rank import requeue
+from runlogs import decisions
 
 P, R, E = policy.REQUEUE, policy.RESTART, policy.END
 LIMITS = policy.Limits(requeue=True, max_requeues=2, max_failures=2, max_no_progress=3, retry_user_errors=False)
@@ -165,7 +166,7 @@ def test_the_slurm_and_local_deciders_agree(ending: str, fake_slurm, tmp_path: P
         _rank_error(local_dir, "local-1", error_class)
     sup.first_bad = (1, code)
     sup.retry_crash([-signal.SIGKILL, code])
-    slurm_stop, local_stop = (next(e for e in reversed(read_events(d)) if e["event"] == "stop" and "rank" not in e)
+    slurm_stop, local_stop = (decisions(read_events(d))[-1]
                               for d in (slurm_dir, local_dir))
     assert slurm_stop["action"] == local_stop["action"], (slurm_stop, local_stop)
     assert slurm_stop.get("verdict") == local_stop.get("verdict") == (error_class or policy.INFRASTRUCTURE)
@@ -216,5 +217,16 @@ def test_both_backends_bring_a_stopped_job_back_alike(case: str, fake_slurm, tmp
     requeue.after_stop(jobfile.read_run_config(dirs["local"]), local_env, dirs["local"], code, 9, restart=spent)
     sup = local.Supervisor(dirs["local"], "local-1")
     sup.attempt = spent
-    local_back = sup.after_stop().action == policy.REQUEUE
+    local_back = sup.after_stop().verdict.action == policy.REQUEUE
     assert (slurm_back is True) == local_back == back, (slurm_back, local_back)
+
+
+def test_a_start_past_a_budget_is_refused_and_one_within_it_runs() -> None:
+    """decide() retries only below a limit; a start past it (SLURM brought the job back by
+    itself) is refused with the budget's line, at the limit it runs."""
+    limits = policy.Limits(max_requeues=2, max_failures=3)
+    assert policy.start_refused(2, 3, limits) is None
+    assert policy.start_refused(3, 0, limits) == "3 requeues, more than slurm.max_requeues = 2"
+    assert policy.start_refused(0, 4, limits) == "4 failure(s) retried, more than slurm.max_failures = 3"
+    # the stop that spent the last requeue ends the run: no start past it by ddpjob's hand
+    assert policy.decide(policy.Facts("time_limit", requeues=2), limits).action == policy.END

@@ -52,3 +52,23 @@ def test_end_time_from_squeue_and_deadline_arithmetic(fake_slurm) -> None:
     now[0] = 1081.0  # 19 s left
     assert watch.expired()
     assert not preemption.DeadlineWatch(end_time=None).expired()
+
+
+def test_a_stop_noted_before_the_flag_existed_is_handed_to_it() -> None:
+    """`python -m ddpjob run` notes a stop signal from its first line (ddpjob/earlysignals.py);
+    the StopFlag installed after the imports takes it over, with the time it came; a signal the
+    job does not use as a stop gets its default action back."""
+    import os
+    import signal
+
+    from ddpjob import earlysignals
+    from ddpjob.node import preemption
+
+    earlysignals.hold()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    flag = preemption.StopFlag.install(["USR2", "TERM"])
+    try:
+        assert flag.code == preemption.REQUEUE and flag.signum == signal.SIGUSR2 and flag.time is not None
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        flag.uninstall()

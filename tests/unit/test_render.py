@@ -222,6 +222,29 @@ def test_renderer_refuses_what_validation_would(tmp_path: Path) -> None:
         render.render_sbatch(cfg, run_dir=RUN_DIR, python=PYTHON)
 
 
+def test_the_job_strings_are_checked_once_along_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ddpjob resume` of a `ddpjob sbatch` run reads config.json (validated) and renders the
+    template again: the strings that reach the script are checked at the load, not again by the
+    renderer (validate.job_strings, one rule at one place); an unvalidated config still is."""
+    from ddpjob import scriptsafe, validate
+
+    seen: list[str] = []
+    real = scriptsafe.sbatch_extra
+
+    def counted(arg: str) -> str:
+        seen.append(arg)
+        return real(arg)
+
+    monkeypatch.setattr(scriptsafe, "sbatch_extra", counted)
+    validate._script_strings.cache_clear()
+    cfg = jobfile.resolve(REPO / "jobs" / "smoke.toml", ["slurm.sbatch_extra=[\"--comment=once\"]"])
+    render.render_sbatch(cfg, run_dir=RUN_DIR, python=PYTHON)
+    slurmopts.sbatch_options(cfg)
+    assert seen == ["--comment=once"]
+    render.render_sbatch(_with_slurm(cfg, sbatch_extra=("--comment=other",)), run_dir=RUN_DIR, python=PYTHON)
+    assert seen == ["--comment=once", "--comment=other"]
+
+
 def test_user_template_and_unknown_placeholder() -> None:
     text = render.render_sbatch(_job("smoke"), run_dir=RUN_DIR, python=PYTHON,
                                 template="#!/bin/bash\n${sbatch_directives}\necho ${UPPER} $$ $x\n"

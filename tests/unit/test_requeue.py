@@ -16,10 +16,10 @@ import pytest
 import fake_checkpoint
 
 from ddpjob import config, fileio, jobfile, slurm
-from ddpjob.launch import control, plot, runs
+from ddpjob.launch import control, runs, summary
 from ddpjob.ledger import phases
 from ddpjob.node import preemption
-from ddpjob.rank import requeue
+from ddpjob.rank import requeue, startcheck
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.ledger import attempts, budget, requests
 from ddpjob.ledger.events import read as read_events, record as record_event
@@ -339,7 +339,7 @@ def test_the_ledger_in_status(tmp_path) -> None:
                                              "next_job_id": "78"})
     fileio.append_jsonl(d / "events.jsonl", {"event": "start", "time": 165.0, "restart": 1,
                                              "job_id": "78", "resumed_step": 9})
-    [(line, took)] = plot.ledger(read_events(d))
+    [(line, took)] = summary.ledger(read_events(d))
     assert line == ("preemption at step 9 (job 77), steps lost 1, successor -> job 78, "
                     "resumed step 9 after 45 s")
     assert took == ""  # a run from before the phases were recorded: none is guessed
@@ -366,7 +366,7 @@ def test_the_recovery_phases_from_the_events(tmp_path) -> None:
     assert phases.recovery(events, i) == {"stop vote": 0.25, "save": 1.75, "exit": 0.5, "requeue": 11.0,
                                           "start-up": 6.25, "load": 1.25, "first step": 0.75}
     assert sum(phases.recovery(events, i).values()) == pytest.approx(141.75 - 120.0)
-    [(line, took)] = plot.ledger(events)
+    [(line, took)] = summary.ledger(events)
     assert took == ("stop vote 0.25 s, save 1.75 s, exit 0.50 s, requeue 11.00 s, start-up 6.25 s, "
                     "load 1.25 s, first step 0.75 s")
     # killed before its exit was recorded: exit and requeue have one end only
@@ -435,7 +435,7 @@ def test_a_node_failure_nobody_saw_is_recorded_at_the_next_start(fake_slurm, tmp
     fake_slurm.answer("sacct", f"NODE_FAIL|{sacct_time(t - 5)}|{sacct_time(t + 60)}\n"
                                f"RUNNING|{sacct_time(t + 80)}|Unknown\n")
     again = ClusterEnv(source="slurm", job_id="77", restart_count=1)
-    restart, why = requeue.check_start(cfg, again, d)
+    restart, why = startcheck.check_start(cfg, again, d)
     stops = [e for e in read_events(d) if e["event"] == "stop"]
     failure = stops[0]
     assert (failure["reason"], failure["job_id"], failure["restart"]) == ("node_failure", "77", 0)
@@ -447,16 +447,16 @@ def test_a_node_failure_nobody_saw_is_recorded_at_the_next_start(fake_slurm, tmp
     else:
         assert why == "1 failure(s) retried, more than slurm.max_failures = 0", why
         assert (stops[-1]["reason"], stops[-1]["restart"]) == ("budget", 1)
-        assert plot.ledger(read_events(d))[1] == (
+        assert summary.ledger(read_events(d))[1] == (
             "start refused (job 77): 1 failure(s) retried, more than slurm.max_failures = 0", "")
         # the batch shell's crash check after the refusal decides nothing more
         assert requeue.after_crash(cfg, again, d, 1) is None
     calls = len(fake_slurm.calls)
-    requeue.check_start(cfg, again, d)  # recorded once: the next start asks nothing
+    startcheck.check_start(cfg, again, d)  # recorded once: the next start asks nothing
     assert len(fake_slurm.calls) == calls
     events = read_events(d) + [{"event": "start", "time": t + 100, "restart": 1, "job_id": "77",
                                   "resumed_step": 10}]
-    assert plot.ledger(events)[0][0] == ("node_failure at step 10 (job 77), steps lost 3, slurm, "
+    assert summary.ledger(events)[0][0] == ("node_failure at step 10 (job 77), steps lost 3, slurm, "
                                          "resumed step 10 after 40 s")
 
 
@@ -468,12 +468,30 @@ def test_an_unseen_end_without_sacct_or_in_another_job(fake_slurm, tmp_path) -> 
                       f"FAILED|{sacct_time(1_789_999_990.0)}|{sacct_time(1_790_000_100.0)}\n")
     fake_slurm.answer("sacct -X -D -n -P -o State,Start,End -j 77", rc=1,
                       stderr="Slurm accounting storage is disabled")
-    restart, why = requeue.check_start(cfg, ClusterEnv(source="slurm", job_id="77", restart_count=1), d)
+    restart, why = startcheck.check_start(cfg, ClusterEnv(source="slurm", job_id="77", restart_count=1), d)
     old, mine = [e for e in read_events(d) if e["event"] == "stop"]
     assert (old["reason"], old["requeued"]) == ("crash", False)  # not retried by anyone: free
     assert (mine["reason"], mine["requeued_by"]) == ("killed", "slurm")
     assert "sacct did not answer (sacct -X -D failed: Slurm accounting storage is disabled)" in mine["note"]
     assert (restart, why) == (1, None) and budget.used(read_events(d), "77") == (1, 0)
+
+
+def test_a_commands_attempt_killed_after_gracetime_is_recorded_at_the_next_start(fake_slurm, tmp_path) -> None:
+    """A [train] command whose program logs no steps has only its `launch` record until it ends;
+    SLURM's SIGKILL after GraceTime leaves nothing else. The next start of the requeued job
+    records that attempt's end from sacct and runs as a new attempt (it ran as the same one)."""
+    cfg, d = run_dir(tmp_path)
+    cfg = jobfile.from_dict({"name": "t", "slurm": {"max_requeues": 3}, "train": {"command": ["python", "x.py"]}})
+    t = 1_790_000_000.0
+    fileio.append_jsonl(d / "events.jsonl", {"event": "launch", "time": t, "restart": 0, "job_id": "77",
+                                             "source": "slurm", "world_size": 2, "host": "n1"})
+    fake_slurm.answer("sacct -X -D -n -P -o State,Start,End -j 77",
+                      f"PREEMPTED|{sacct_time(t - 5)}|{sacct_time(t + 60)}\nRUNNING|{sacct_time(t + 90)}|Unknown\n")
+    restart, why = startcheck.check_start(cfg, ClusterEnv(source="slurm", job_id="77", restart_count=1), d)
+    (stop,) = [e for e in read_events(d) if e["event"] == "stop"]
+    assert (stop["reason"], stop["restart"], stop["requeued_by"], stop["unseen"]) == ("preemption", 0, "slurm", True)
+    assert stop.get("step") is None, stop  # the program said nothing of its steps: not "step 0"
+    assert (restart, why) == (1, None)
 
 
 def test_a_node_failure_seen_by_the_living_ranks_is_recorded_at_their_stop(fake_slurm, tmp_path) -> None:
@@ -505,4 +523,4 @@ def test_budgets_count_the_job_chain_so_a_new_submission_starts_fresh(fake_slurm
     assert budget.used(read_events(d), "71") == (1, 2)  # 71 succeeds 70: one chain
     assert budget.used(read_events(d), "90") == (0, 0)  # `ddpjob resume` submitted 90: fresh budgets
     # its attempt goes on from the run's: 3, not 0 again (ledger/attempts.py)
-    assert requeue.check_start(cfg, ClusterEnv(source="local", job_id="90", restart_count=0), d) == (3, None)
+    assert startcheck.check_start(cfg, ClusterEnv(source="local", job_id="90", restart_count=0), d) == (3, None)

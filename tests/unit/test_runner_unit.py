@@ -22,12 +22,12 @@ def test_run_dir_target_refuses_overrides(tmp_path: Path, capsys: pytest.Capture
 
 
 def test_an_error_inside_ddpjob_stays_an_internal_error() -> None:
-    from ddpjob.rank import runner
+    from ddpjob.rank import ownerror
 
     try:
         validate.parse_time_s(None)  # type: ignore[arg-type]  # raised inside ddpjob
     except Exception as exc:
-        assert runner._theirs(exc, 0) is exc
+        assert ownerror.theirs(exc, 0) is exc
     else:
         raise AssertionError("parse_time_s(None) raised nothing")
 

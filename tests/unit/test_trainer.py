@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ddpjob import api, config, jobfile, rundir
-from ddpjob.train import models, trainer
+from ddpjob.train import models, precision, trainer
 from ranks import metrics
 
 torch.set_num_threads(1)
@@ -117,11 +117,11 @@ def test_optimizer_skips_weight_decay_on_biases_and_norms() -> None:
 
 def test_amp_choice() -> None:
     cpu = torch.device("cpu")
-    assert trainer.amp_dtype_for("off", cpu) is None
-    assert trainer.amp_dtype_for("fp16", cpu) is torch.float16
-    assert trainer.amp_dtype_for("bf16", cpu) is torch.bfloat16
-    native = trainer._cpu_has_native_bf16()
-    assert trainer.amp_dtype_for("auto", cpu) is (torch.bfloat16 if native else None)
+    assert precision.amp_dtype_for("off", cpu) is None
+    assert precision.amp_dtype_for("fp16", cpu) is torch.float16
+    assert precision.amp_dtype_for("bf16", cpu) is torch.bfloat16
+    native = precision.cpu_has_native_bf16()
+    assert precision.amp_dtype_for("auto", cpu) is (torch.bfloat16 if native else None)
 
 
 def test_async_periodic_checkpoints_are_committed_and_change_nothing(tmp_path: Path) -> None:
@@ -162,10 +162,10 @@ class _FakeGPUJob:
                                                        (5.0, 9.0, "bf16")])
 def test_amp_auto_takes_fp32_only_when_it_is_clearly_faster(monkeypatch: pytest.MonkeyPatch, bf16_ms: float,
                                                             fp32_ms: float, picked: str) -> None:
-    monkeypatch.setattr(trainer, "_time_precisions",
+    monkeypatch.setattr(precision, "time_precisions",
                         lambda cfg, device, loader: torch.tensor([bf16_ms, fp32_ms], dtype=torch.float64))
     job, progress = _FakeGPUJob("auto"), trainer.Progress()
-    dtype, note = trainer.resolve_auto_amp(job, progress, torch.bfloat16, None, resumed=False)  # type: ignore[arg-type]
+    dtype, note = precision.resolve_auto_amp(job, progress, torch.bfloat16, None, resumed=False)  # type: ignore[arg-type]
     assert progress.amp == picked and job.reduced == 1  # one collective: every rank the same pick
     assert dtype == (torch.bfloat16 if picked == "bf16" else None)
     assert note.startswith(f"amp auto: {'bf16' if picked == 'bf16' else 'fp32'} (a training step measured "
@@ -173,22 +173,22 @@ def test_amp_auto_takes_fp32_only_when_it_is_clearly_faster(monkeypatch: pytest.
     # the pick is state: a resume reads it from the checkpoint and measures nothing
     again = trainer.Progress()
     again.load_state_dict(progress.state_dict())
-    monkeypatch.setattr(trainer, "_time_precisions", lambda *a: pytest.fail("measured again on resume"))
+    monkeypatch.setattr(precision, "time_precisions", lambda *a: pytest.fail("measured again on resume"))
     job = _FakeGPUJob("auto")
-    assert trainer.resolve_auto_amp(job, again, torch.bfloat16, None, resumed=True)[0] == dtype  # type: ignore[arg-type]
+    assert precision.resolve_auto_amp(job, again, torch.bfloat16, None, resumed=True)[0] == dtype  # type: ignore[arg-type]
     assert job.reduced == 0
 
 
 def test_amp_auto_leaves_fixed_precisions_old_checkpoints_and_fsdp_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trainer, "_time_precisions", lambda *a: pytest.fail("nothing to measure"))
+    monkeypatch.setattr(precision, "time_precisions", lambda *a: pytest.fail("nothing to measure"))
     for amp in ("bf16", "off", "fp16"):
-        assert trainer.resolve_auto_amp(_FakeGPUJob(amp), trainer.Progress(), torch.float16, None,  # type: ignore[arg-type]
+        assert precision.resolve_auto_amp(_FakeGPUJob(amp), trainer.Progress(), torch.float16, None,  # type: ignore[arg-type]
                                         resumed=False) == (torch.float16, "")
-    assert trainer.resolve_auto_amp(_FakeGPUJob("auto", "fsdp"), trainer.Progress(), torch.bfloat16, None,  # type: ignore[arg-type]
+    assert precision.resolve_auto_amp(_FakeGPUJob("auto", "fsdp"), trainer.Progress(), torch.bfloat16, None,  # type: ignore[arg-type]
                                     resumed=False) == (torch.bfloat16, "")
     old = trainer.Progress()
     old.load_state_dict({"global_batch": 256, "best_acc": 0.5})  # written before Progress.amp existed
-    dtype, note = trainer.resolve_auto_amp(_FakeGPUJob("auto"), old, torch.bfloat16, None, resumed=True)  # type: ignore[arg-type]
+    dtype, note = precision.resolve_auto_amp(_FakeGPUJob("auto"), old, torch.bfloat16, None, resumed=True)  # type: ignore[arg-type]
     assert (dtype, old.amp) == (torch.bfloat16, "bf16") and "predates" in note
 
 
@@ -203,7 +203,7 @@ def test_amp_auto_is_measured_on_a_cpu_with_native_bf16_too(monkeypatch: pytest.
             yield [batch]
 
     before = torch.get_rng_state()
-    ms = trainer._time_precisions(cfg, torch.device("cpu"), OneBatch())
+    ms = precision.time_precisions(cfg, torch.device("cpu"), OneBatch())
     assert ms.shape == (2,) and bool((ms > 0).all()), ms
     assert torch.equal(torch.get_rng_state(), before)  # the run's random stream is untouched
 
@@ -213,6 +213,6 @@ def test_amp_auto_is_measured_on_a_cpu_with_native_bf16_too(monkeypatch: pytest.
             self.device = torch.device("cpu")
 
     job, progress = CPUJob(), trainer.Progress()
-    monkeypatch.setattr(trainer, "_time_precisions", lambda *a: torch.tensor([10.0, 5.0], dtype=torch.float64))
-    dtype, note = trainer.resolve_auto_amp(job, progress, torch.bfloat16, None, resumed=False)  # type: ignore[arg-type]
+    monkeypatch.setattr(precision, "time_precisions", lambda *a: torch.tensor([10.0, 5.0], dtype=torch.float64))
+    dtype, note = precision.resolve_auto_amp(job, progress, torch.bfloat16, None, resumed=False)  # type: ignore[arg-type]
     assert dtype is None and progress.amp == "off" and note.startswith("amp auto: fp32"), note

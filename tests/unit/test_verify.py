@@ -48,3 +48,26 @@ def test_a_loop_verify_cannot_shorten_runs_as_configured_and_a_big_job_on_2_rank
 def test_usage_errors_are_one_line_before_anything_runs(args: list[str], found: str) -> None:
     p = ddpjob("verify", "jobs/smoke.toml", *args)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and found in p.stderr, p.stderr
+
+
+def test_kinds_that_all_resumed_before_a_late_change_of_a_logged_value_get_the_at_hint(tmp_path: Path) -> None:
+    lines = [f'{{"step": {s}, "restart": 0, "loss": {3 - s / 100}, "lr": {0.01 if s < 17 else 0.0025}}}'
+             for s in range(1, 31)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    hint = verify._late_change(tmp_path, 30, [6, 8])
+    assert hint == ("verify: every kind resumed before step 17, where `lr` changes (0.01 vs 0.0025): a value outside "
+                    "`state` shows only in a resume after it. Hint: rerun with --at 18")
+    assert verify._late_change(tmp_path, 30, [16, 8]) is None
+    every_step = [line.replace('"lr": ', '"lr": 0.0001 * ' and '"lr": ') for line in lines]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(l.replace("}", f', "t": {i}}}') for i, l in enumerate(every_step)))
+    assert "`t`" not in (verify._late_change(tmp_path, 30, [6]) or "")  # a value that changes at every step
+
+
+def test_a_failed_run_points_at_its_logs_without_asking_for_keep_when_kept(tmp_path: Path) -> None:
+    from ddpjob.launch import runs
+
+    (tmp_path / "job.json").write_text("{}")
+    kept = verify._ended(tmp_path, "FAILED", keep=True)
+    assert kept is not None and "--keep" not in kept and str(tmp_path / "logs") in kept
+    assert "rerun with --keep" in (verify._ended(tmp_path, "FAILED") or "")
+    assert runs is not None

@@ -58,8 +58,8 @@ def slurm_parameters(cfg: JobConfig, folder: Path | None = None, *,
         params["srun_args"] += container.srun_options(cfg, str(folder.parent), sys.executable)
     # submitit writes setup lines right after the #SBATCH block, where sbatch still reads
     # directives: the guard's first line is a command, which ends that scan (and the
-    # scriptsafe checks refuse setup lines starting with '#' anyway).
-    params["setup"] = [*guard_lines(cfg, folder, run_dirs), *scriptsafe.setup_lines(s.setup),
+    # scriptsafe checks refuse setup lines starting with '#' anyway: sbatch_options ran them).
+    params["setup"] = [*guard_lines(cfg, folder, run_dirs), *s.setup,
                        *(slurmopts.warm_server_lines(cfg, shlex.quote(sys.executable), _run_dir(folder, run_dirs),
                                                    "command srun") if folder is not None else [])]
     params["additional_parameters"] = {k: v for k, v in [*own, *extra] if k not in _NAMED}

@@ -1,0 +1,168 @@
+"""The scripts users already have, unported, under `[train] command` on the local backend, with a
+job file that sets nothing but the command and the ranks: tests/command_scripts/userstyle/
+multinode.py, written in the style of the PyTorch DDP tutorial's script (it imports its sibling
+module, logs nothing to ddpjob, has no SIGTERM handler, rank 0 saves a snapshot every 3 epochs to
+a path relative to its working directory, plainly, and resumes with range(epochs_run, ...)).
+
+- preempted (SIGUSR2 to the supervisor while rank 1 pauses after epoch 4): it dies of SIGTERM,
+  the stop is requeued, the next attempt resumes from its own snapshot (epoch 3) and COMPLETES;
+  status says what the program did and no "None";
+- with Lightning's habit (a handler that saves and exits 0) and `ddpjob stop`: STOPPED, never
+  COMPLETED; `ddpjob resume` finishes it from what the handler saved;
+- killed twice, with a snapshot of its own written in between: two restarts in place, no crash
+  loop, COMPLETED;
+- its own bug on rank 1 at the last epoch, while rank 0 finishes with exit 0: FAILED with the
+  verdict naming the exception and its line, never COMPLETED.
+Every interruption is caused at an epoch's end (testhook.py), never by a timer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from clirun import TESTS, ddpjob, job_env, wait_for, without_job_env
+from ranks import write_job
+import runlogs
+from runlogs import events
+
+from ddpjob.node import preemption
+
+SCRIPTS = TESTS / "command_scripts" / "userstyle"
+EPOCHS = 9
+
+
+def submit(tmp_path: Path, *flags: str, wait: bool = False, **env: str) -> tuple[Path, int, str]:
+    """The script copied into a folder of its own (the user's checkout: its snapshot lands there)
+    and submitted from it; the run dir, the supervisor's pid and what submit printed (all of the
+    run's stream with `wait`)."""
+    work = tmp_path / "work"
+    shutil.copytree(SCRIPTS, work)
+    job = write_job(work / "job.toml", slurm=dict(nodes=1, tasks_per_node=2),
+                    train=dict(command=["python", "multinode.py", str(EPOCHS), "3", *flags]))
+    run_dir = tmp_path / "run"
+    out = ddpjob("submit", str(job), "--backend", "local", "--run-dir", str(run_dir), *(["--wait"] if wait else []),
+                 cwd=work, env=user_env(**env), timeout=600)
+    assert out.returncode == 0 or wait, out.stdout + out.stderr
+    return run_dir, json.loads((run_dir / "job.json").read_text())["pid"], out.stdout + out.stderr
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """The user's environment, as with their venv activated (`python` is the one with torch):
+    nothing of the tests' own PYTHONPATH."""
+    env = {k: v for k, v in without_job_env(job_env(**extra)).items() if k != "PYTHONPATH"}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    return env
+
+
+def local(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "local.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def ended(run_dir: Path, states: tuple[str, ...] = ("COMPLETED", "FAILED", "STOPPED")) -> str:
+    return wait_for(lambda: local(run_dir).get("state") in states and local(run_dir)["state"], 300, "the run to end")
+
+
+def log(run_dir: Path, rank: int) -> str:
+    path = run_dir / "logs" / f"rank-{rank}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def decisions(run_dir: Path) -> list[dict[str, Any]]:
+    return runlogs.decisions(events(run_dir))
+
+
+def said(run_dir: Path, tmp_path: Path) -> str:
+    """What status, ls and ls --json print for the run: never "None", never "step 0"."""
+    out = "".join(ddpjob(*argv, cwd=tmp_path, check=True).stdout for argv in (
+        ("status", str(run_dir)), ("status", str(run_dir), "--json"), ("ls", "--runs-root", str(tmp_path))))
+    assert "None" not in out.replace("null", "") and "step 0" not in out, out
+    return out
+
+
+def test_a_preempted_script_without_a_handler_resumes_from_its_own_snapshot(tmp_path: Path) -> None:
+    run_dir, sup, _ = submit(tmp_path, USERSTYLE_AT="1:4:0:pause")
+    wait_for(lambda: "paused at epoch 4" in log(run_dir, 1), 180, "rank 1 to pause")
+    os.kill(sup, signal.SIGUSR2)
+    assert ended(run_dir) == "COMPLETED", log(run_dir, 0) + log(run_dir, 1)
+    # its sibling module imported, its snapshot in its own folder, resumed by its own code
+    assert [h["exit_codes"] for h in local(run_dir)["history"]] == [[3, 3], [0, 0]]
+    assert "Resuming training from snapshot at Epoch 3" in log(run_dir, 0), log(run_dir, 0)
+    assert "ModuleNotFoundError" not in log(run_dir, 0) + log(run_dir, 1)
+    stop, finished = decisions(run_dir)
+    assert (stop["reason"], stop["program"], finished["reason"]) == ("time_limit", "died", "finished"), stop
+    assert "had no handler: it died of SIGTERM; what it saved last is what resumes" in log(run_dir, 0)
+    assert (tmp_path / "work" / "snapshot.pt").is_file() and (run_dir / "COMPLETED").is_file()
+    text = said(run_dir, tmp_path)
+    assert "no handler" in text and "goodput" in text, text
+    row = json.loads(ddpjob("ls", "--runs-root", str(tmp_path), "--json", cwd=tmp_path, check=True).stdout.splitlines()[0])
+    # a program that logs no steps: its time is training as far as ddpjob can tell, not start-up
+    assert row["goodput"]["seconds"]["productive"] > row["goodput"]["seconds"]["start-up"], row["goodput"]
+
+
+def test_lightnings_habit_save_and_exit_0_is_a_stop_never_completed(tmp_path: Path) -> None:
+    run_dir, _, _ = submit(tmp_path, "--on_sigterm", "save_exit0", USERSTYLE_AT="1:4:0:pause")
+    wait_for(lambda: "paused at epoch 4" in log(run_dir, 1), 180, "rank 1 to pause")
+    out = ddpjob("stop", str(run_dir), cwd=tmp_path, check=True).stdout
+    assert "checkpoint at their next step" not in out and "SIGTERM" in out, out
+    assert ended(run_dir) == "STOPPED", log(run_dir, 0) + log(run_dir, 1)
+    assert not (run_dir / "COMPLETED").exists()
+    assert decisions(run_dir)[-1]["program"] == "exited", decisions(run_dir)
+    assert "exited by itself after the stop signal" in said(run_dir, tmp_path)
+    done = ddpjob("resume", str(run_dir), "--wait", cwd=tmp_path / "work",
+                  env=user_env(), timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Resuming training from snapshot at Epoch" in log(run_dir, 0) and (run_dir / "COMPLETED").is_file()
+
+
+def test_two_kills_with_progress_between_restart_in_place(tmp_path: Path) -> None:
+    """Killed after epoch 4 (snapshot of epoch 3), then again after epoch 7 of the next attempt,
+    with its snapshot of epoch 6 written in between: its output moved on, so no crash loop."""
+    run_dir, _, stream = submit(tmp_path, wait=True, USERSTYLE_AT="1:4:0:kill,1:7:1:kill")
+    assert ended(run_dir) == "COMPLETED", log(run_dir, 0) + log(run_dir, 1)
+    # `--wait` streams rank 0's log and each verdict, not only the survivor's traceback
+    assert stream.count("ddpjob: crash verdict (infrastructure, attempt") == 2, stream
+    crashes = [d for d in decisions(run_dir) if d["reason"] == "crash"]
+    assert [(d["verdict"], d["action"]) for d in crashes] == [("infrastructure", "restart")] * 2, crashes
+    assert "OOM" not in json.dumps(crashes) and "batch_size" not in json.dumps(crashes)
+    assert "Resuming training from snapshot at Epoch 6" in log(run_dir, 0)
+    assert "restarts    2" in said(run_dir, tmp_path)
+
+
+def test_a_bug_on_one_rank_fails_the_run_though_rank_0_exits_0(tmp_path: Path) -> None:
+    run_dir, _, _ = submit(tmp_path, USERSTYLE_AT=f"1:{EPOCHS - 1}:0:raise")
+    assert ended(run_dir) == "FAILED", log(run_dir, 0) + log(run_dir, 1)
+    assert not (run_dir / "COMPLETED").exists()
+    crash = [d for d in decisions(run_dir) if d["reason"] == "crash"]
+    assert len(crash) == 1 and crash[0]["verdict"] == "user" and crash[0]["action"] == "end", crash
+    assert "ValueError at testhook.py:" in crash[0]["line"], crash
+    said(run_dir, tmp_path)
+
+
+def test_a_stop_that_comes_while_the_rank_starts_is_not_lost(tmp_path: Path) -> None:
+    """`ddpjob run` of a one-rank job started with SIGUSR2 already pending (its launcher held the
+    stop signals back while Python started, as the local supervisor does): the flag takes it as
+    the handlers go in, the program gets SIGTERM at once, and the attempt is a stop, never a run
+    that trains on without hearing of it."""
+    work = tmp_path / "work"
+    shutil.copytree(SCRIPTS, work)
+    write_job(work / "job.toml", train=dict(command=["python", "multinode.py", str(EPOCHS), "3"]))
+    run_dir = tmp_path / "run"
+
+    def signalled_before_exec() -> None:
+        preemption.block_stop_signals()
+        os.kill(os.getpid(), signal.SIGUSR2)  # pending: the exec'd rank has it before any handler
+
+    proc = subprocess.run([sys.executable, "-m", "ddpjob", "run", "job.toml", "--run-dir", str(run_dir)], cwd=work,
+                          env=user_env(), preexec_fn=signalled_before_exec, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "Training finished" not in proc.stdout and "Epoch 1 " not in proc.stdout, proc.stdout
+    [stop] = decisions(run_dir)
+    assert (stop["reason"], stop["program"]) == ("time_limit", "died"), stop
