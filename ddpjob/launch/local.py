@@ -24,7 +24,7 @@ from typing import Any
 
 from ddpjob import exitcodes, fileio, jobfile, rundir, runlock
 from ddpjob.launch import slurmopts
-from ddpjob.ledger import attempts, budget, crashes, events, recovery, requests
+from ddpjob.ledger import attempts, budget, crashes, events, recovery
 from ddpjob.node import preemption, warm
 from ddpjob.store import memsnap
 
@@ -235,9 +235,6 @@ class Supervisor:
                 state, reason = "CANCELLED", "cancelled by a signal"
             # a stop: every rank stopped for a requeue, or had ended with 0 before the stop came (a
             # [train] command's rank whose program was done; rank 0 decided the stop all the same)
-            elif stopped(codes) and requests.answered_stop(self.run_dir, self.job_id):
-                said = "" if self.cfg.train.command else " with a checkpoint"  # a command's is its own
-                state, reason = "STOPPED", f"stopped by `ddpjob stop`{said}; `ddpjob resume` continues"
             elif stopped(codes):
                 stop = self.after_stop()
                 if stop.retry:
@@ -247,7 +244,9 @@ class Supervisor:
                                   restart=self.attempt, note=stop.verdict.line)
                     self.write("REQUEUED")
                     continue
-                state, reason = "FAILED", f"stopped for a requeue, but {stop.verdict.line}"
+                # the run ends as asked (`ddpjob stop`: STOPPED) or where it would go on (FAILED)
+                state, reason = (("STOPPED", stop.verdict.line) if stop.verdict.asked
+                                 else ("FAILED", f"stopped for a requeue, but {stop.verdict.line}"))
             elif self.retry_crash(codes):
                 continue
             else:
@@ -283,15 +282,12 @@ class Supervisor:
             ((r, c) for r, c in enumerate(codes) if c not in (0, exitcodes.REQUEUE)), (0, max(codes)))
         culprit = crashes.from_returncode(rank, socket.gethostname(), code)
         saved = memsnap.retry_point(self.cfg, self.run_dir, self.job_id)
-        crash = recovery.decide(self.cfg, self.run_dir, evs, self.job_id, self.attempt, culprit, here=True,
-                                saved=saved)
-        verdict = crash.verdict
-        recovery.record(self.run_dir, crash, job_id=self.job_id, restart=self.attempt, status=max(codes),
-                        requeued=True if crash.retry else None,
-                        requeued_by=budget.SUPERVISOR if crash.retry else None,
-                        note=f"rank exit codes {codes}; {verdict.line}", source="local-supervisor")
-        log(crash.line(self.run_dir))
-        self.first_bad, self.gave_up = None, verdict.line
+        crash, _ = recovery.settle(
+            self.cfg, self.run_dir, evs, self.job_id, self.attempt, culprit,
+            lambda c: {"status": max(codes), "source": "local-supervisor",
+                       **recovery.carried_here(c.verdict, budget.SUPERVISOR, f"rank exit codes {codes}")},
+            log, here=True, saved=saved)
+        self.first_bad, self.gave_up = None, crash.verdict.line
         if crash.retry:
             self.restarts += 1
             self.write("RESTARTING")

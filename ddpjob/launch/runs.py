@@ -17,7 +17,7 @@ from typing import Any
 from ddpjob import console, fileio, freeze, jobfile, recordtypes, rundir, runlock
 from ddpjob.errors import DDPJobError, UsageError
 from ddpjob.launch.backends import TERMINAL, Backend, choose
-from ddpjob.ledger import attempts, events
+from ddpjob.ledger import attempts, events, policy
 from ddpjob.store import manifest
 
 SWEEP = "sweep.json"
@@ -100,7 +100,7 @@ def run_info(run_dir: Path, states: dict[str, dict[str, Any]] | None = None) -> 
         info.state = "UNKNOWN"
         info.reason = "no job.json, no job id in events.jsonl (a `ddpjob sbatch` run not started?)"
     stops = [e for e in evs if events.is_decision(e)]
-    if info.state in TERMINAL and stops and stops[-1].get("reason") == "user_stop":
+    if info.state in TERMINAL and stops and stops[-1].get("reason") == policy.USER_STOP:
         # the ranks' exit 3 reads as FAILED to SLURM; it was `ddpjob stop`, with a checkpoint
         info.state, info.reason = "STOPPED", f"by `ddpjob stop`{_at(stops[-1].get('step'))}"
     done = rundir.completed(run_dir)

@@ -24,6 +24,7 @@ END = "end"  # the run ends here (FAILED, STOPPED, CANCELLED: the caller knows w
 # What stopped an attempt (events.jsonl's `reason`)
 STOPS = ("preemption", "time_limit")  # announced: a checkpoint was written, a requeue spends max_requeues
 FAILURES = ("crash", "node_failure")  # spend max_failures
+USER_STOP = "user_stop"  # `ddpjob stop` sent the checkpoint signal: the end, STOPPED (not FAILED)
 
 # Crash classes: who broke it (the verdict's `verdict` field)
 INFRASTRUCTURE = "infrastructure"  # a signal killed a rank, a node was lost, a peer died, a stall
@@ -87,10 +88,14 @@ class Verdict:
     line: str  # what happens next, in one line ("restarting in place from the snapshot of step 238 ...")
     crash: str | None = None  # the crash's class, where there was one
     error: bool = False  # a crash loop, or no node left: its line is an error line
+    asked: bool = False  # the end `ddpjob stop` asked for: the run ends STOPPED, not FAILED
 
     def fields(self) -> dict[str, Any]:
         """For the decision's stop record (events.jsonl)."""
         return {"action": self.action, **({"verdict": self.crash, "line": self.line} if self.crash else {})}
+
+
+_STOPPED = "stopped by `ddpjob stop`: not requeueing (`ddpjob resume RUN_DIR` continues)"
 
 
 def _resumes(f: Facts) -> str:
@@ -110,11 +115,12 @@ def decide(f: Facts, limits: Limits) -> Verdict:
                             "(`ddpjob resume RUN_DIR` continues)", f.crash)
     if f.reason not in (*STOPS, *FAILURES):
         # `ddpjob stop`, a plain scancel / `ddpjob cancel`, or a signal that is not SLURM's
-        why = ("stopped by `ddpjob stop`: not requeueing (`ddpjob resume RUN_DIR` continues)"
-               if f.reason == "user_stop" else "not being preempted (scancel, or already requeued): not requeueing")
-        return Verdict(END, why)
+        if f.reason == USER_STOP:
+            return Verdict(END, _STOPPED, asked=True)
+        # SIGTERM while SLURM was not preempting the job (rank/requeue.after_stop asked scontrol)
+        return Verdict(END, "not being preempted (scancel, or already requeued): not requeueing")
     if f.stop_requested:
-        return Verdict(END, "stopped by `ddpjob stop`: not requeueing (`ddpjob resume RUN_DIR` continues)", f.crash)
+        return Verdict(END, _STOPPED, f.crash, asked=True)
     if not limits.requeue:
         return Verdict(END, "slurm.requeue = false: not requeueing", f.crash)
     if f.reason in STOPS:

@@ -1,11 +1,11 @@
 """A crash's or a stop's recovery, one procedure for every decider: gather the facts from the
 run's ledger, ask the one policy (policy.decide), and, for a crash, write the one decision record.
 
-A crash (decide, record): the batch shell after srun failed (rank/requeue.after_crash), the local
-supervisor (launch/local.Supervisor.retry_crash) and the next round of a torchrun (rank/rounds.py)
-differ only in what they saw (srun's line, an exit code, nothing), whether they still hold the
-ranks' machines (`here`) and how they carry the verdict out (srun again, Popen again, the round
-going on; `scontrol requeue`; the end).
+A crash (settle: decide, carry out, record, say): the batch shell after srun failed
+(rank/requeue.after_crash), the local supervisor (launch/local.Supervisor.retry_crash) and the
+next round of a torchrun (rank/rounds.py) differ only in what they saw (srun's line, an exit code,
+nothing), whether they still hold the ranks' machines (`here`) and how they carry the verdict out
+(srun again, Popen again, the round going on: carried_here; `scontrol requeue`; the end).
 
 A stop (decide_stop: every rank stopped for a requeue, after a time limit, a preemption or
 `ddpjob stop`): rank 0 (rank/requeue.after_stop, which writes the stop record with its own
@@ -19,7 +19,7 @@ with store/memsnap.newest_saved on the machine that has them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,3 +95,25 @@ def record(run_dir: Path, crash: Crash, *, job_id: Any, restart: int, **how: Any
     """The decision record of `crash` (events.jsonl: a `stop` without `rank`), with how the
     decider carried it out (`requeued`, `requeued_by`, `note`, `source`, ...): its fields win."""
     events.record(run_dir, "stop", **{**crash.fields, **how}, job_id=job_id, restart=restart)
+
+
+def settle(cfg: JobConfig, run_dir: Path, evs: Sequence[dict[str, Any]], job_id: Any, restart: int,
+           culprit: crashes.Culprit | None, carry_out: Callable[[Crash], dict[str, Any]],
+           say: Callable[[str], None], **seen: Any) -> tuple[Crash, dict[str, Any]]:
+    """The one procedure after a crash, whoever saw it (the batch shell, the local supervisor,
+    torchrun's next round): decide (`seen`: decide's facts beyond the ledger), carry the verdict
+    out (`carry_out`: the backend's own way; it returns the record's fields of how), record the
+    decision, say its line (`say`: the decider's log). Returns the crash and how it was carried out."""
+    crash = decide(cfg, run_dir, evs, job_id, restart, culprit, **seen)
+    how = carry_out(crash)
+    record(run_dir, crash, job_id=job_id, restart=restart, **how)
+    say(crash.line(run_dir))
+    return crash, how
+
+
+def carried_here(verdict: policy.Verdict, by: str, why: str | None = None) -> dict[str, Any]:
+    """The record's fields of a verdict its decider carries out where it stands, the ranks' own
+    machines: a retry starts them again there (`by`: budget.IN_PLACE, SUPERVISOR, TORCHRUN), an
+    end needs nothing. `why`: what the decider saw, said before the verdict's line."""
+    done = {"requeued": True, "requeued_by": by} if verdict.action != policy.END else {"requeued": None}
+    return {**done, "note": "; ".join(x for x in (why, verdict.line) if x), **verdict.fields()}

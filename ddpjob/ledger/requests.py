@@ -35,14 +35,6 @@ def stop_requested(run_dir: Path, job_id: str | None) -> bool:
     return asked
 
 
-def answered_stop(run_dir: Path, job_id: str | None) -> bool:
-    """Whether this job's ranks, at their newest stop, stopped for `ddpjob stop` (rank 0 records
-    it as reason "user_stop"): the local supervisor then ends the job instead of restarting it."""
-    stops = [e for e in events.read(run_dir) if events.is_decision(e)
-             and str(e.get("job_id")) == str(job_id)]
-    return bool(stops) and stops[-1].get("reason") == "user_stop"
-
-
 def cancel(run_dir: Path, job_id: str, restart: int) -> None:
     events.record(run_dir, CANCEL, by="user", job_id=job_id, restart=restart)
 

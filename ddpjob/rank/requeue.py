@@ -1,5 +1,8 @@
-"""The one requeue decision: rank 0 after every rank stopped with a checkpoint (Job.steps, job.py), and
-the batch script (or NodeTask) after the ranks crashed (`python -m ddpjob.rank.requeue`).
+"""SLURM's side of a stop's and a crash's recovery: rank 0 after every rank stopped with a
+checkpoint (Job.steps, job.py), and the batch script (or NodeTask) after the ranks crashed
+(`python -m ddpjob.rank.requeue`). They gather what only SLURM tells (is the job being preempted,
+did a node fail, which task srun saw die, which hosts are left), ask ledger/recovery.py (the one
+procedure, policy.decide's verdict) and carry the verdict out.
 
 SLURM requeues by itself only a job that outlives GraceTime after a preemption. So ddpjob brings
 the job back itself after: the time-limit warning / deadline watch; a SIGTERM while SLURM is
@@ -120,14 +123,12 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
     under_slurm = env.source in ("slurm", "torchrun") and bool(env.job_id)
     reason = {preemption.PREEMPTED: "preemption", preemption.NONE: "signal"}.get(code, "time_limit")
     if code == preemption.REQUEUE and requests.stop_requested(run_dir, env.job_id):
-        reason = "user_stop"  # `ddpjob stop` sent the checkpoint signal; _decide does not requeue
+        reason = policy.USER_STOP  # `ddpjob stop` sent the checkpoint signal: the policy ends the run
     fields: dict[str, Any] = {"requeued": None}
-    decide = under_slurm
-    if code == preemption.PREEMPTED and requests.cancelled(events.read(run_dir), env.job_id):
-        # `ddpjob cancel` (recorded before its signal): said as what it is, never a preemption
-        reason, decide = "signal", False
-        fields["note"] = "cancelled by `ddpjob cancel`: not requeueing (`ddpjob resume RUN_DIR` continues)"
-    if code == preemption.PREEMPTED and under_slurm and decide:
+    cancelled = requests.cancelled(events.read(run_dir), env.job_id)
+    if code == preemption.PREEMPTED and cancelled:
+        reason = "signal"  # `ddpjob cancel` (recorded before its signal): never a preemption
+    elif code == preemption.PREEMPTED and under_slurm:
         preempting = _preempting(str(env.job_id))
         if isinstance(preempting, slurm.Failed):
             # SIGTERM came and scontrol could not say why, even after retries. Reading that as
@@ -138,15 +139,17 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
             # still COMPLETING after its scancel): the lesser harm.
             fields["note"] = f"preemption check failed ({preempting.why}): treated as preemption"
         elif not preempting:
-            reason, decide = "signal", False
-            fields["note"] = "not being preempted (scancel, or already requeued): not requeueing"
+            reason = "signal"  # a scancel, or a job requeued already: the policy's verdict is the end
             if _node_failed(env, signal_time):
                 # A node of the job went down: SLURM ended this attempt NODE_FAIL and requeued
-                # the job by itself; the ranks that lived got SIGTERM and checkpointed.
+                # the job by itself; the ranks that lived got SIGTERM and checkpointed. SLURM
+                # decided: nothing is left to decide or carry out.
                 reason = "node_failure"
                 fields.update(requeued=True, requeued_by="slurm",
                               note="a node failed: SLURM ended this attempt (NODE_FAIL) and requeued the job")
-    if decide:
+    # Rank 0 decides under SLURM (and torchrun inside it); elsewhere the local supervisor does
+    # (launch/local.Supervisor.after_stop), but a cancel's end is every decider's to say
+    if (under_slurm or cancelled) and reason != "node_failure":
         stop = recovery.decide_stop(cfg, run_dir, events.read(run_dir), env.job_id, reason)
         fields.update(carry_out(cfg, env, run_dir, stop.verdict, fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
@@ -168,16 +171,11 @@ def carry_out(cfg: JobConfig, env: ClusterEnv, run_dir: Path, verdict: policy.Ve
     """The decision's fields for its stop record, the verdict carried out: a requeue is
     `scontrol requeue` or a successor job (bring_back); a restart here is the batch shell's to
     run (this process answers RESTART); the end needs nothing."""
-    if verdict.action == policy.REQUEUE:
-        out = bring_back(cfg, env, run_dir)
-        if verdict.crash is not None:
-            out["note"] = f"{verdict.line}: {out['note']}"
-    elif verdict.action == policy.RESTART:
-        out = {"requeued": True, "requeued_by": budget.IN_PLACE, "note": verdict.line}
-    else:
-        out = {"requeued": None, "note": verdict.line}
-    out["note"] = "; ".join(str(x) for x in (prefix, out["note"]) if x)
-    return {**out, **verdict.fields()}
+    if verdict.action != policy.REQUEUE:
+        return recovery.carried_here(verdict, budget.IN_PLACE, prefix)
+    out = bring_back(cfg, env, run_dir)
+    note = f"{verdict.line}: {out['note']}" if verdict.crash is not None else out["note"]
+    return {**out, "note": "; ".join(x for x in (prefix, note) if x), **verdict.fields()}
 
 
 def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
@@ -218,16 +216,16 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
         # in place the job's snapshots count too (the restart resumes from them; a spare's new
         # ranks get theirs from the survivors, store/peers.py): the newest all folders left hold
         saved = memsnap.retry_point(cfg, run_dir, str(env.job_id) if in_place else None)
-        crash = recovery.decide(cfg, run_dir, evs, env.job_id, restart, culprit, here=in_place, saved=saved,
-                                hosts_left=not in_place or restart_layout(run_dir, env, cfg, culprit) is not None,
-                                lost_hosts=lost, exclude_after=cfg.slurm.exclude_after if in_place else 0)
         why = (f"node(s) {','.join(lost)} left allocation {env.job_id}" if lost
                else f"ranks exited with status {status}")
-        fields = carry_out(cfg, env, run_dir, crash.verdict, why)
-        recovery.record(run_dir, crash, job_id=env.job_id, restart=restart, incarnation=env.restart_count,
-                        status=status, **fields)
-    print(crash.line(run_dir), file=sys.stderr, flush=True)
-    return fields["requeued"]
+        _, how = recovery.settle(
+            cfg, run_dir, evs, env.job_id, restart, culprit,
+            lambda crash: {"incarnation": env.restart_count, "status": status,
+                           **carry_out(cfg, env, run_dir, crash.verdict, why)},
+            lambda line: print(line, file=sys.stderr, flush=True), here=in_place, saved=saved,
+            hosts_left=not in_place or restart_layout(run_dir, env, cfg, culprit) is not None,
+            lost_hosts=lost, exclude_after=cfg.slurm.exclude_after if in_place else 0)
+    return how["requeued"]
 
 
 def _step_ended_by_srun(decision: dict[str, Any], srun: crashes.Culprit | None) -> bool:

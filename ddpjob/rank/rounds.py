@@ -61,13 +61,11 @@ def _decide(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int) -> pol
     recorded as its decision and said in rank 0's log."""
     evs = events.read(run_dir)
     saved = memsnap.retry_point(cfg, run_dir, str(env.job_id))  # the round's snapshots survive it on this host
-    crash = recovery.decide(cfg, run_dir, evs, env.job_id, restart, _silent(evs, env, restart), here=True,
-                            saved=saved)
-    recovery.record(run_dir, crash, job_id=env.job_id, restart=restart,
-                    requeued=True if crash.retry else None, requeued_by=budget.TORCHRUN if crash.retry else None,
-                    source=SOURCE, agent=env.agent_pid,
-                    note=f"torchrun started the ranks again; {crash.verdict.line}")
-    print(crash.line(run_dir), file=sys.stderr, flush=True)
+    crash, _ = recovery.settle(
+        cfg, run_dir, evs, env.job_id, restart, _silent(evs, env, restart),
+        lambda c: {"source": SOURCE, "agent": env.agent_pid,
+                   **recovery.carried_here(c.verdict, budget.TORCHRUN, "torchrun started the ranks again")},
+        lambda line: print(line, file=sys.stderr, flush=True), here=True, saved=saved)
     return crash.verdict
 
 

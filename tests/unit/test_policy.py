@@ -85,6 +85,9 @@ def test_every_combination_gets_exactly_one_verdict_and_its_line() -> None:
             continue
         if asked or reason in ("signal", "user_stop"):
             assert v.action == E
+        # the end `ddpjob stop` asked for (the local run ends STOPPED), and only that end
+        assert v.asked == (v.action == E and (asked or reason == "user_stop") and "`ddpjob stop`" in v.line)
+        assert v.asked == (reason == "user_stop" or (asked and reason != "signal"))
         if v.action == R:
             assert here and reason in policy.FAILURES and "restarting in place" in v.line
         if reason in policy.FAILURES and cls in (policy.USER, policy.INTERNAL) and not asked:

@@ -21,8 +21,9 @@ from ddpjob.ledger import phases
 from ddpjob.node import preemption
 from ddpjob.rank import requeue, startcheck
 from ddpjob.node.cluster import ClusterEnv
-from ddpjob.ledger import attempts, budget, requests
-from ddpjob.ledger.events import read as read_events, record as record_event
+from ddpjob.ledger import attempts, budget, policy, requests
+from ddpjob.ledger.events import is_decision, read as read_events, record as record_event
+from runlogs import decisions
 
 PREEMPTING = "JobId=77 JobState=RUNNING PreemptTime=2026-01-01T00:00:00 Command=/a b/job.sbatch"
 CANCELLED = "JobId=77 JobState=RUNNING PreemptTime=None"
@@ -38,7 +39,7 @@ def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
 
 
 def last_stop(d: Path) -> dict:
-    return [e for e in read_events(d) if e["event"] == "stop"][-1]
+    return decisions(read_events(d))[-1]
 
 
 # ------------------------------------------------------------------ slurm.py
@@ -117,6 +118,10 @@ def test_stop_decision(fake_slurm, tmp_path, code, show, reason, requeued) -> No
     stop = last_stop(d)
     assert (stop["reason"], stop["step"], stop["steps_lost"]) == (reason, 17, 2)
     assert fake_slurm.called("scontrol requeue") == ([["scontrol", "requeue", "77"]] if requeued else [])
+    # every end, a scancel's too, is the policy's verdict, said in its line
+    assert stop["action"] == (policy.REQUEUE if requeued else policy.END)
+    if not requeued:
+        assert stop["note"] == policy.decide(policy.Facts(reason), policy.Limits.of(cfg)).line
 
 
 def test_a_failed_preemption_check_is_retried_then_treated_as_preemption(fake_slurm, tmp_path) -> None:
@@ -318,7 +323,7 @@ def test_the_sigterm_of_our_own_requeue_waits_until_the_crash_is_recorded(fake_s
     threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
     stops_at_sigterm: list[list[dict]] = []
     old = signal.signal(signal.SIGTERM, lambda *_: stops_at_sigterm.append(
-        [e for e in read_events(d) if e["event"] == "stop"]))
+        decisions(read_events(d))))
     try:
         assert requeue.after_crash(cfg, ENV, d, 1) is True
     finally:
@@ -362,7 +367,7 @@ def test_the_recovery_phases_from_the_events(tmp_path) -> None:
     ]:
         fileio.append_jsonl(d / "events.jsonl", rec)
     events = read_events(d)
-    i = next(n for n, e in enumerate(events) if e["event"] == "stop")
+    i = next(n for n, e in enumerate(events) if is_decision(e))
     assert phases.recovery(events, i) == {"stop vote": 0.25, "save": 1.75, "exit": 0.5, "requeue": 11.0,
                                           "start-up": 6.25, "load": 1.25, "first step": 0.75}
     assert sum(phases.recovery(events, i).values()) == pytest.approx(141.75 - 120.0)
@@ -403,7 +408,7 @@ def test_no_crash_decision_when_slurm_requeued_the_job_itself(fake_slurm, tmp_pa
     cfg, d = run_dir(tmp_path, max_failures=0)
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=PENDING Restarts=1 PreemptTime=None")
     assert requeue.after_crash(cfg, ENV, d, 137) is None
-    assert [e for e in read_events(d) if e["event"] == "stop"] == []
+    assert decisions(read_events(d)) == []
     # not requeued by SLURM (Restarts still this attempt's): a crash, the budget spent
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 PreemptTime=None")
     assert requeue.after_crash(cfg, ENV, d, 137) is None
@@ -436,7 +441,7 @@ def test_a_node_failure_nobody_saw_is_recorded_at_the_next_start(fake_slurm, tmp
                                f"RUNNING|{sacct_time(t + 80)}|Unknown\n")
     again = ClusterEnv(source="slurm", job_id="77", restart_count=1)
     restart, why = startcheck.check_start(cfg, again, d)
-    stops = [e for e in read_events(d) if e["event"] == "stop"]
+    stops = decisions(read_events(d))
     failure = stops[0]
     assert (failure["reason"], failure["job_id"], failure["restart"]) == ("node_failure", "77", 0)
     assert (failure["step"], failure["steps_lost"], failure["requeued_by"]) == (10, 3, "slurm")
@@ -469,7 +474,7 @@ def test_an_unseen_end_without_sacct_or_in_another_job(fake_slurm, tmp_path) -> 
     fake_slurm.answer("sacct -X -D -n -P -o State,Start,End -j 77", rc=1,
                       stderr="Slurm accounting storage is disabled")
     restart, why = startcheck.check_start(cfg, ClusterEnv(source="slurm", job_id="77", restart_count=1), d)
-    old, mine = [e for e in read_events(d) if e["event"] == "stop"]
+    old, mine = decisions(read_events(d))
     assert (old["reason"], old["requeued"]) == ("crash", False)  # not retried by anyone: free
     assert (mine["reason"], mine["requeued_by"]) == ("killed", "slurm")
     assert "sacct did not answer (sacct -X -D failed: Slurm accounting storage is disabled)" in mine["note"]
@@ -488,7 +493,7 @@ def test_a_commands_attempt_killed_after_gracetime_is_recorded_at_the_next_start
     fake_slurm.answer("sacct -X -D -n -P -o State,Start,End -j 77",
                       f"PREEMPTED|{sacct_time(t - 5)}|{sacct_time(t + 60)}\nRUNNING|{sacct_time(t + 90)}|Unknown\n")
     restart, why = startcheck.check_start(cfg, ClusterEnv(source="slurm", job_id="77", restart_count=1), d)
-    (stop,) = [e for e in read_events(d) if e["event"] == "stop"]
+    (stop,) = decisions(read_events(d))
     assert (stop["reason"], stop["restart"], stop["requeued_by"], stop["unseen"]) == ("preemption", 0, "slurm", True)
     assert stop.get("step") is None, stop  # the program said nothing of its steps: not "step 0"
     assert (restart, why) == (1, None)
