@@ -255,7 +255,7 @@ def attempt_marks(events: list[dict[str, Any]]) -> list[tuple[tuple[str, int], s
         job = str(e.get("job_id") or "-")
         why = "first start"
         if prev is not None:
-            stops = [i for i in range(prev + 1, n) if events[i].get("event") == "stop"]
+            stops = [i for i in range(prev + 1, n) if ledger_events.is_stop(events[i])]
             at_stop = next((i for i in reversed(stops) if ledger_events.is_decision(events[i])),
                            stops[-1] if stops else None)
             if at_stop is None:

@@ -110,7 +110,7 @@ def run_info(run_dir: Path, states: dict[str, dict[str, Any]] | None = None) -> 
     if evs:
         last = evs[-1]
         why = last.get("error") or last.get("note") or last.get("reason") or ""
-        if last.get("event") == "stop" and not last.get("error"):
+        if events.is_decision(last):
             # the crash decision comes after the ranks' own records: say the cause, then the decision.
             # The first record is the root cause; later ones are often ranks failing because of it.
             cause = [e["error"] for e in evs if events.is_rank_crash(e) and isinstance(e.get("error"), str)

@@ -123,6 +123,23 @@ def notes(evs: Iterable[Mapping[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+# ------------------------------------------------------------------ the stop records
+def decision(run_dir: str | Path, reason: str, *, job_id: Any, restart: Any, **fields: Any) -> dict[str, Any]:
+    """Write an attempt's decision (is_decision: a stop without `rank`): why it ended (`reason`:
+    policy.STOPS, FAILURES, user_stop, signal, finished, budget, killed) and what was decided."""
+    if "rank" in fields:
+        raise ValueError("a decision is the whole job's: it has no `rank` (a rank's own crash: rank_crash)")
+    return record(run_dir, "stop", reason=reason, job_id=job_id, restart=restart, **fields)
+
+
+def rank_crash(run_dir: str | Path, *, rank: int, host: str, job_id: Any, restart: Any, error: str,
+               **fields: Any) -> dict[str, Any]:
+    """Write a rank's own record of the error that ended it (is_rank_crash: a stop with `rank`);
+    the decision about the attempt is another's (the batch shell, the supervisor, torchrun's next round)."""
+    return record(run_dir, "stop", reason="crash", rank=rank, host=host, job_id=job_id, restart=restart,
+                  error=error, **fields)
+
+
 # ------------------------------------------------------------------ what a record is
 def is_decision(e: Mapping[str, Any]) -> bool:
     """The attempt's stop as decided for the whole job (rank 0, the batch shell's decision, the
@@ -136,6 +153,11 @@ def final_decisions(evs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     of the crash srun saw: rank/requeue._step_ended_by_srun)."""
     last = {(str(e.get("job_id")), e.get("restart")): i for i, e in enumerate(evs) if is_decision(e)}
     return [e for i, e in enumerate(evs) if is_decision(e) and last[(str(e.get("job_id")), e.get("restart"))] == i]
+
+
+def is_stop(e: Mapping[str, Any]) -> bool:
+    """Any stop record: a decision or a rank's own crash record."""
+    return e.get("event") == "stop"
 
 
 def is_rank_crash(e: Mapping[str, Any]) -> bool:

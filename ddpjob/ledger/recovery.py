@@ -94,7 +94,8 @@ def decide_stop(cfg: JobConfig, run_dir: Path, evs: Sequence[dict[str, Any]], jo
 def record(run_dir: Path, crash: Crash, *, job_id: Any, restart: int, **how: Any) -> None:
     """The decision record of `crash` (events.jsonl: a `stop` without `rank`), with how the
     decider carried it out (`requeued`, `requeued_by`, `note`, `source`, ...): its fields win."""
-    events.record(run_dir, "stop", **{**crash.fields, **how}, job_id=job_id, restart=restart)
+    fields = {**crash.fields, **how}
+    events.decision(run_dir, fields.pop("reason"), job_id=job_id, restart=restart, **fields)
 
 
 def settle(cfg: JobConfig, run_dir: Path, evs: Sequence[dict[str, Any]], job_id: Any, restart: int,

@@ -217,8 +217,8 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv, stop: preemption.StopFla
                 f"({exc.strerror}), expected a program on the nodes' PATH or a path from the working directory {cwd}")
         err = DDPJobError(what, "fix train.command / train.command_cwd (the command runs without a shell)")
         # the user's setting: not retried (a rank crash record without a class reads as the cluster's)
-        events.record(run_dir, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
-                      restart=restart, error=err.line(), error_class=policy.USER, exception=type(exc).__name__)
+        events.rank_crash(run_dir, rank=env.rank, host=env.hostname, job_id=env.job_id, restart=restart,
+                          error=err.line(), error_class=policy.USER, exception=type(exc).__name__)
         raise err from None
     launched = time.time()
     if env.is_rank0:  # the job is on record now (`ddpjob status`, `stop`), whether it ever logs a step or not
@@ -303,8 +303,8 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
         # the step it crashed after, as far as its lines tell (the verdict's "at step N"), not the
         # save it resumes from: the decision carries that
         reached = step + lost if step is not None and lost is not None else step
-        events.record(run_dir, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
-                      restart=restart, step=reached, last_output=last_line, **end.crash)
+        events.rank_crash(run_dir, rank=env.rank, host=env.hostname, job_id=env.job_id, restart=restart,
+                          step=reached, last_output=last_line, **end.crash)
         print(f"ddpjob: rank {env.rank} on {env.hostname}: {end.crash['error']}", file=sys.stderr, flush=True)
     events.record(run_dir, "rank_end", rank=env.rank, host=env.hostname, job_id=env.job_id, restart=restart,
                   status=end.code, stop=end.stop, **({"program": end.program} if end.program else {}))
@@ -330,7 +330,7 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
         end, complete = Ending(exitcodes.REQUEUE, stop=True, program=end.program), False
     if complete:
         rundir.mark_completed(run_dir, step=step)
-        events.record(run_dir, "stop", reason="finished", step=step, job_id=env.job_id, restart=restart)
+        events.decision(run_dir, "finished", job_id=env.job_id, restart=restart, step=step)
         console.print0(f"ddpjob: every rank's program exited 0: {run_dir} is COMPLETED")
     elif env.is_rank0 and end.stop:
         if end.program:

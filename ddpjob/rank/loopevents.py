@@ -122,7 +122,8 @@ class LoopEvents:
     def finished(self, step: int, info: dict[str, Any]) -> None:
         """Rank 0: the run's end (job.finish()); `accuracy` in `info` joins the record."""
         if self._env.is_rank0:
-            self._record("stop", reason="finished", step=step, **{k: v for k, v in info.items() if k == "accuracy"})
+            events.decision(self._run_dir, "finished", job_id=self._env.job_id, restart=self._restart, step=step,
+                            **{k: v for k, v in info.items() if k == "accuracy"})
 
     def exited(self, stopped_at: int | None) -> None:
         """Rank 0, at close() after a stop: the end of the recovery's exit phase."""

@@ -46,9 +46,9 @@ def report(raised: BaseException, job: Any, env: ClusterEnv, run_dir: Path | Non
 
         why = reported.line() if isinstance(reported, DDPJobError) else one_line(reported)
         step = job.current_step if job is not None else None
-        events.record(where, "stop", reason="crash", rank=env.rank, host=env.hostname, job_id=env.job_id,
-                      restart=job.restart if job is not None else startcheck.attempt_of(env, events.read(where)),
-                      error=why, step=step, **error_kind(raised, reported, run_dir))
+        events.rank_crash(where, rank=env.rank, host=env.hostname, job_id=env.job_id,
+                          restart=job.restart if job is not None else startcheck.attempt_of(env, events.read(where)),
+                          error=why, step=step, **error_kind(raised, reported, run_dir))
         if not isinstance(reported, (DDPJobError, KeyboardInterrupt)) and not traceback_shown:
             traceback.print_exception(raised)  # a bug: the log keeps the full story on every rank
     return reported

@@ -154,9 +154,9 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
         fields.update(carry_out(cfg, env, run_dir, stop.verdict, fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
     lost = steps_lost if signal_step is None or step is None else max(0, step - signal_step - 1 - lag)
-    events.record(run_dir, "stop", reason=reason, step=step, job_id=env.job_id, restart=restart,
-                  incarnation=env.restart_count, steps_lost=lost, signal_time=signal_time, **(times or {}),
-                  **({"program": program} if program else {}), **fields)
+    events.decision(run_dir, reason, job_id=env.job_id, restart=restart, step=step,
+                    incarnation=env.restart_count, steps_lost=lost, signal_time=signal_time, **(times or {}),
+                    **({"program": program} if program else {}), **fields)
     note = fields.get("note")
     if cfg.train.command:  # the program's own checkpoint, if it wrote one: command_end.stop_said
         said = f"stopped ({reason}" + ("" if step is None else f"; the program had logged step {step}") + ")"
@@ -209,7 +209,7 @@ def after_crash(cfg: JobConfig, env: ClusterEnv, run_dir: Path, status: int, *,
         return None
     culprit = crashes.with_rank_error(srun, evs, env.job_id, restart)
     # on_node_loss = "continue" (sbatch --no-kill): a failed node left the allocation, the job did not end
-    gone = {h for e in evs if e.get("event") == "stop" and str(e.get("job_id")) == str(env.job_id)
+    gone = {h for e in evs if events.is_decision(e) and str(e.get("job_id")) == str(env.job_id)
             and isinstance(e.get("lost_hosts"), list) for h in e["lost_hosts"]}
     lost = [h for h in env.hosts if h not in allocation_now(cfg, env) and h not in gone] if in_place else []
     with _term_held():

@@ -44,7 +44,8 @@ def record_unseen(run_dir: Path, job_id: str | None, *, command: bool = False) -
     written: list[dict[str, Any]] = []
     for start in unseen:
         old = str(start["job_id"])
-        fields: dict[str, Any] = {"reason": "killed", "unseen": True}
+        reason = "killed"
+        fields: dict[str, Any] = {"unseen": True}
         runs = slurm.incarnations(old)
         if isinstance(runs, slurm.Failed):
             fields["note"] = f"no stop was recorded and sacct did not answer ({runs.why})"
@@ -53,7 +54,7 @@ def record_unseen(run_dir: Path, job_id: str | None, *, command: bool = False) -
             t = float(start.get("time") or 0)
             match = [r for r in runs if r.start is not None and r.start <= t + 1]
             if match:
-                fields["reason"] = UNSEEN.get(match[-1].state, "killed")
+                reason = UNSEEN.get(match[-1].state, "killed")
                 fields["signal_time"] = match[-1].end  # when it ended: the ledger times from it
                 fields["note"] = f"no stop was recorded; sacct says {match[-1].state}"
             else:
@@ -65,8 +66,7 @@ def record_unseen(run_dir: Path, job_id: str | None, *, command: bool = False) -
         # a [train] command resumes from its own checkpoint: what its lines said of it
         fields["step"], fields["steps_lost"] = crashes.command_point(run_dir) if command else \
             crashes.resume_point(run_dir, memsnap.newest_saved(run_dir, None)[0])
-        events.record(run_dir, "stop", job_id=old, restart=start.get("restart"), **fields)
-        written.append(fields)
+        written.append(events.decision(run_dir, reason, job_id=old, restart=start.get("restart"), **fields))
     return written
 
 
@@ -93,6 +93,6 @@ def check_start(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> tuple[int, st
     if why is None:
         why = policy.start_refused(*budget.used(evs, env.job_id), policy.Limits.of(cfg))
     if why:
-        events.record(run_dir, "stop", reason="budget", step=None, job_id=env.job_id,
-                      restart=restart, incarnation=env.restart_count, requeued=None, note=why)
+        events.decision(run_dir, "budget", job_id=env.job_id, restart=restart, step=None,
+                        incarnation=env.restart_count, requeued=None, note=why)
     return restart, why

@@ -30,6 +30,17 @@ def test_the_writer_refuses_what_the_schema_does_not_declare(tmp_path: Path) -> 
     assert [e["event"] for e in events.read(tmp_path)] == ["checkpoint", "start"]
 
 
+def test_a_stop_is_written_as_a_decision_or_as_a_ranks_crash(tmp_path: Path) -> None:
+    """The two constructors of a stop record: the whole job's decision, a rank's own crash record."""
+    decided = events.decision(tmp_path, "time_limit", job_id="7", restart=0, step=5, requeued=True)
+    crashed = events.rank_crash(tmp_path, rank=1, host="n2", job_id="7", restart=1, error="boom", step=3)
+    assert events.is_decision(decided) and not events.is_rank_crash(decided) and decided["reason"] == "time_limit"
+    assert events.is_rank_crash(crashed) and crashed["reason"] == "crash" and crashed["rank"] == 1
+    with pytest.raises(ValueError, match="a decision is the whole job's"):
+        events.decision(tmp_path, "crash", job_id="7", restart=1, rank=1)
+    assert events.read(tmp_path) == [decided, crashed]
+
+
 def test_an_old_format_ledger_reads_as_schema_1() -> None:
     """A run dir written before records carried `v`: every reader takes it as it is."""
     evs = fileio.read_jsonl(OLD)
@@ -90,6 +101,9 @@ def test_no_module_tests_a_records_shape_by_hand() -> None:
                  if p.name != "events.py" or p.parent.name != "ledger"
                  for n, line in enumerate(p.read_text().splitlines(), 1) if hand.search(line)]
     assert offenders == []
+    # a stop record is written by its constructor (events.decision, events.rank_crash) only
+    assert not [p for p in package.rglob("*.py") if re.search(r"""record\((?:[^,()]+, )?["']stop["']""", p.read_text())
+                and not (p.name == "events.py" and p.parent.name == "ledger")]
     kinds = {m.group(1) for p in package.rglob("*.py") for m in re.finditer(
         r"""events\.record\([^,]+, ["']([a-z_]+)["']""", p.read_text())}
     assert kinds <= set(events.KINDS) and len(kinds) >= 12, kinds

@@ -37,7 +37,7 @@ def _run_stops(run_dir: Path) -> tuple[int, dict[str, Any] | None]:
         if e.get("event") == "start":
             starts.add((str(e.get("job_id")), e.get("restart"), e.get("time")))
             last = None
-        elif e.get("event") == "stop" and (last is None or events.is_decision(e)):
+        elif events.is_stop(e) and (last is None or events.is_decision(e)):
             last = e  # the run's own decision (no `rank`) over a rank's crash record
     return len(starts), last
 
