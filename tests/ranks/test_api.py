@@ -15,7 +15,7 @@ import torch
 
 from clirun import ddpjob as ddpjob_cli
 from ranks import LAG, TESTS, Ranks, assert_bit_equal, base_env, events, final_state, free_port, metrics, write_job
-from runlogs import stops
+from runlogs import decisions, stops
 
 SCRIPT = TESTS / "api_script.py"
 
@@ -72,7 +72,7 @@ def test_stop_at_a_step_then_resume_is_bit_identical(tmp_path: Path, workers: in
     job = _job(tmp_path / "job.toml", vote, workers=workers, signal_at="1:7")
     codes, ranks = _two_ranks(job, tmp_path / "run", 0)
     assert codes == [3, 3], ranks.output()
-    stop = [e for e in events(tmp_path / "run") if e["event"] == "stop"][-1]
+    stop = decisions(events(tmp_path / "run"))[-1]
     assert stop["reason"] == "time_limit" and stop["step"] == 8 + lag
     (signal,) = [e for e in events(tmp_path / "run") if e["event"] == "signal"]
     assert signal["rank"] == 1 and signal["signal"] == "SIGUSR2" and signal["at_step"] == 7

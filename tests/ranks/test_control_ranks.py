@@ -109,7 +109,9 @@ def test_logs_follow_keeps_going_across_a_restart_until_the_end(tmp_path):
     pid = fileio.read_json(run / "job.json")["pid"]
     follower = subprocess.Popen([sys.executable, "-m", "ddpjob", "logs", str(run), "--follow"],
                                 stdout=subprocess.PIPE, text=True, cwd=tmp_path)
-    wait_for(lambda: (run / "fake-r1-s0.json").is_file(), what="ranks to start")
+    # every rank's handler in place (each writes its file after): a rank still starting dies of
+    # the signal, a crash (seen once on a loaded machine: max_failures = 0 ended the run)
+    wait_for(lambda: all((run / f"fake-r{r}-s0.json").is_file() for r in (0, 1)), what="ranks to start")
     os.kill(pid, signal.SIGUSR2)  # ranks exit 3, the supervisor restarts them, they finish
     out, _ = follower.communicate(timeout=60)
     assert follower.returncode == 0

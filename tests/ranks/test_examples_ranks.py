@@ -50,7 +50,7 @@ def _interrupt_and_resume(tmp_path: Path, job: Path, world: int, at: int, resume
     codes, r = run([str(job), "--run-dir", str(out)], world, tmp_path / "logs",
                    extra_env={"DDPJOB_TEST_STOP_AT": str(at)})
     assert codes == [3] * world, r.output()
-    stop = [e for e in events(out) if e["event"] == "stop"][0]
+    stop = decisions(events(out))[0]
     assert stop["reason"] == "time_limit" and stop["step"] == at + 1 + LAG, stop  # the step in flight finishes, and the vote's
     codes, r = run([str(out)], resume_world, tmp_path / "logs", restart=1)
     assert codes == [0] * resume_world, r.output()
@@ -210,7 +210,7 @@ def test_script_raising_keeps_traceback_fails_and_is_not_requeued(tmp_path: Path
     assert "Traceback" in log and f'File "{out}/code/entry/boom.py", line 6, in build' in log
     (line,) = _error_lines(log)
     assert "ValueError: bad hidden size 0" in line
-    stop = [e for e in events(out) if e["event"] == "stop"][0]
+    stop = rank_crashes(events(out))[0]  # the rank's own record of its error
     assert "ValueError: bad hidden size 0" in stop["error"]
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from example_jobs import CHARLM, CHARLM_SMALL, hook_job, samples_by_step
 from ranks import LAG, assert_bit_equal, events, metrics, run
+from runlogs import decisions
 
 FSDP = {"strategy": "fsdp", "entry": "example_hooks:main", "args": [str(CHARLM / "train.py")]}
 
@@ -39,7 +40,7 @@ def _stop_then_resume(folder: Path, job: Path, world: int, at: int, resume_world
     codes, r = run([str(job), "--run-dir", str(out)], world, folder / "logs", timeout=300,
                    extra_env={"DDPJOB_TEST_STOP_AT": str(at)})
     assert codes == [3] * world, r.output()
-    stop = [e for e in events(out) if e["event"] == "stop"][0]
+    stop = decisions(events(out))[0]
     assert stop["step"] == at + 1 + LAG, stop
     if between is not None:
         between(out)
@@ -162,7 +163,7 @@ def test_trainer_fsdp_stopped_mid_accumulation_resumes_bit_exactly(tmp_path: Pat
     codes, r = run([str(job), "--run-dir", str(out)], 2, tmp_path / "logs",
                    extra_env={"DDPJOB_TEST_SIGNAL": "1:23:0"})
     assert codes == [3, 3], r.output()
-    stop = [e for e in events(out) if e["event"] == "stop"][0]
+    stop = decisions(events(out))[0]
     assert stop["step"] == 12 + LAG, stop
     ckpt = sorted(p.name for p in (out / "checkpoints" / f"step-{12 + LAG:09d}").iterdir())
     assert ckpt == ["__0_0.distcp", "__1_0.distcp", "dcp.metadata", "manifest.json", "progress.pt",

@@ -21,6 +21,7 @@ from ddpjob.ledger.events import read as read_events
 
 from clirun import wait_for
 from fake_local import fake_command, local_state, make_run
+from runlogs import decisions
 
 
 def start_supervisor(tmp_path: Path, *runs: Path) -> subprocess.Popen:
@@ -109,7 +110,7 @@ def test_a_killed_rank_is_restarted_in_place_while_max_failures_lasts(tmp_path):
     state = local_state(run)
     assert state["state"] == "COMPLETED" and state["restarts"] == 1, state
     assert [h["exit_codes"][1] for h in state["history"]] == [-signal.SIGKILL, 0], state["history"]
-    (crash,) = [e for e in read_events(run) if e["event"] == "stop"]
+    (crash,) = decisions(read_events(run))
     assert crash["reason"] == "crash" and crash["requeued"] is True and crash["requeued_by"] == "supervisor"
     assert "failure 1 of max_failures = 1" in crash["note"], crash
     assert (run / "fake-r0-s1.json").exists() and (run / "fake-r1-s1.json").exists()
@@ -128,7 +129,7 @@ def test_a_rank_that_segfaults_at_the_same_point_every_time_ends_as_a_crash_loop
     assert state["reason"] == (
         "crash loop: 3 attempts in a row crashed without getting past the checkpoint at step 0 "
         f"(rank 1 on {host}: killed by SIGSEGV); not retrying (slurm.max_no_progress = 3)"), state["reason"]
-    stops = [e for e in read_events(run) if e["event"] == "stop"]
+    stops = decisions(read_events(run))
     assert [(s["no_progress"], s["requeued"]) for s in stops] == [(1, True), (2, True), (3, None)], stops
     assert all(s["failed_rank"] == 1 and s["host_fault"] and s["verdict"] == "infrastructure" for s in stops)
     log = (tmp_path / "supervisor.log").read_text()
@@ -145,7 +146,7 @@ def test_a_sigkill_at_the_same_point_again_ends_the_run_as_the_oom_killers(tmp_p
     assert state["state"] == "FAILED" and len(state["history"]) == 2, state
     assert state["reason"].startswith(f"crash loop: rank 1 on {socket.gethostname()}: killed by SIGKILL again at "
                                       "the same step: likely the kernel's OOM killer"), state["reason"]
-    stops = [e for e in read_events(run) if e["event"] == "stop"]
+    stops = decisions(read_events(run))
     assert [(s["action"], s["requeued"]) for s in stops] == [("restart", True), ("end", None)], stops
 
 

@@ -13,6 +13,7 @@ from ddpjob.cli import main
 from ddpjob.launch import history, plot, summary
 from ddpjob.ledger import phases
 from ranks import LAG, Ranks, events, run, signal_when_paused, write_job
+from runlogs import decisions
 
 pytest.importorskip("matplotlib")  # the `plot` extra; in the `test` extra too
 
@@ -44,7 +45,7 @@ def requeued_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _stops_and_starts(run_dir: Path) -> tuple[list[dict], list[dict]]:
     ev = events(run_dir)
-    return [e for e in ev if e["event"] == "stop"], [e for e in ev if e["event"] == "start"]
+    return decisions(ev), [e for e in ev if e["event"] == "start"]
 
 
 @pytest.mark.slow

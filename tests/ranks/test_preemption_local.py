@@ -15,6 +15,7 @@ import pytest
 
 from ranks import (LAG, Ranks, assert_bit_equal, events, final_state, metrics, run, signal_when_paused,
                    tensorboard_scalars, write_job)
+from runlogs import decisions
 
 TRAIN = dict(model="trainer_plugins:signalling_cnn", batch_size=16, accumulation_steps=2, lr=0.05,
              warmup_steps=3, log_every=1, eval_every=0, amp="off", channels_last=False, threads=1,
@@ -63,8 +64,7 @@ def _assert_same_run(a: Path, b: Path) -> None:
 
 
 def _stop_record(run_dir: Path) -> dict:
-    stops = [e for e in events(run_dir) if e["event"] == "stop"]
-    return stops[0]
+    return decisions(events(run_dir))[0]
 
 
 def test_usr2_to_one_rank_stops_all_at_one_step_and_resume_is_bit_exact(tmp_path: Path, reference) -> None:

@@ -153,7 +153,7 @@ def test_a_node_lost_with_on_node_loss_continue_is_left_behind_inside_the_alloca
     batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: Node failure on n2\n"
                  "srun: error: n2: task 2: Killed\nsrun: error: n1: task 0: Killed\n")
     assert requeue.after_crash(cfg, env, d, 137, in_place=True) is True
-    stop = [e for e in read_events(d) if e["event"] == "stop"][-1]
+    stop = decisions(read_events(d))[-1]
     assert (stop["reason"], stop["lost_hosts"], stop["requeued_by"]) == ("node_failure", ["n2"], "in_allocation")
     assert stop["note"].startswith("node(s) n2 left allocation 77; restarting in place from the checkpoint of step 30")
     # srun's "Node failure on n2" names the culprit, not the first task it then killed (on n1)
@@ -163,7 +163,7 @@ def test_a_node_lost_with_on_node_loss_continue_is_left_behind_inside_the_alloca
     fileio.append_jsonl(d / "events.jsonl", start("77", 1, 30))
     batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n1: task 1: Exited with exit code 1\n")
     assert requeue.after_crash(cfg, env, d, 1, in_place=True) is True
-    assert [e["reason"] for e in read_events(d) if e["event"] == "stop"] == ["node_failure", "crash"]
+    assert [e["reason"] for e in decisions(read_events(d))] == ["node_failure", "crash"]
 
 
 def test_the_node_loss_settings_refuse_what_cannot_work(tmp_path) -> None:
@@ -194,7 +194,7 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     fileio.append_jsonl(d / "events.jsonl", start("77", 0, None))
     batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: n2: task 2: Killed\n")
     assert requeue.after_crash(cfg, ENV, d, 137, in_place=True) is True
-    first = [e for e in read_events(d) if e["event"] == "stop"][-1]
+    first = decisions(read_events(d))[-1]
     assert (first["failed_rank"], first["failed_host"], first["host_fault"]) == (2, "n2", True)
     assert requeue.restart_layout(d, ENV, cfg) == (2, [])  # once is not yet the host
     fake_checkpoint.committed(d, 60)
@@ -202,7 +202,7 @@ def test_a_host_that_failed_twice_is_left_out_of_the_next_srun(fake_slurm, tmp_p
     # the first attempt's line is still in the log: only the newest attempt's lines count
     batch_log(d, "ddpjob: attempt 1: ranks on 2 node(s)\nsrun: error: n2: task 3: Bus error\n")
     assert requeue.after_crash(cfg, ENV, d, 135, in_place=True) is True
-    assert [e.get("failed_rank") for e in read_events(d) if e["event"] == "stop"] == [2, 3]
+    assert [e.get("failed_rank") for e in decisions(read_events(d))] == [2, 3]
     assert requeue.restart_layout(d, ENV, cfg) == (1, ["n2"])
     # what `ddpjob status` shows while job 77 runs: its next restart leaves n2 out
     lines = "\n".join(summary.summary(d, live_job="77"))
@@ -236,7 +236,7 @@ def test_rank_0s_stop_that_decided_nothing_gives_way_to_the_task_srun_saw_die(
                                              "note": "not being preempted (scancel, or already requeued): not requeueing"})
     batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\n" + srun_says)
     assert requeue.after_crash(cfg, ENV, d, 143, in_place=True) is (True if decided else None)
-    stops = [e for e in read_events(d) if e["event"] == "stop"]
+    stops = decisions(read_events(d))
     if decided:  # the same attempt's crash: restarted in place, the next attempt is 1
         assert [(e["reason"], e["restart"], e.get("failed_rank")) for e in stops] == [
             ("signal", 0, None), ("crash", 0, 1)], stops
@@ -257,7 +257,7 @@ def test_a_crash_after_ddpjob_cancel_is_not_restarted(fake_slurm, tmp_path, caps
     requests.cancel(d, "77", 0)
     batch_log(d, "ddpjob: attempt 0: ranks on 2 node(s)\nsrun: error: n2: task 2: Killed\n")
     assert requeue.after_crash(cfg, ENV, d, 137, in_place=True) is None  # not brought back
-    decision = [e for e in read_events(d) if e["event"] == "stop"][-1]
+    decision = decisions(read_events(d))[-1]
     assert decision["action"] == "end" and "cancelled by `ddpjob cancel`" in decision["line"], decision
     assert "cancelled by `ddpjob cancel`: not requeued, not restarted" in capsys.readouterr().err
     assert fake_slurm.called("scontrol requeue") == []
