@@ -103,7 +103,7 @@ def test_a_preempted_submitit_job_is_requeued_by_slurm_and_resumes(slurm_cluster
     if slurmtools.wait_state(job_id, ("PENDING", "RUNNING", "COMPLETED"), timeout=60) == "PENDING":
         slurmtools.release_now(job_id)  # skip the ~11 s hold of a requeued job
     assert slurmtools.wait_done(job_id, timeout=400) == "COMPLETED"
-    stops = [e for e in read_events(run) if e["event"] == "stop"]
+    stops = decisions(read_events(run))
     assert stops[0]["reason"] == "preemption" and stops[-1]["reason"] == "finished"
     assert stops[-1]["restart"] == 1 and rundir.completed(run)["step"] == 300
     out = ddpjob("status", str(run), cwd=tmp_path)

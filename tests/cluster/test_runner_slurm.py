@@ -12,6 +12,7 @@ import pytest
 
 from ddpjob import jobfile, rundir
 from ddpjob.ledger.events import read as read_events
+from runlogs import decisions
 from ranks import PYTHON, REPO, assert_bit_equal, final_state, metrics, run, write_job
 from test_runner import DATA, NOBN
 
@@ -100,7 +101,7 @@ def test_partition_preemption_of_srun_ranks_requeues_and_resumes_bit_exactly(
     log = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert state == "COMPLETED", log[-4000:]
     ev = read_events(run_dir)
-    stop = [e for e in ev if e["event"] == "stop"]
+    stop = decisions(ev)
     assert stop[0]["reason"] == "preemption" and stop[0]["requeued"] is True, stop
     assert stop[-1]["reason"] == "finished" and stop[-1]["restart"] == 1
     assert [e["resumed_step"] for e in ev if e["event"] == "start"] == [None, stop[0]["step"]]

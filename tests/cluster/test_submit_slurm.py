@@ -13,6 +13,7 @@ import pytest
 from clirun import ddpjob as run_cli
 from ddpjob import fileio, rundir
 from ddpjob.ledger.events import read as read_events
+from runlogs import decisions
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "jobs" / "smoke.toml")
@@ -88,7 +89,7 @@ def test_usr2_requeues_the_submitit_job_which_resumes_and_completes(slurm_cluste
     assert wait_done(jid, timeout=400) == "COMPLETED"
     followed, _ = follower.communicate(timeout=120)  # --follow ends by itself with the job
     assert follower.returncode == 0 and followed.count("ddpjob run ") == 2
-    stops = [e for e in read_events(run) if e["event"] == "stop"]
+    stops = decisions(read_events(run))
     assert stops[0]["reason"] == "time_limit" and stops[0]["requeued"] is True
     assert stops[-1]["reason"] == "finished" and stops[-1]["restart"] == 1
     out = run_cli("status", str(run))
