@@ -26,7 +26,7 @@ class StopForRequeue(SystemExit):
 
     def __init__(self, step: int, code: int = exitcodes.REQUEUE) -> None:
         super().__init__(code)
-        self.step = step
+        self.step, self.status = step, code
 
 
 class LoopEvents:

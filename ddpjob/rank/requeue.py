@@ -176,7 +176,7 @@ def _leave_out(cfg: JobConfig, env: ClusterEnv, run_dir: Path, step: int | None,
     stop = recovery.decide_stop(cfg, run_dir, events.read(run_dir), env.job_id, stragglers.REASON,
                                 what=str(detail.get("line", "a straggler")), leave_out=host,
                                 here=cfg.slurm.on_straggler == "exclude", resume_at=step)
-    out = {**carry_out(cfg, env, run_dir, stop.verdict), "excluded_host": host, "line": stop.verdict.line,
+    out: dict[str, Any] = {**carry_out(cfg, env, run_dir, stop.verdict), "excluded_host": host, "line": stop.verdict.line,
            **{k: detail[k] for k in ("straggler_rank", "cause") if k in detail}}
     if stop.verdict.action == policy.REQUEUE:  # bring_back's note says how; the verdict says why
         out["note"] = f"{stop.verdict.line}: {out['note']}"

@@ -123,7 +123,7 @@ def _run_entry(cfg: JobConfig, run_dir: Path | None, env: ClusterEnv, stop: Any)
                 sys.path.append(os.getcwd())
             entry.run(script, cfg.train.args)
         except StopForRequeue as stopped:
-            return int(stopped.code)  # type: ignore[arg-type]
+            return stopped.status
         except start.AlreadyCompleted:
             return exitcodes.OK
         except SystemExit as exc:  # the user's own sys.exit()
