@@ -15,6 +15,7 @@ next start and recorded then from sacct (startcheck.record_unseen, with the star
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -177,7 +178,7 @@ def _leave_out(cfg: JobConfig, env: ClusterEnv, run_dir: Path, step: int | None,
                                 what=str(detail.get("line", "a straggler")), leave_out=host,
                                 here=cfg.slurm.on_straggler == "exclude", resume_at=step)
     out: dict[str, Any] = {**carry_out(cfg, env, run_dir, stop.verdict), "excluded_host": host, "line": stop.verdict.line,
-           **{k: detail[k] for k in ("straggler_rank", "cause") if k in detail}}
+           **{k: detail[k] for k in ("straggler_rank", "cause", "srun_attempt") if k in detail}}
     if stop.verdict.action == policy.REQUEUE:  # bring_back's note says how; the verdict says why
         out["note"] = f"{stop.verdict.line}: {out['note']}"
     if stop.verdict.action == policy.REQUEUE and out.get("requeued"):
@@ -350,7 +351,7 @@ def main(argv: list[str]) -> int:
 
     run_dir, status = Path(argv[0]), int(argv[1])
     cfg, env = jobfile.read_run_config(run_dir), ClusterEnv.batch_shell()
-    straggler = _straggler_stop(run_dir, env) if status == exitcodes.RESTART else None
+    straggler = _straggler_stop(run_dir, env)
     if straggler is not None and straggler.get("requeued_by") != budget.IN_PLACE:
         return exitcodes.REQUEUE  # rank 0 decided otherwise (`ddpjob stop`, requeue = false): a plain stop
     # in place, a retry is never a requeue: brought back means "run the ranks again here"
@@ -374,17 +375,16 @@ def main(argv: list[str]) -> int:
 
 
 def _straggler_stop(run_dir: Path, env: ClusterEnv) -> dict[str, Any] | None:
-    """Rank 0's decision of a straggler's stop that ended the ranks just now (they exit RESTART
-    after it), None where the newest decision of this start of the job is another, or the ranks
-    it restarted began since (a start record after it: their end is a crash's)."""
-    evs = events.read(run_dir)
-    mine = [e for e in evs if events.is_decision(e) and str(e.get("job_id")) == str(env.job_id)
+    """Rank 0's decision of a straggler's stop that ended the srun just run (the ranks exit
+    RESTART after it; srun's status may be another where --kill-on-bad-exit ended a rank in its
+    teardown), None where the newest decision of this start of the job is another, or names an
+    earlier srun (DDPJOB_ATTEMPT: the srun after it crashed, a crash to decide)."""
+    mine = [e for e in events.read(run_dir) if events.is_decision(e) and str(e.get("job_id")) == str(env.job_id)
             and e.get("incarnation") == env.restart_count]
-    if not mine or mine[-1].get("reason") != stragglers.REASON or not isinstance(mine[-1].get("restart"), int):
+    if not mine or mine[-1].get("reason") != stragglers.REASON:
         return None
-    later = [e for e in evs if e.get("event") == "start" and str(e.get("job_id")) == str(env.job_id)
-             and isinstance(e.get("restart"), int) and e["restart"] > mine[-1]["restart"]]
-    return None if later else mine[-1]
+    now = os.environ.get("DDPJOB_ATTEMPT", "")
+    return mine[-1] if now.isdigit() and mine[-1].get("srun_attempt") == int(now) else None
 
 
 if __name__ == "__main__":

@@ -41,10 +41,18 @@ def consider(cfg: JobConfig, env: ClusterEnv, run_dir: Path, flag: Flag, stop: p
             console.warn(f"slurm.on_straggler = \"{mode}\": {flag.host} is not left out: {why}")
         return False
     line = stragglers.describe(flag.rank, flag.host, flag.cause, flag.busy_s, flag.median_s)
-    stop.request(preemption.STRAGGLER, host=flag.host, line=line, straggler_rank=flag.rank, cause=flag.cause)
+    stop.request(preemption.STRAGGLER, host=flag.host, line=line, straggler_rank=flag.rank, cause=flag.cause,
+                 **_srun_attempt())
     what = "restart in place" if mode == "exclude" else "requeue the job"
     console.warn(f"{line}: every rank stops at the next step with a checkpoint to {what} without {flag.host}")
     return True
+
+
+def _srun_attempt() -> dict[str, int]:
+    """The batch shell's count of the sruns it ran (DDPJOB_ATTEMPT, exported to the ranks): the
+    decision names the srun it ended, so the batch shell tells it from a later srun's crash."""
+    n = os.environ.get("DDPJOB_ATTEMPT", "")
+    return {"srun_attempt": int(n)} if n.isdigit() else {}
 
 
 def why_not(cfg: JobConfig, env: ClusterEnv, run_dir: Path, flag: Flag) -> str | None:

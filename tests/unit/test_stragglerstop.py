@@ -79,6 +79,7 @@ def test_rank_0_stops_every_rank_for_a_straggler_with_a_spare_held(fake_slurm, t
     stop = preemption.StopFlag()
     assert stragglerstop.consider(cfg, ENV, d, SLOW, stop)
     assert stop.code == preemption.STRAGGLER and stop.detail["host"] == "n1" and stop.detail["line"] == LINE
+    assert stop.detail["srun_attempt"] == 0  # the batch shell's srun it ends
     # the weakest code: a time limit or a preemption at the same step decides instead
     assert preemption.STRAGGLER < min(preemption.DEADLINE, preemption.REQUEUE, preemption.PREEMPTED)
     # an oversubscribed host is never acted on: its ranks waited for a core
@@ -107,12 +108,13 @@ def test_where_nothing_can_be_left_out_the_straggler_is_only_reported_said_once(
 def test_the_straggler_is_left_out_inside_the_allocation_spending_nothing(
         fake_slurm, tmp_path, monkeypatch, capsys) -> None:
     """Rank 0's decision after every rank stopped at step 40 with a checkpoint, then the batch
-    shell (`python -m ddpjob.rank.requeue RUN 4`): srun again on the spare, n1 excluded, the world
-    size kept; neither budget spent; a second straggler too soon after is only reported; and once
-    the restarted ranks began, a later status 4 is a crash's, not this stop's again."""
+    shell (`python -m ddpjob.rank.requeue RUN STATUS`: 4, or 137 where srun --kill-on-bad-exit
+    ended a rank in its teardown): srun again on the spare, n1 excluded, the world size kept;
+    neither budget spent; a second straggler too soon after is only reported; and the next
+    srun's end is a crash's to decide, not this stop's again."""
     cfg, d = run_dir(tmp_path)
     fake_slurm.answer("scontrol show job", "JobId=77 JobState=RUNNING Restarts=0 NodeList=n[1-2]")
-    detail = {"host": "n1", "line": LINE, "straggler_rank": 1, "cause": "compute"}
+    detail = {"host": "n1", "line": LINE, "straggler_rank": 1, "cause": "compute", "srun_attempt": 0}
     assert requeue.after_stop(cfg, ENV, d, preemption.STRAGGLER, 40, restart=0, detail=detail) is True
     stop = decisions(d)[-1]
     assert (stop["reason"], stop["excluded_host"], stop["requeued_by"], stop["action"]) == (
@@ -123,10 +125,12 @@ def test_the_straggler_is_left_out_inside_the_allocation_spending_nothing(
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    assert requeue.main([str(d), str(exitcodes.RESTART)]) == exitcodes.RESTART
-    out = capsys.readouterr()
-    assert out.out.splitlines()[-1] == "1 n1", out.out  # one node (the spare), n1 excluded
-    assert "excluding n1 (a straggler): the ranks restart on 1 node(s)" in out.err, out.err
+    monkeypatch.setenv("DDPJOB_ATTEMPT", "0")
+    for status in (exitcodes.RESTART, 137):
+        assert requeue.main([str(d), str(status)]) == exitcodes.RESTART
+        out = capsys.readouterr()
+        assert out.out.splitlines()[-1] == "1 n1", out.out  # one node (the spare), n1 excluded
+        assert "excluding n1 (a straggler): the ranks restart on 1 node(s)" in out.err, out.err
     assert len(decisions(d)) == 1  # no crash was recorded: nothing was spent
     monkeypatch.setenv("DDPJOB_ATTEMPT", "1")
     assert not stragglerstop.consider(cfg, ENV, d, Flag(1, "n2", "compute", 0.18, 0.06, 0.0, 80, 100),
@@ -135,7 +139,9 @@ def test_the_straggler_is_left_out_inside_the_allocation_spending_nothing(
             "steps ago") in capsys.readouterr().err
     status = "\n".join(summary.summary(d))
     assert f"straggler   n1 left out at step 40 (job 77): {LINE}: restarting in place without n1" in status, status
-    fileio.append_jsonl(d / "events.jsonl", {"event": "start", "job_id": "77", "restart": 1, "resumed_step": 40})
+    monkeypatch.setenv("DDPJOB_ATTEMPT", "0")
+    assert requeue._straggler_stop(d, ClusterEnv.batch_shell()) is not None
+    monkeypatch.setenv("DDPJOB_ATTEMPT", "1")  # the srun after it: its end is a crash's
     assert requeue._straggler_stop(d, ClusterEnv.batch_shell()) is None
 
 
