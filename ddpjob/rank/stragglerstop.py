@@ -58,10 +58,10 @@ def _srun_attempt() -> dict[str, int]:
 def why_not(cfg: JobConfig, env: ClusterEnv, run_dir: Path, flag: Flag) -> str | None:
     """Why rank 0 cannot act on `flag` now, None where it can."""
     s = cfg.slurm
-    if env.source != "slurm" or not env.job_id:
+    if env.source in ("local", "single"):
         return (f"the {env.source} backend runs every rank on this host, none other to run on "
                 "(the straggler is only reported)")
-    if s.on_straggler == "exclude" and "DDPJOB_ATTEMPT" not in os.environ:
+    if env.source != "slurm" or not env.job_id or (s.on_straggler == "exclude" and "DDPJOB_ATTEMPT" not in os.environ):
         return ("the ranks were not started by ddpjob's batch script, whose restart loop runs them "
                 "again without the host (expected `ddpjob submit`)")
     evs = events.read(run_dir)
