@@ -23,7 +23,7 @@ from test_preemption_slurm import CHECKPOINT, DATA, TRAIN, assert_same_as_refere
 from ddpjob.ledger import budget
 from ddpjob.ledger.events import read as read_events
 
-SLOW = {**TRAIN, "model": "trainer_plugins:straggling_cnn", "straggler_window": 20, "eval_every": 0}
+SLOW = {**TRAIN, "model": "trainer_plugins:straggling_cnn", "straggler_window": 20}
 SLURM = dict(nodes=1, tasks_per_node=2, time="00:10:00", spare_nodes=1, on_node_loss="continue",
              on_straggler="exclude")
 
