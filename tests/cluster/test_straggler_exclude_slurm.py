@@ -76,3 +76,37 @@ def test_a_straggler_s_host_is_left_out_and_the_run_goes_on_bit_exact_on_the_spa
     assert f"straggler at step {left['step']} (job {jid})" in status and "restarted inside the allocation" in status
     assert reference.wait(900) == [0, 0], reference.output()
     assert_same_as_reference(run, tmp_path / "ref")
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_on_straggler_requeue_brings_the_job_back_without_the_host(slurm_cluster: Any, tmp_path: Path) -> None:
+    """`on_straggler = "requeue"`, no spare: the same stop at one step with a checkpoint, then
+    `scontrol requeue` and ExcNodeList: SLURM starts the job again on the other node, same world
+    size, bit-exact; a requeue is spent, no failure."""
+    import slurmtools
+
+    slurmtools.cluster_free(timeout=300)
+    slurm = dict(nodes=1, tasks_per_node=2, time="00:10:00", on_straggler="requeue")
+    job = write_job(tmp_path / "job.toml", slurm=slurm, train=SLOW, data=DATA, checkpoint=CHECKPOINT)
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
+    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path,
+                            env=job_env(DDPJOB_TEST_STRAGGLE="1:31:compute:0.1"))
+    assert slurmtools.wait_done(jid, 900) == "COMPLETED"
+    ref = write_job(tmp_path / "ref.toml", slurm={"nodes": 1, "tasks_per_node": 2}, train=SLOW, data=DATA,
+                    checkpoint=CHECKPOINT)
+    reference = Ranks([str(ref), "--run-dir", str(tmp_path / "ref")], 2, tmp_path / "ref-logs", job_id=None)
+    stops = decisions(events(run))
+    assert [e["reason"] for e in stops] == ["straggler", "finished"], stops
+    left = stops[0]
+    host = left["excluded_host"]
+    assert left["requeued_by"] == "scontrol" and left["note"].endswith(f"; job {jid} excludes {host}"), left
+    starts = events(run, "start")
+    assert [(s["job_id"], s["world_size"]) for s in starts] == [(jid, 2), (jid, 2)], starts
+    assert starts[1]["resumed_step"] == left["step"] and starts[1]["host"] != host, starts
+    assert budget.used(read_events(run), jid) == (1, 0)
+    status = ddpjob("status", str(run), cwd=tmp_path).stdout
+    assert f"straggler   {host} left out at step {left['step']} (job {jid}): rank 1 on {host}" in status, status
+    assert reference.wait(900) == [0, 0], reference.output()
+    assert_same_as_reference(run, tmp_path / "ref")
