@@ -78,6 +78,12 @@ class SlurmConfig:
     # place, else at the smaller world size; spends max_failures like a crash)
     on_node_loss: Free[str] = "requeue"
     spare_nodes: Free[int] = 0  # nodes allocated beyond `nodes`, unused until one replaces a lost node
+    # a rank the straggler watch names (cause compute or data, [train] straggler_window): "off" (said
+    # only), "exclude" (every rank stops at one step with a checkpoint and restarts inside the
+    # allocation without its host: a spare takes its place, else fewer nodes carry on) or "requeue"
+    # (the same stop, then the job is requeued with the host excluded through SLURM)
+    on_straggler: Free[str] = "off"
+    straggler_exclude_every: Free[int] = 1000  # steps of progress between two such actions at least
     # on CPUs, without a container, with max_failures > 0 or tasks_per_node > 1: one process per
     # node keeps torch imported and forks every attempt's ranks (node/warm.py), so a restart skips
     # torch's start-up and a node imports torch once, not once per rank (slurmopts.warm_start)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Union
 
 JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # used with fullmatch: no newline, ASCII digits only
+NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}", re.ASCII)  # a node name (fullmatch), as ledger/crashes.HOST
 TIMEOUT_S = 30.0
 
 
@@ -211,6 +212,22 @@ def send_signal(job_id: str, name: str) -> Result:
     if bad is not None or not name.isalnum():
         return Result(("scancel", str(job_id)), None, error=bad.why if bad else f"bad signal {name!r}")
     return run(["scancel", f"--signal={name}", str(job_id)])
+
+
+def exclude_nodes(job_id: str, hosts: Sequence[str]) -> Result:
+    """`scontrol update JobId=JOB ExcNodeList=HOSTS`: the pending job's next start leaves those
+    hosts out (a straggler's, [slurm] on_straggler = "requeue"). SLURM takes it only while the
+    job is pending: after `scontrol requeue`, before the job starts again."""
+    bad = _bad_id(job_id)
+    names = ",".join(hosts)
+    if bad is None and not (hosts and all(NODE.fullmatch(h) for h in hosts)):
+        bad = Failed(f"host names {names!r} are not SLURM node names")
+    if bad is not None:
+        return Result(("scontrol", "update"), None, error=bad.why)
+    res = run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={names}"], timeout=60)
+    return res if res.ok else Result(res.args, res.rc, res.stdout, res.stderr,
+                                     f"scontrol update JobId={job_id} ExcNodeList={names} failed: "
+                                     f"{(res.stderr or res.stdout).strip()[:200]}")
 
 
 def submit(script: str | Path, *sbatch_args: str, cwd: str | Path | None = None) -> str | Failed:

@@ -42,7 +42,7 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagrap
 LIMITS: dict[str, int] = {
     "slurm.nodes": 100_000, "slurm.tasks_per_node": 1024, "slurm.gpus_per_node": 64,
     "slurm.cpus_per_task": 4096, "slurm.max_requeues": 10_000, "slurm.max_no_progress": 10_000, "slurm.exclude_after": 10_000,
-    "slurm.spare_nodes": 100_000,
+    "slurm.spare_nodes": 100_000, "slurm.straggler_exclude_every": 10**12,
     "train.num_classes": 1_000_000, "train.epochs": 1_000_000, "train.max_steps": 10**12,
     "train.batch_size": 1 << 20, "train.global_batch_size": 1 << 30,
     "train.accumulation_steps": 65_536, "train.warmup_steps": 10**12,
@@ -54,7 +54,7 @@ LIMITS: dict[str, int] = {
     "train.slowdown_window": 1_000_000,
 }
 MAX_WORLD = 1 << 20
-_POSITIVE = {"slurm.nodes", "slurm.max_no_progress", "slurm.tasks_per_node", "slurm.cpus_per_task", "train.num_classes",
+_POSITIVE = {"slurm.nodes", "slurm.max_no_progress", "slurm.straggler_exclude_every", "slurm.tasks_per_node", "slurm.cpus_per_task", "train.num_classes",
              "train.epochs", "train.batch_size", "train.accumulation_steps", "train.log_every",
              "train.dist_timeout_s", "train.lr_step_epochs", "data.synthetic_train",
              "data.synthetic_test", "checkpoint.keep_last"}
@@ -313,6 +313,8 @@ def _node_loss(cfg: JobConfig) -> None:
     _check(s.spare_nodes == 0 or s.on_node_loss == "continue", f"slurm.spare_nodes = {s.spare_nodes} with "
            "on_node_loss = \"requeue\": a requeued job gets a new allocation, expected on_node_loss = "
            "\"continue\"", "set slurm.on_node_loss = \"continue\" and slurm.max_failures >= 1")
+    _check(s.on_straggler in ("off", "exclude", "requeue"), f"slurm.on_straggler is {s.on_straggler!r}, expected "
+           "off, exclude or requeue", "e.g. on_straggler = \"exclude\" (with a spare node: spare_nodes = 1)")
 
 
 def validate(cfg: JobConfig) -> None:

@@ -82,6 +82,10 @@ def summary(run_dir: str | Path, live_job: str | None = None) -> list[str]:
             lines.append(f"straggler   rank {e.get('rank')} on {e.get('host')} ({e.get('cause')}), steps "
                          f"{e.get('first_step')}-{e.get('step')}: {number(e.get('busy_ms')):.1f} ms of work per "
                          f"step against {number(e.get('median_ms')):.1f} ms (job {e.get('job_id')})")
+        elif events.is_decision(e) and e.get("reason") == "straggler" and e.get("excluded_host"):
+            # the action on_straggler took: the host left out, and the decision's line
+            lines.append(f"straggler   {e.get('excluded_host')} left out at step {e.get('step')} "
+                         f"(job {e.get('job_id')}): {e.get('note')}")
     for began, over in events.slowdowns(h.events):
         lines.append(f"slowdown    {began.get('line')}" + (f"; back at step {over.get('step')}" if over else "")
                      + f" (job {began.get('job_id')})")

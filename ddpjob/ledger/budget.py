@@ -41,6 +41,8 @@ def used(evs: Iterable[Mapping[str, Any]], job_id: Any) -> tuple[int, int]:
         if e.get("event") == "local_requeue":
             requeues += 1
         elif events.is_decision(e) and e.get("requeued") is True:
+            if e.get("reason") == "straggler" and e.get("requeued_by") == IN_PLACE:
+                continue  # a straggler left out inside the allocation: nothing failed, nothing queued
             if e.get("reason") in FAILURES:
                 failures += 1
             else:

@@ -49,6 +49,8 @@ _STOP_FIELDS = (
     # a crash: the culprit (crashes.Culprit.fields), the verdict (policy.Verdict.fields), loops
     "failed_rank", "failed_host", "failed_how", "host_fault", "no_progress", "lost_hosts",
     "verdict", "action", "line", "where",
+    # a straggler's stop ([slurm] on_straggler): the host left out, the rank named, its cause
+    "excluded_host", "straggler_rank", "cause", "srun_attempt",
     # a rank's own crash record (carries `rank`): its error line and what kind of error
     "rank", "host", "error", "error_class", "exception",
     # a [train] command: what its program did after the stop signal (rank/command_end.py), its

@@ -25,6 +25,9 @@ END = "end"  # the run ends here (FAILED, STOPPED, CANCELLED: the caller knows w
 STOPS = ("preemption", "time_limit")  # announced: a checkpoint was written, a requeue spends max_requeues
 FAILURES = ("crash", "node_failure")  # spend max_failures
 USER_STOP = "user_stop"  # `ddpjob stop` sent the checkpoint signal: the end, STOPPED (not FAILED)
+# a rank the straggler watch named ([slurm] on_straggler): every rank stopped with a checkpoint;
+# restarted in place without its host (spends nothing), or requeued without it (a requeue)
+STRAGGLER = "straggler"
 
 # Crash classes: who broke it (the verdict's `verdict` field)
 INFRASTRUCTURE = "infrastructure"  # a signal killed a rank, a node was lost, a peer died, a stall
@@ -80,6 +83,7 @@ class Facts:
     # a command that logs no steps, its attempt judged by other evidence (ledger/progress.py):
     # what showed that it got nowhere ("its last line of output"), for the loop lines
     evidence: str = ""
+    leave_out: str = ""  # a straggler's stop: the host the next start leaves out
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ def decide(f: Facts, limits: Limits) -> Verdict:
     if f.cancelled:
         return Verdict(END, "cancelled by `ddpjob cancel`: not requeued, not restarted "
                             "(`ddpjob resume RUN_DIR` continues)", f.crash)
-    if f.reason not in (*STOPS, *FAILURES):
+    if f.reason not in (*STOPS, *FAILURES, STRAGGLER):
         # `ddpjob stop`, a plain scancel / `ddpjob cancel`, or a signal that is not SLURM's
         if f.reason == USER_STOP:
             return Verdict(END, _STOPPED, asked=True)
@@ -123,12 +127,25 @@ def decide(f: Facts, limits: Limits) -> Verdict:
         return Verdict(END, _STOPPED, f.crash, asked=True)
     if not limits.requeue:
         return Verdict(END, "slurm.requeue = false: not requeueing", f.crash)
+    if f.reason == STRAGGLER:
+        return _straggler(f, limits)
     if f.reason in STOPS:
         if f.requeues >= limits.max_requeues:
             return Verdict(END, f"max_requeues = {limits.max_requeues} reached: not requeueing")
         return Verdict(REQUEUE, f"requeueing ({f.reason.replace('_', ' ')}, requeue {f.requeues + 1} of "
                                 f"max_requeues = {limits.max_requeues})")
     return _crash(f, limits)
+
+
+def _straggler(f: Facts, limits: Limits) -> Verdict:
+    """A straggler's stop (`what`: who, why, by how much): in place (`here`, the batch shell's
+    restart loop) without its host, spending nothing; else a requeue without it."""
+    if f.here:
+        return Verdict(RESTART, f"{f.what}: restarting in place without {f.leave_out} {_resumes(f)}")
+    if f.requeues >= limits.max_requeues:
+        return Verdict(END, f"{f.what}: max_requeues = {limits.max_requeues} reached: not requeueing")
+    return Verdict(REQUEUE, f"{f.what}: requeueing without {f.leave_out} {_resumes(f)} (requeue "
+                            f"{f.requeues + 1} of max_requeues = {limits.max_requeues})")
 
 
 def _crash(f: Facts, limits: Limits) -> Verdict:

@@ -80,14 +80,16 @@ def decide(cfg: JobConfig, run_dir: Path, evs: Sequence[dict[str, Any]], job_id:
     return Crash(facts, verdict, fields)
 
 
-def decide_stop(cfg: JobConfig, run_dir: Path, evs: Sequence[dict[str, Any]], job_id: Any, reason: str) -> Stop:
+def decide_stop(cfg: JobConfig, run_dir: Path, evs: Sequence[dict[str, Any]], job_id: Any, reason: str,
+                **straggler: Any) -> Stop:
     """The verdict on job `job_id`'s stop for `reason` (policy.STOPS: a time limit, a preemption;
-    "user_stop", "signal": the end): the requeues and failures its submission spent (ledger/
-    budget.py), whether `ddpjob stop` asked (requests.stop_requested, read from the run dir) and
-    whether `ddpjob cancel` was recorded (in `evs`)."""
+    "user_stop", "signal": the end; policy.STRAGGLER, with `straggler`'s facts: what, leave_out,
+    here, resume_at): the requeues and failures its submission spent (ledger/budget.py), whether
+    `ddpjob stop` asked (requests.stop_requested, read from the run dir) and whether `ddpjob
+    cancel` was recorded (in `evs`)."""
     requeues, failures = budget.used(evs, job_id)
     facts = policy.Facts(reason, stop_requested=requests.stop_requested(run_dir, job_id), requeues=requeues,
-                         failures=failures, run=str(run_dir), cancelled=requests.cancelled(evs, job_id))
+                         failures=failures, run=str(run_dir), cancelled=requests.cancelled(evs, job_id), **straggler)
     return Stop(facts, policy.decide(facts, policy.Limits.of(cfg)))
 
 

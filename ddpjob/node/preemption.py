@@ -18,9 +18,11 @@ from typing import Any, Callable
 
 from ddpjob import earlysignals
 
-# Stop codes, ordered by precedence: the ranks all-reduce MAX, so the strongest reason wins.
-NONE, DEADLINE, REQUEUE, PREEMPTED = 0, 1, 2, 3
-REASONS = {NONE: "", DEADLINE: "deadline", REQUEUE: "requeue", PREEMPTED: "preempted"}
+# Stop codes, ordered by precedence: the ranks all-reduce MAX, so the strongest reason wins. A
+# straggler's exclusion ([slurm] on_straggler, rank/stragglerstop.py) is the weakest: a time limit,
+# a requeue or a preemption at the same step decides instead. Never persisted: only the vote holds them.
+NONE, STRAGGLER, DEADLINE, REQUEUE, PREEMPTED = 0, 1, 2, 3, 4
+REASONS = {NONE: "", STRAGGLER: "straggler", DEADLINE: "deadline", REQUEUE: "requeue", PREEMPTED: "preempted"}
 
 
 def signal_number(name: str | int) -> int:
@@ -95,6 +97,7 @@ class StopFlag:
         self.time: float | None = None
         self.current_step = 0  # kept up to date by the trainer: where the signal found us
         self.signal_step: int | None = None
+        self.detail: dict[str, Any] = {}  # what an in-process request says about itself (a straggler's host)
         self._previous: dict[int, Any] = {}
 
     @classmethod
@@ -137,10 +140,12 @@ class StopFlag:
             self.code, self.signum, self.time = code, signum, time.time()
             self.signal_step = self.current_step
 
-    def request(self, code: int) -> None:
-        """A stop from inside the process (the deadline watch)."""
+    def request(self, code: int, **detail: Any) -> None:
+        """A stop from inside the process (the deadline watch; rank 0 for a straggler, with its
+        `detail`: the host to leave out, the line)."""
         if code > self.code:
             self.code, self.time = code, time.time()
+            self.detail = dict(detail)
 
     def uninstall(self) -> None:
         for signum, previous in self._previous.items():

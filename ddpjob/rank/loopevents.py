@@ -19,12 +19,14 @@ from ddpjob.rank.usertable import UserTable
 
 class StopForRequeue(SystemExit):
     """Raised out of `job.steps()` once every rank agreed to stop and the checkpoint is written:
-    the process ends with exitcodes.REQUEUE (3). A SystemExit, so `except Exception` in user code
-    lets it through and `finally` blocks still run."""
+    the process ends with exitcodes.REQUEUE (3), or exitcodes.RESTART (4) for a straggler's
+    exclusion ([slurm] on_straggler = "exclude"), which the batch shell's restart loop runs again
+    without its host. A SystemExit, so `except Exception` in user code lets it through and
+    `finally` blocks still run."""
 
-    def __init__(self, step: int) -> None:
-        super().__init__(exitcodes.REQUEUE)
-        self.step = step
+    def __init__(self, step: int, code: int = exitcodes.REQUEUE) -> None:
+        super().__init__(code)
+        self.step, self.status = step, code
 
 
 class LoopEvents:
@@ -104,10 +106,14 @@ class LoopEvents:
             console.print0(f"stopping at step {step} ({preemption.REASONS[code]}{mine}): checkpoint written")
         if env.is_rank0:
             requeue.after_stop(self._cfg, env, run_dir, code, step, restart=self._restart,
-                               signal_step=stop.signal_step, signal_time=stop.time, lag=lag, times=times)
+                               signal_step=stop.signal_step, signal_time=stop.time, lag=lag, times=times,
+                               detail=stop.detail)
         # nobody exits (srun --kill-on-bad-exit) before rank 0 requeued
         self._control.barrier("the barrier after the requeue decision")
-        raise StopForRequeue(step)
+        # every rank knows the code from the vote: a straggler's exclusion in place is the batch
+        # shell's to carry out (rank/requeue.main reads rank 0's decision)
+        in_place = code == preemption.STRAGGLER and self._cfg.slurm.on_straggler == "exclude"
+        raise StopForRequeue(step, exitcodes.RESTART if in_place else exitcodes.REQUEUE)
 
     def signal(self, step: int) -> None:
         """Per rank: which signal reached it, and when (nothing when none did)."""

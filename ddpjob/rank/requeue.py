@@ -18,6 +18,7 @@ next start and recorded then from sacct (startcheck.record_unseen, with the star
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddpjob import console, exitcodes, fileio, rundir, slurm
-from ddpjob.ledger import attempts, budget, crashes, events, policy, recovery, requests
+from ddpjob.ledger import attempts, budget, crashes, events, policy, recovery, requests, stragglers
 from ddpjob.config import JobConfig
 from ddpjob.node import hostlist, preemption
 from ddpjob.node.cluster import ClusterEnv
@@ -115,13 +116,15 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
                restart: int = 0, signal_step: int | None = None,
                signal_time: float | None = None, lag: int = 0,
                times: dict[str, float] | None = None, program: str | None = None,
-               steps_lost: int | None = None) -> bool | None:
+               steps_lost: int | None = None, detail: dict[str, Any] | None = None) -> bool | None:
     """Rank 0: record the stop (the ledger: reason, steps_lost) and, where nobody else will,
     bring the job back. Returns whether it did (None: it was not asked to). `program`: a [train]
     command's, what it did after the stop signal (rank/command_end.py): it saved only where it
-    exited by itself, and no checkpoint of ddpjob's was written."""
+    exited by itself, and no checkpoint of ddpjob's was written. `detail`: a straggler's stop's
+    (rank/stragglerstop.py: the host to leave out, the line)."""
     under_slurm = env.source in ("slurm", "torchrun") and bool(env.job_id)
-    reason = {preemption.PREEMPTED: "preemption", preemption.NONE: "signal"}.get(code, "time_limit")
+    reason = {preemption.PREEMPTED: "preemption", preemption.NONE: "signal",
+              preemption.STRAGGLER: stragglers.REASON}.get(code, "time_limit")
     if code == preemption.REQUEUE and requests.stop_requested(run_dir, env.job_id):
         reason = policy.USER_STOP  # `ddpjob stop` sent the checkpoint signal: the policy ends the run
     fields: dict[str, Any] = {"requeued": None}
@@ -149,7 +152,9 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
                               note="a node failed: SLURM ended this attempt (NODE_FAIL) and requeued the job")
     # Rank 0 decides under SLURM (and torchrun inside it); elsewhere the local supervisor does
     # (launch/local.Supervisor.after_stop), but a cancel's end is every decider's to say
-    if (under_slurm or cancelled) and reason != "node_failure":
+    if under_slurm and reason == stragglers.REASON:
+        fields.update(_leave_out(cfg, env, run_dir, step, detail or {}))
+    elif (under_slurm or cancelled) and reason != "node_failure":
         stop = recovery.decide_stop(cfg, run_dir, events.read(run_dir), env.job_id, reason)
         fields.update(carry_out(cfg, env, run_dir, stop.verdict, fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
@@ -164,6 +169,29 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
         said = f"stopped at step {step} ({reason}); checkpoint written" if step is not None else f"stopped ({reason})"
     console.print0(f"ddpjob: {said}" + (f"; {note}" if note else ""))
     return fields["requeued"]
+
+
+def _leave_out(cfg: JobConfig, env: ClusterEnv, run_dir: Path, step: int | None,
+               detail: dict[str, Any]) -> dict[str, Any]:
+    """A straggler's stop decided and carried out: in place, the batch shell's restart loop runs
+    the ranks again without its host (restart_layout reads it from this record); requeued, SLURM
+    leaves it out of the next start (ExcNodeList of the pending job)."""
+    host = str(detail.get("host", ""))
+    stop = recovery.decide_stop(cfg, run_dir, events.read(run_dir), env.job_id, stragglers.REASON,
+                                what=str(detail.get("line", "a straggler")), leave_out=host,
+                                here=cfg.slurm.on_straggler == "exclude", resume_at=step)
+    out: dict[str, Any] = {**carry_out(cfg, env, run_dir, stop.verdict), "excluded_host": host, "line": stop.verdict.line,
+           **{k: detail[k] for k in ("straggler_rank", "cause", "srun_attempt") if k in detail}}
+    if stop.verdict.action == policy.REQUEUE:  # bring_back's note says how; the verdict says why
+        out["note"] = f"{stop.verdict.line}: {out['note']}"
+    if stop.verdict.action == policy.REQUEUE and out.get("requeued"):
+        job = str(out.get("next_job_id") or env.job_id)
+        hosts = sorted({host, *(str(e["excluded_host"]) for e in stragglers.actions(events.read(run_dir))
+                                if e.get("action") == policy.REQUEUE)})
+        res = slurm.exclude_nodes(job, hosts)
+        said = f"job {job} excludes {','.join(hosts)}" if res.ok else f"{res.error}: {host} may be given again"
+        out["note"] = f"{out['note']}; {said}"
+    return out
 
 
 def carry_out(cfg: JobConfig, env: ClusterEnv, run_dir: Path, verdict: policy.Verdict,
@@ -273,19 +301,21 @@ def allocation_now(cfg: JobConfig, env: ClusterEnv) -> tuple[str, ...]:
         return env.hosts
 
 
-def restart_layout(run_dir: Path, env: ClusterEnv, cfg: JobConfig,
-                   pending: crashes.Culprit | None = None) -> tuple[int, list[str]] | None:
+def restart_layout(run_dir: Path, env: ClusterEnv, cfg: JobConfig, pending: crashes.Culprit | None = None,
+                   straggler: str | None = None) -> tuple[int, list[str]] | None:
     """(nodes, excluded hosts) for the next srun inside the allocation: every node of it but the
-    hosts the run's ledger quarantines (slurm.exclude_after host failures), at most
+    hosts the run's ledger quarantines (slurm.exclude_after host failures) or left out for
+    straggling (slurm.on_straggler = "exclude"; `straggler`: one about to be), at most
     slurm.nodes of them when on_node_loss = "continue" (a spare takes a lost node's place; with
     none left the world is smaller). None: no node is left to run on. `pending`: the culprit of
     a crash being decided, not on record yet, counted too."""
     evs = events.read(run_dir)
     if pending is not None:
         evs.append({"event": "stop", "reason": "crash", "job_id": env.job_id, **pending.fields()})
-    hosts = allocation_now(cfg, env)
-    out = [h for h in crashes.excluded(evs, budget.job_chain(evs, env.job_id), cfg.slurm.exclude_after)
-           if h in hosts]
+    hosts, chain = allocation_now(cfg, env), budget.job_chain(evs, env.job_id)
+    bad = {*crashes.excluded(evs, chain, cfg.slurm.exclude_after), *stragglers.excluded(evs, chain),
+           *([straggler] if straggler else [])}
+    out = sorted(h for h in bad if h in hosts)
     nodes = (len(hosts) or env.num_nodes) - len(out)
     if cfg.slurm.on_node_loss == "continue":
         nodes = min(nodes, cfg.slurm.nodes)
@@ -319,8 +349,11 @@ def main(argv: list[str]) -> int:
 
     run_dir, status = Path(argv[0]), int(argv[1])
     cfg, env = jobfile.read_run_config(run_dir), ClusterEnv.batch_shell()
+    straggler = _straggler_stop(run_dir, env)
+    if straggler is not None and straggler.get("requeued_by") != budget.IN_PLACE:
+        return exitcodes.REQUEUE  # rank 0 decided otherwise (`ddpjob stop`, requeue = false): a plain stop
     # in place, a retry is never a requeue: brought back means "run the ranks again here"
-    if not after_crash(cfg, env, run_dir, status, in_place=True):
+    if straggler is None and not after_crash(cfg, env, run_dir, status, in_place=True):
         memsnap.remove_job(run_dir, env.job_id, memsnap.base_of(cfg))  # the job ends here: its snapshots with it
         return status
     layout = restart_layout(run_dir, env, cfg)
@@ -328,11 +361,28 @@ def main(argv: list[str]) -> int:
     assert layout is not None, "a restart verdict without a node left"
     nodes, out = layout
     if out:
-        print(f"ddpjob: excluding {','.join(out)} ({cfg.slurm.exclude_after} failures each): the ranks "
-              f"restart on {nodes} node(s)", file=sys.stderr, flush=True)
+        slow = stragglers.excluded(events.read(run_dir), budget.job_chain(events.read(run_dir), env.job_id))
+        why = "; ".join(x for x in (
+            f"{','.join(h for h in out if h not in slow)} ({cfg.slurm.exclude_after} failures each)"
+            if set(out) - set(slow) else "", f"{','.join(h for h in out if h in slow)} (a straggler)"
+            if set(out) & set(slow) else "") if x)
+        print(f"ddpjob: excluding {why}: the ranks restart on {nodes} node(s)", file=sys.stderr, flush=True)
     # stdout is the batch script's: "NODES [EXCLUDED,HOSTS]" (hostnames: crashes.HOST, no shell)
     print(nodes, ",".join(out), flush=True)
     return exitcodes.RESTART
+
+
+def _straggler_stop(run_dir: Path, env: ClusterEnv) -> dict[str, Any] | None:
+    """Rank 0's decision of a straggler's stop that ended the srun just run (the ranks exit
+    RESTART after it; srun's status may be another where --kill-on-bad-exit ended a rank in its
+    teardown), None where the newest decision of this start of the job is another, or names an
+    earlier srun (DDPJOB_ATTEMPT: the srun after it crashed, a crash to decide)."""
+    mine = [e for e in events.read(run_dir) if events.is_decision(e) and str(e.get("job_id")) == str(env.job_id)
+            and e.get("incarnation") == env.restart_count]
+    if not mine or mine[-1].get("reason") != stragglers.REASON:
+        return None
+    now = os.environ.get("DDPJOB_ATTEMPT", "")
+    return mine[-1] if now.isdigit() and mine[-1].get("srun_attempt") == int(now) else None
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Resolves the config and run dir, installs the flag-only stop handlers, then runs the job file's
 `train.entry` (the built-in trainer by default) whose `ddpjob.init()` builds the process group
 and the Job (start.py, job.py). Exit codes: 0 finished (or nothing left to do), 1 error, 2 usage, 3
-stopped for a requeue with a checkpoint written (the Job decided and did the requeue). Every
+stopped for a requeue with a checkpoint written (the Job decided and did the requeue), 4 stopped
+with a checkpoint for the batch shell to run the ranks again without a straggler's host. Every
 (re)start and stop is an event in RUN_DIR/events.jsonl.
 """
 
@@ -121,8 +122,8 @@ def _run_entry(cfg: JobConfig, run_dir: Path | None, env: ClusterEnv, stop: Any)
             if os.getcwd() not in sys.path:
                 sys.path.append(os.getcwd())
             entry.run(script, cfg.train.args)
-        except StopForRequeue:
-            return exitcodes.REQUEUE
+        except StopForRequeue as stopped:
+            return stopped.status
         except start.AlreadyCompleted:
             return exitcodes.OK
         except SystemExit as exc:  # the user's own sys.exit()

@@ -209,6 +209,10 @@ def for_job(job: Any) -> StepTimer:
     def report(found: Any) -> None:
         if isinstance(found, Flag):
             console.warn(found.describe())
+            if job.config.slurm.on_straggler != "off":  # act on it ([slurm] on_straggler)
+                from ddpjob.rank import stragglerstop
+
+                stragglerstop.consider(job.config, env, job.run_dir, found, job._stop)
             extra = ({"wait_ms": round(1000 * found.wait_s, 3)} if found.cause != "host" else
                      {"wait_ms": round(1000 * found.wait_s, 3), "load": found.load, "cores": found.cores})
             events.record(job.run_dir, "straggler", rank=found.rank, host=found.host, cause=found.cause,

@@ -41,6 +41,8 @@ class NodeTask:
         if code == exitcodes.REQUEUE:
             # rank 0's Job decided and did the requeue (rank/requeue.py): nothing to decide here
             raise SystemExit(exitcodes.REQUEUE)  # checkpoint written, requeue asked: no result pickle
+        if code == exitcodes.RESTART:  # a straggler's exclusion: the batch shell runs the ranks again
+            raise SystemExit(exitcodes.RESTART)
         retried = self._retried_after_crash(code)
         # A rank that failed alone may have left its process group standing, whose teardown can
         # abort (node/dist.py). submitit must still write its result pickle and re-raise first:

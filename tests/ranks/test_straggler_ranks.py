@@ -103,3 +103,21 @@ def test_a_rank_that_shares_its_core_with_hogs_names_its_host_not_the_rank(tmp_p
     assert flags[0]["wait_ms"] > 0 and flags[0]["cores"] == os.cpu_count(), flags
     log0 = (run / "logs" / "rank-0.log").read_text()
     assert f"host {flags[0]['host']} is oversubscribed (load " in log0 and "is a straggler" not in log0, log0
+
+
+@pytest.mark.slow
+def test_on_straggler_exclude_on_the_local_backend_names_the_rank_and_says_once_why_it_stays(tmp_path: Path) -> None:
+    """[slurm] on_straggler = "exclude" where every rank runs on one host: rank 1, slow in its
+    compute from a chosen step, is named as without it, one line says why nothing is left out,
+    and the run goes on to its end in one attempt (no stop, no decision but the finish)."""
+    run, flags = straggler_run(tmp_path, "compute", backend="local", nodes=1, tasks=2, slow_rank=1,
+                               settings=('slurm.on_straggler="exclude"',))
+    named = [f for f in flags if f["cause"] != "host"]
+    assert [(f["rank"], f["cause"]) for f in named][:1] == [(1, "compute")], flags
+    log0 = (run / "logs" / "rank-0.log").read_text()
+    why = (f'ddpjob: warning: slurm.on_straggler = "exclude": {named[0]["host"]} is not left out: the local '
+           "backend runs every rank on this host, none other to run on (the straggler is only reported)")
+    assert log0.count(why) == 1, log0[-3000:]
+    assert [e["reason"] for e in read_events(run) if e["event"] == "stop" and "rank" not in e] == ["finished"]
+    status = run_cli("status", str(run), cwd=tmp_path).stdout
+    assert "restarts    0" in status and "left out" not in status, status

@@ -17,6 +17,7 @@ from ddpjob import fileio, jobfile
 from ddpjob.launch import local
 from ddpjob.ledger import budget, crashes, policy
 from ddpjob.ledger.events import read as read_events, record as record_event
+from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.rank import requeue
 from runlogs import decisions
@@ -183,10 +184,10 @@ def test_the_slurm_and_local_deciders_agree(ending: str, fake_slurm, tmp_path: P
 # How rank 0's checkpointed stop came about: (its stop code, a `ddpjob stop` asked first, the
 # requeues the submission spent) -> whether the job comes back
 STOPS = {
-    "time limit": (2, False, 0, True),  # preemption.REQUEUE: the job's warning signal
-    "preemption": (3, False, 0, True),  # preemption.PREEMPTED while SLURM preempts the job
-    "ddpjob stop": (2, True, 0, False),
-    "max_requeues spent": (2, False, 2, False),
+    "time limit": (preemption.REQUEUE, False, 0, True),  # the job's warning signal
+    "preemption": (preemption.PREEMPTED, False, 0, True),  # while SLURM preempts the job
+    "ddpjob stop": (preemption.REQUEUE, True, 0, False),
+    "max_requeues spent": (preemption.REQUEUE, False, 2, False),
 }
 
 
