@@ -20,6 +20,7 @@ from ranks import Ranks, write_job
 from runlogs import decisions, events
 from test_preemption_slurm import CHECKPOINT, DATA, TRAIN, assert_same_as_reference, ddpjob, job_env
 
+from ddpjob import fileio
 from ddpjob.ledger import budget
 from ddpjob.ledger.events import read as read_events
 
@@ -30,17 +31,23 @@ SLURM = dict(nodes=1, tasks_per_node=2, time="00:10:00", spare_nodes=1, on_node_
 
 @pytest.mark.cluster
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["sbatch", "submit"])
 def test_a_straggler_s_host_is_left_out_and_the_run_goes_on_bit_exact_on_the_spare(
-        slurm_cluster: Any, tmp_path: Path) -> None:
+        slurm_cluster: Any, tmp_path: Path, path: str) -> None:
     import slurmtools
 
     slurmtools.cluster_free(timeout=300)
     job = write_job(tmp_path / "job.toml", slurm=SLURM, train=SLOW, data=DATA, checkpoint=CHECKPOINT)
     run = tmp_path / "run"
-    ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
-    assert "#SBATCH --nodes=2" in (tmp_path / "job.sbatch").read_text()
-    jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path,
-                            env=job_env(DDPJOB_TEST_STRAGGLE="1:31:compute:0.1"))
+    slow = job_env(DDPJOB_TEST_STRAGGLE="1:31:compute:0.1")
+    if path == "sbatch":
+        ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
+        assert "#SBATCH --nodes=2" in (tmp_path / "job.sbatch").read_text()
+        jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path, env=slow)
+    else:  # submitit: the same batch shell's restart loop, NodeTask passing the ranks' RESTART on
+        ddpjob("submit", str(job), "--backend", "slurm", "--run-dir", str(run), cwd=tmp_path, env=slow)
+        jid = str(fileio.read_json(run / "job.json")["job_id"])
+        slurmtools.submitted.append(jid)  # conftest cancels what a failed test leaves
     assert slurmtools.wait_done(jid, 900) == "COMPLETED"
     # the uninterrupted run of the same job (no rank slowed), after the job: the watch's findings
     # above are its own, not those of two more ranks on the test cluster's 2 cores
@@ -62,11 +69,12 @@ def test_a_straggler_s_host_is_left_out_and_the_run_goes_on_bit_exact_on_the_spa
     assert starts[1]["resumed_step"] == left["step"] and starts[1]["host"] != host, starts
     # the restarted rank 1 is slow again on the spare: named, not acted on (straggler_exclude_every)
     later = [e for e in named if e["restart"] == starts[1]["restart"]]
-    rank0 = (run / "logs" / "rank-0.log").read_text()
+    rank0 = ddpjob("logs", str(run), "--rank", "0", cwd=tmp_path).stdout
     assert all(e["host"] != host for e in later), named
     if later:
         assert "fewer than slurm.straggler_exclude_every = 1000 steps ago" in rank0, rank0[-3000:]
-    batch = (run / "logs" / f"batch-{jid}.out").read_text()
+    # the batch shell's lines: the template's batch log, submitit's batch stderr
+    batch = (run / "logs" / (f"batch-{jid}.out" if path == "sbatch" else f"{jid}_0_log.err")).read_text()
     assert f"ddpjob: attempt 1: ranks on 1 node(s), excluding {host}" in batch, batch[-3000:]
     assert budget.used(read_events(run), jid) == (0, 0)  # no failure, no requeue spent
     rows = slurmtools.sacct_rows(jid, "State")
