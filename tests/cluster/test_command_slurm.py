@@ -145,7 +145,7 @@ def test_a_killed_ddpjob_run_under_a_script_without_a_handler_restarts_in_place(
     """Rank 1's `ddpjob run` itself (the srun task, the program's parent) is SIGKILLed after step
     8 while rank 0's program waits there: rank 1 leaves no crash record. srun ends the step with
     SIGTERM; rank 0's program dies of it, and rank 0, finding the job not being preempted,
-    decides nothing. The batch shell, which got no signal, decides srun's "task 1: Killed":
+    records the policy's end (no requeue). The batch shell, which got no signal, decides srun's "task 1: Killed":
     infrastructure, restarted in place from the script's checkpoint of step 5, COMPLETED (it
     ended FAILED: rank 0's stop stood as the decision)."""
     import slurmtools
@@ -159,7 +159,7 @@ def test_a_killed_ddpjob_run_under_a_script_without_a_handler_restarts_in_place(
     assert slurmtools.wait_done(jid, 600) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
     decided = decisions(run)
     assert [(d["reason"], d.get("verdict"), d.get("action")) for d in decided] == [
-        ("signal", None, None), ("crash", "infrastructure", "restart")], decided
+        ("signal", None, "end"), ("crash", "infrastructure", "restart")], decided
     assert "not being preempted" in decided[0]["note"], decided
     assert decided[1]["failed_rank"] == 1 and decided[1]["failed_how"] == "Killed", decided
     assert not rank_crashes(events(run), rank=1), "rank 1's ddpjob run was killed: no record"
