@@ -34,7 +34,6 @@ class Bench:
     log: Callable[[str], None] = print
     deadline: float = float("inf")  # time.monotonic() past which P8 starts no further arm
     hold: Path | None = None  # P8 times nothing while this file exists
-    cases: tuple[str, ...] = ()  # P16: only these of its cases (empty: all)
     pools: pool.Pools = field(init=False)
 
     def __post_init__(self) -> None:

@@ -116,8 +116,8 @@ def p16(b: Bench) -> list[Row]:
     runs = 1 if b.sizes.tiny else b.sizes.trials
     work = b.base / "P16"
     work.mkdir(parents=True, exist_ok=True)
-    found: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in CASES if name in (b.cases or CASES)}
-    for name in found:
+    found: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in CASES}
+    for name in CASES:
         spinners = hogs() if name == "clean" else []
         try:
             for i in range(runs):

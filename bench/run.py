@@ -21,7 +21,6 @@ if __package__ in (None, ""):  # `python bench/run.py`: make `import bench` work
 
 from bench import harness  # noqa: E402
 from bench.core import Bench, Row  # noqa: E402
-from bench.p16 import CASES as p16_cases  # noqa: E402
 from bench.suite import BENCHMARKS, NO_DATA, ON_DEMAND  # noqa: E402
 
 
@@ -56,15 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hold", help="P8: before the timed trials, wait (at most 10 minutes) while this "
                     "file exists: whatever else used the GPU beside the cold compiles (tools/gpu.sh's "
                     "tests) must be done before anything is timed")
-    ap.add_argument("--cases", help="P16: only these of its cases, comma-separated (clean,30%%,100%%,1.5x; "
-                    "default all): 30 runs of every case take 1-2 h on 2 cores")
     args = ap.parse_args(argv)
     ids = [i.upper() for i in args.ids] or [i for i in BENCHMARKS if i not in ON_DEMAND]
     unknown = [i for i in ids if i not in BENCHMARKS]
     if unknown:
         ap.error(f"unknown benchmark id(s) {', '.join(unknown)}, expected some of {', '.join(BENCHMARKS)}")
-    if args.cases and not set(c.strip() for c in args.cases.split(",")) <= set(p16_cases):
-        ap.error(f"--cases {args.cases!r}, expected some of {','.join(p16_cases)}")
     sizes = harness.TINY if args.tiny else harness.FULL
     if args.trials:
         sizes = dataclasses.replace(sizes, trials=args.trials, slow_trials=args.trials)
@@ -77,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
          f"work dir {base}")
     bench = Bench(sizes, base, root, log=_log,
                   deadline=t0 + args.budget_s if args.budget_s > 0 else float("inf"),
-                  hold=Path(args.hold) if args.hold else None,
-                  cases=tuple(c.strip() for c in args.cases.split(",")) if args.cases else ())
+                  hold=Path(args.hold) if args.hold else None)
     rows: list[Row] = []
     crashed = False
     try:
