@@ -12,7 +12,7 @@ from typing import Any
 
 from ddpjob import rundir
 from ddpjob.launch.history import History, custom_metrics, load_history, number
-from ddpjob.ledger import attempts, budget, crashes, events, phases
+from ddpjob.ledger import attempts, budget, crashes, events, phases, stragglers
 from ddpjob.ledger.programend import stop_said
 
 
@@ -82,7 +82,7 @@ def summary(run_dir: str | Path, live_job: str | None = None) -> list[str]:
             lines.append(f"straggler   rank {e.get('rank')} on {e.get('host')} ({e.get('cause')}), steps "
                          f"{e.get('first_step')}-{e.get('step')}: {number(e.get('busy_ms')):.1f} ms of work per "
                          f"step against {number(e.get('median_ms')):.1f} ms (job {e.get('job_id')})")
-        elif events.is_decision(e) and e.get("reason") == "straggler" and e.get("excluded_host"):
+        elif events.is_decision(e) and e.get("reason") == stragglers.REASON and e.get("excluded_host"):
             # the action on_straggler took: the host left out, and the decision's line
             lines.append(f"straggler   {e.get('excluded_host')} left out at step {e.get('step')} "
                          f"(job {e.get('job_id')}): {e.get('note')}")

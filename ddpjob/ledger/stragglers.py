@@ -25,9 +25,10 @@ def actions(evs: Iterable[Mapping[str, Any]], chain: set[str] | None = None) -> 
             and isinstance(e.get("excluded_host"), str) and (chain is None or str(e.get("job_id")) in chain)]
 
 
-def excluded(evs: Iterable[Mapping[str, Any]], chain: set[str] | None = None) -> list[str]:
-    """The hosts a restart inside the allocation leaves out for straggling, in name order."""
-    return sorted({str(e["excluded_host"]) for e in actions(evs, chain) if e.get("action") == "restart"})
+def excluded(evs: Iterable[Mapping[str, Any]], chain: set[str] | None = None, action: str = "restart") -> list[str]:
+    """The hosts left out for straggling by the actions of kind `action` (policy.RESTART: a restart
+    inside the allocation; policy.REQUEUE: the requeued job's ExcNodeList), in name order."""
+    return sorted({str(e["excluded_host"]) for e in actions(evs, chain) if e.get("action") == action})
 
 
 def blocked(evs: Iterable[Mapping[str, Any]], step: int, every: int) -> int | None:

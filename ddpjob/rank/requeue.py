@@ -186,8 +186,7 @@ def _leave_out(cfg: JobConfig, env: ClusterEnv, run_dir: Path, step: int | None,
         out["note"] = f"{stop.verdict.line}: {out['note']}"
     if stop.verdict.action == policy.REQUEUE and out.get("requeued"):
         job = str(out.get("next_job_id") or env.job_id)
-        hosts = sorted({host, *(str(e["excluded_host"]) for e in stragglers.actions(events.read(run_dir))
-                                if e.get("action") == policy.REQUEUE)})
+        hosts = sorted({host, *stragglers.excluded(events.read(run_dir), action=policy.REQUEUE)})
         res = slurm.exclude_nodes(job, hosts)
         said = f"job {job} excludes {','.join(hosts)}" if res.ok else f"{res.error}: {host} may be given again"
         out["note"] = f"{out['note']}; {said}"
