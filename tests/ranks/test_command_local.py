@@ -145,11 +145,13 @@ def test_a_command_that_cannot_start_fails_once_with_one_line(tmp_path: Path) ->
 def test_a_silent_hung_command_is_ended_and_restarted_in_place(tmp_path: Path) -> None:
     """Rank 1's script stops for good after step 6, silent and deaf to SIGTERM (rank 0's waits in
     its all-reduce, silent too): after command_hang_s without output or heartbeat each rank sends
-    SIGTERM, SIGKILL after the grace, and records the hang; restarted in place, it finishes."""
+    SIGTERM, SIGKILL after the grace, and records the hang; restarted in place, it finishes.
+    Both ranks fall silent at step 6, so either watch may fire first (the other rank is then torn
+    down by the supervisor before its own fires): the run records the hang, from whichever rank."""
     run_dir, _ = submit(tmp_path, train=dict(command_hang_s=30, command_grace_s=2), DDPJOB_TEST_AT="1:6:0:hang")
     assert ended(run_dir) == "COMPLETED", log(run_dir, 0) + log(run_dir, 1)
-    hung = rank_crashes(events(run_dir), rank=1)
-    assert hung and "no output or heartbeat for 30 s" in hung[0]["error"], hung
+    hung = [c for c in rank_crashes(events(run_dir)) if "no output or heartbeat for 30 s" in c.get("error", "")]
+    assert hung, rank_crashes(events(run_dir))
     crash = stops(events(run_dir))
     assert len(crash) == 1 and (crash[0]["verdict"], crash[0]["action"]) == ("infrastructure", "restart"), crash
     assert "at step 5" in log(run_dir, 0)  # resumed from the script's checkpoint of step 5
