@@ -60,8 +60,13 @@ class Compared:
 
 # ------------------------------------------------------------------------------------ P1
 def p1(b: Bench) -> list[Row]:
+    from ddpjob.train.precision import cpu_has_native_bf16
+
     s = b.sizes
-    cfg = b.config(2)
+    # The precision pinned to what "auto" means on this CPU: the trainer's auto times bf16 against
+    # fp32 when the run begins, and on a busy host that race can pick fp32 while the bare loop
+    # (which cannot measure) computes in bf16; P1 compares one computation, not that choice.
+    cfg = b.config(2, f"train.amp={json.dumps('bf16' if cpu_has_native_bf16() else 'off')}")
     a, bare = b.lockstep(Arm("P1-ddpjob", "fit", 2, {"config": cfg}),
                          Arm("P1-bare", "bare", 2, {"config": cfg}))
     c = Compared.of(a, bare, s.warm, s.warm + s.steps)

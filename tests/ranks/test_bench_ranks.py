@@ -38,7 +38,7 @@ def test_tiny_run_prints_every_id_with_measured_numbers(tmp_path: Path) -> None:
         assert re.match(r"^\d+(\.\d+)?(x| ms)?\b", r["measured"]), r
         assert r["goal"] and isinstance(r["passed"], bool), r
     p1 = next(r for r in rows if r["id"] == "P1")
-    assert "losses equal" in p1["measured"], p1  # same seed, same batches: the same bits
+    assert "losses equal" in p1["measured"], p1["details"]  # same seed, same batches: the same bits
     p9 = next(r for r in rows if r["id"] == "P9")
     assert "losses equal" in p9["measured"], p9  # the API changes no computation
     p10 = next(r for r in rows if r["id"] == "P10")
