@@ -4,8 +4,9 @@ Every rank writes its files into one staging folder `.tmp-step-<N>-<attempt>/`; 
 rank 0 hashes them, writes manifest.json last and renames the folder to `step-<N>` in one atomic
 step, so a kill -9 at any moment leaves a complete checkpoint or none. `latest()` resumes from the
 newest one that verifies; every file loads with `torch.load(weights_only=True)` (loadable.py).
-Host snapshots and background writes live in snapshot.py, the file-level write steps in
-diskio.py, RNG state in rng.py, the save schedule in schedule.py.
+Host snapshots and background writes live in snapshot.py, the collective save's stages in
+pipeline.py, the file-level write steps in diskio.py, RNG state in rng.py, the save schedule in
+schedule.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ddpjob.store import manifest
 from ddpjob.store.diskio import ErrnoRecorder, fsync_dir, io_error, write_durably
 from ddpjob.store.loadable import check_loadable, load_file
 from ddpjob.store.nocrc import save as _torch_save  # without the zip's CRC32: nocrc.py says why
-from ddpjob.store.snapshot import AsyncWrite, snapshot_tree
+from ddpjob.store.snapshot import snapshot_tree
 
 _WIDTH = 9  # step-000001234: lexical order = numeric order (names are still parsed as numbers)
 _STAGING = ".tmp-step-"
@@ -99,42 +100,20 @@ class CheckpointStore:
             self._digests.pop(old, None)
         return path
 
-    def write(self, staging: Path, name: str, obj: Any, *, shared: bool = False) -> None:
-        """One file into `staging`. A failed write removes the staging folder, unless `shared`:
-        other ranks may still be writing into it, and the collective that follows every rank's
-        writes removes it (state.py); then only this file's partial .tmp goes."""
+    def check(self, name: str, obj: Any) -> None:
+        """Raise for a file name the store does not take or an object weights_only could not
+        load back: an async save calls it in the caller's thread, before anything is written."""
         _check_name(name)
         check_loadable(obj, [name])
+
+    def write(self, staging: Path, name: str, obj: Any, *, shared: bool = False, checked: bool = False) -> None:
+        """One file into `staging` (`checked`: check() already passed). A failed write removes
+        the staging folder, unless `shared`: other ranks may still be writing into it, and the
+        collective that follows every rank's writes removes it (pipeline.py); then only this
+        file's partial .tmp goes."""
+        if not checked:
+            self.check(name, obj)
         self._write_file(staging, name, obj, abort=not shared)
-
-    def write_async(self, staging: Path, files: dict[str, Any],
-                    then: Callable[[BaseException | None], None] | None = None,
-                    make_room: int | None = None) -> AsyncWrite:
-        """`files` must already be snapshots (see snapshot()); only the disk I/O runs in the
-        background, followed by `then(error)`: None, or what the writes raised (then must raise
-        it: it is called anyway so that a collective in it, such as the digests' gather, meets
-        the other ranks' even when this rank's write failed). With `then` a failed write leaves
-        the staging folder to it (as write(shared=True)); without, it removes the folder.
-        `make_room`: the step, to call make_room() first (rank 0), in the writer thread."""
-        for name, obj in files.items():  # fail in the caller's thread, before anything is written
-            _check_name(name)
-            check_loadable(obj, [name])
-
-        def work() -> None:
-            error: BaseException | None = None
-            if make_room is not None:
-                self.make_room(make_room)
-            try:
-                for name, obj in files.items():
-                    self._write_file(staging, name, obj, abort=then is None)
-            except Exception as err:
-                error = err
-            if then is not None:
-                then(error)
-            elif error is not None:
-                raise error
-
-        return AsyncWrite(work, staging)
 
     def digests(self, staging: Path, names: list[str]) -> dict[str, tuple[int, int, str]]:
         """(size, mtime_ns, sha256) of the named staged files, for those this process wrote

@@ -1,8 +1,8 @@
 """Host snapshots of checkpoint state and their background writes (runner/trainer side).
 
 snapshot() copies nested dicts/lists/tuples of tensors to CPU (reusing pooled buffers), so the
-training step blocks only for the copy; AsyncWrite runs the disk I/O of commit.py's
-CheckpointStore.write_async in a thread.
+training step blocks only for the copy; AsyncWrite runs a background write in a thread (an async
+save's sink and agreement, pipeline.py; an in-memory snapshot, memsnap.py).
 """
 
 from __future__ import annotations

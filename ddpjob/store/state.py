@@ -7,7 +7,8 @@ stateful value and `values.pt` for the plain ones, and `rank-<R>.pt` with every 
 Rank 0 writes the models and the rest, ranks 1.. the optimizers (DDP keeps those equal on every
 rank: writers()); their sha256 reach rank 0 in one gather. Loads use weights_only=True. With
 `train.strategy = "fsdp"` the models and optimizers go through DCP instead (sharded.py): every
-rank writes its shards into the same staging folder, and the manifest covers them all.
+rank writes its shards into the same staging folder, and the manifest covers them all. The
+save's stages after the plan (stage, sink, agree, commit) are pipeline.py's.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from ddpjob.errors import DDPJobError
 from ddpjob.node import dist
 from ddpjob.store import memsnap, perrank, rng, sharded
 from ddpjob.store.commit import CheckpointInfo, CheckpointStore
+from ddpjob.store.pipeline import Plan, SavePipeline
 from ddpjob.store.source import Source
-from ddpjob.store.snapshot import AsyncWrite
 from ddpjob.store.statecheck import _code_inside, _plain, _stateful, _target, check_state, seed_for
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class StateStore:
         self.resumed_meta: dict[str, Any] = {}
         self._rng: dict[str, Any] | None = None
         self._rng_seed = (0, 0)
-        self._pending: tuple[AsyncWrite, Path, int, dict[str, Any]] | None = None
+        self._pipe = SavePipeline(self.store, control, self.rank)
 
     # ---------------------------------------------------------------- resume
     def resume(self, state: State, *, enabled: bool, seed: int) -> int:
@@ -303,90 +304,32 @@ class StateStore:
                 "job_id": self.job_id, **({"code_hash": code[0]} if code else {}),
                 **({"config": self.identity} if self.rank == 0 else {}), **extra}
 
-    def save(self, step: int, state: State, *, blocking: bool, meta: dict[str, Any] | None = None,
-             before: Callable[[], None] | None = None) -> None:
+    def save(self, step: int, state: State, *, blocking: bool, meta: dict[str, Any] | None = None) -> None:
         """Collective: every rank calls it at the same step. Blocking saves return once the
         checkpoint is committed; async ones once the state is copied to host memory."""
         if self.saved_step == step:
             return  # e.g. a periodic save at the step where training then stops
         self.finish_pending()
+        self._pipe.run(self._plan(step, state, meta), blocking=blocking or not self.async_save)
+
+    def _plan(self, step: int, state: State, meta: dict[str, Any] | None) -> Plan:
+        """The pipeline's first stage: this rank's files (the state dicts, taken now), the
+        staging folder, the manifest's meta. Marks `step` saved."""
         staging = self.store.staging_dir(step, self.attempt)
         units = self._units(state)
         dcp_keys = sharded.keys(units)
         files = self._files(state, dcp_keys)
         self.saved_step = step
         extra = self._meta(step, {**({"sharded": dcp_keys} if units else {}), **(meta or {})})
-        in_dcp = sharded.state_dicts(units) if units else None
-        if blocking or not self.async_save:
-            error = None
-            if self.rank == 0:
-                self.store.make_room(step)
-            try:
-                for name, obj in files.items():
-                    self.store.write(staging, name, obj, shared=True)
-            except Exception as err:  # told to the other ranks first: none of them waits for us
-                error = err
-            # every rank's .pt files are on disk before rank 0 commits (the gather is the barrier)
-            self._share(staging, list(files), error, self.control.group, background=False)
-            if in_dcp is not None:
-                sharded.save(staging, in_dcp, self.control, self.rank, self._known(staging))
-            if self.rank == 0:
-                self.store.commit(staging, step, extra)
-            self.control.barrier("the checkpoint's commit")  # nobody moves on (or exits) before it exists
-            return
-        snap = {name: CheckpointStore.snapshot(obj) for name, obj in files.items()}
-        group = self.control.io_group()  # made here, on the main thread of every rank together
-        staged = sharded.stage(in_dcp, staging) if in_dcp is not None else None  # the step blocks for this copy only
-        known = self._known(staging)
+        return Plan(step, staging, files, extra, sharded.state_dicts(units) if units else None)
 
-        def then(error: BaseException | None) -> None:  # the writer thread, after the .pt files
-            self._share(staging, list(snap), error, group, background=True)
-            if staged is not None:  # DCP's gathers, on the io group too
-                sharded.save(staging, staged, self.control, self.rank, known, background=True)
-        self._pending = (self.store.write_async(staging, snap, then=then, make_room=step if self.rank == 0 else None),
-                         staging, step, extra)
-
-    def _share(self, staging: Path, names: list[str], error: BaseException | None, group: Any, *,
-               background: bool) -> None:
-        """Collective, after each rank wrote its files (or failed to): rank 0 gets the sha256 each
-        rank took while writing (the commit need not read other ranks' files back), and every
-        rank learns whether any write failed, so that none commits or waits for a rank that
-        gave up. Raises this rank's own error, else one naming the rank that failed."""
-        mine: dict[str, tuple[int, int, str]] | str = self.store.digests(staging, names)
-        if error is not None:
-            mine = error.message if isinstance(error, DDPJobError) else f"{type(error).__name__}: {error}"
-        every = dist.all_gather_object(mine, what="the checkpoint's write", group=group, background=background)
-        failed = [(r, m) for r, m in enumerate(every) if isinstance(m, str)]
-        if failed:
-            self.store.abort(staging)  # every rank: whichever failed, the folder goes (never committed)
-        if error is not None:
-            raise error
-        if failed:
-            r, why = failed[0]
-            raise DDPJobError(f"rank {r} could not write its files of checkpoint {staging.name} ({why})",
-                              f"see rank {r}'s log; no checkpoint was committed, the older ones are untouched")
-        if self.rank == 0:
-            self.store.add_digests(staging, {n: d for part in every if isinstance(part, dict)
-                                             for n, d in part.items()})
-
-    def _known(self, staging: Path) -> Callable[[dict[str, tuple[int, int, str]]], None]:
-        return lambda digests: self.store.add_digests(staging, digests)
-
+    # the async save in flight: the pipeline's (bench/worker.py times these three by name)
     def busy(self) -> bool:
-        return self._pending is not None and not self._pending[0].done()
+        return self._pipe.busy()
 
     def commit_pending(self) -> None:
         """After the step vote said no rank is still writing: the vote was the barrier."""
-        if self._pending is None:
-            return
-        aw, staging, step, meta = self._pending
-        self._pending = None
-        aw.wait()
-        if self.rank == 0:
-            self.store.commit(staging, step, meta)
+        self._pipe.commit_pending()
 
     def finish_pending(self) -> None:
-        if self._pending is not None:
-            self._pending[0].wait()
-            self.control.barrier("the background checkpoint write")
-            self.commit_pending()
+        self._pipe.finish_pending()

@@ -11,13 +11,16 @@ import resource
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from ddpjob.errors import DDPJobError, UsageError
+from ddpjob.node import dist
 from ddpjob.store.commit import CheckpointStore
+from ddpjob.store.pipeline import Plan, SavePipeline
 from ddpjob.store.rng import capture_rng_state, restore_rng_state
 from ddpjob.store.schedule import SaveSchedule
 
@@ -37,6 +40,12 @@ def tiny_state(step: int) -> dict[str, dict]:
 def save_steps(store: CheckpointStore, *steps: int) -> None:
     for step in steps:
         store.save(step, tiny_state(step), {"epoch": step // 10, "samples_seen": step * 32, "world_size": 1})
+
+
+def pipeline(store: CheckpointStore, rank: int = 0) -> SavePipeline:
+    """The save pipeline of `rank` in one process: its gather and barriers are no-ops."""
+    control = dist.Control(SimpleNamespace(initialized=False, timeout_s=300.0))  # type: ignore[arg-type]
+    return SavePipeline(store, control, rank)
 
 
 def assert_same(a, b) -> None:
@@ -317,14 +326,15 @@ def test_collective_save_every_rank_writes_rank0_commits(tmp_path: Path) -> None
     ranks = [CheckpointStore(tmp_path, config_hash="h") for _ in range(3)]
     stagings = [store.staging_dir(12, "5001-2") for store in ranks]
     assert len(set(stagings)) == 1  # same attempt on every rank -> one shared folder
-    handles = [store.write_async(stagings[r], {f"rank-{r}.pt": {"rank": torch.tensor([r])}})
-               for r, store in enumerate(ranks)]
+    pipes = [pipeline(store, r) for r, store in enumerate(ranks)]
+    meta = {"epoch": 2, "samples_seen": 1200, "world_size": 3}
+    for r, pipe in enumerate(pipes):  # async: each rank's writer thread
+        pipe.run(Plan(12, stagings[r], {f"rank-{r}.pt": {"rank": torch.tensor([r])}}, meta), blocking=False)
     ranks[0].write(stagings[0], "model.pt", {"w": torch.ones(3)})
-    for handle in handles:  # then a barrier, then rank 0 alone commits
-        handle.wait(timeout=60)
-    path = ranks[0].commit(stagings[0], 12, {"epoch": 2, "samples_seen": 1200, "world_size": 3})
-    assert path == tmp_path / "step-000000012"
+    for pipe in reversed(pipes):  # then a barrier, then rank 0 alone commits
+        pipe.finish_pending()
     info = ranks[1].latest(log=lambda _: None)
+    assert info.path == tmp_path / "step-000000012" and info.manifest["samples_seen"] == 1200
     assert sorted(info.manifest["files"]) == ["model.pt", "rank-0.pt", "rank-1.pt", "rank-2.pt"]
     assert [ranks[r].load(info, f"rank-{r}.pt")["rank"].item() for r in range(3)] == [0, 1, 2]
 
@@ -437,15 +447,15 @@ def test_async_write_snapshot_is_independent_of_later_mutation(tmp_path: Path) -
                 "tied": [shared.clone(), shared.clone()], "progress": {"step": 3, "lr": [0.1]}}
     snap = CheckpointStore.snapshot(state)
     assert snap["tied"][0] is snap["tied"][1]  # shared tensors stay shared (saved once)
+    pipe = pipeline(store)
+    pipe.run(Plan(3, store.staging_dir(3, "a"), {"trainer.pt": state}, {}), blocking=False)  # stage: the copy
     with torch.no_grad():  # the training step goes on while the writer thread works
         for p in model.parameters():
             p.add_(1.0)
     shared.mul_(0)
     state["progress"]["lr"][0] = 99.0
-    staging = store.staging_dir(3, "a")
-    handle = store.write_async(staging, {"trainer.pt": snap})
-    assert handle.wait(timeout=60) is None and handle.done()
-    store.commit(staging, 3, {})
+    pipe.finish_pending()
+    assert not pipe.busy()
     assert_same(expected, store.load(store.latest(log=lambda _: None), "trainer.pt"))
 
 
@@ -465,8 +475,9 @@ def test_a_snapshot_keeps_each_tensors_memory_layout_and_a_fused_optimizer_takes
         assert snap["view"].stride() == (3, 1) and torch.equal(snap["view"], state["view"])
     store = CheckpointStore(tmp_path)
     staging = store.staging_dir(1, "a")
-    assert store.write_async(staging, {"optimizer.pt": snap["optimizer"]}).wait(timeout=60) is None
-    store.commit(staging, 1, {})
+    pipe = pipeline(store)
+    pipe.run(Plan(1, staging, {"optimizer.pt": snap["optimizer"]}, {}), blocking=False)
+    pipe.finish_pending()  # rank 0: commits
     fresh = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9, foreach=True)
     fresh.load_state_dict(store.load(store.latest(log=lambda _: None), "optimizer.pt"))
     assert fresh.state[conv.weight]["momentum_buffer"].stride() == conv.weight.stride()
@@ -500,9 +511,10 @@ def test_async_write_errors_come_back_from_wait(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     staging = store.staging_dir(1, "a")
     (staging / "model.pt.tmp").mkdir()  # the writer cannot create its temporary file
-    handle = store.write_async(staging, {"model.pt": {"w": torch.ones(2)}})
+    pipe = pipeline(store)
+    pipe.run(Plan(1, staging, {"model.pt": {"w": torch.ones(2)}}, {}), blocking=False)
     with pytest.raises(DDPJobError, match="could not write the checkpoint file"):
-        handle.wait(timeout=60)
+        pipe.finish_pending()  # the agreement removed the staging folder
     assert not staging.exists() and store.list() == []
 
 
