@@ -339,6 +339,23 @@ def test_collective_save_every_rank_writes_rank0_commits(tmp_path: Path) -> None
     assert [ranks[r].load(info, f"rank-{r}.pt")["rank"].item() for r in range(3)] == [0, 1, 2]
 
 
+def test_blocking_and_async_saves_through_the_pipeline_commit_the_same_files(tmp_path: Path) -> None:
+    """The two modes differ only in where the stages run: the same files and values come out
+    (not the same bytes: the async stage's host copy of a state dict drops its `_metadata`)."""
+    written = {}
+    for blocking in (True, False):
+        store = CheckpointStore(tmp_path / f"blocking-{blocking}")
+        pipe = pipeline(store)
+        pipe.run(Plan(3, store.staging_dir(3, "a"), tiny_state(3), {"world_size": 1}), blocking=blocking)
+        assert store.list() == [] or blocking  # async: committed by finish_pending() only
+        pipe.finish_pending()
+        info = store.latest(log=lambda _: None)
+        assert info is not None and info.step == 3 and info.manifest["world_size"] == 1
+        written[blocking] = {name: store.load(info, name) for name in info.manifest["files"]}
+    assert sorted(written[True]) == ["model.pt", "optim.pt", "rank-0.pt"]
+    assert_same(written[True], written[False])
+
+
 def test_meta_that_is_not_json_fails_before_touching_disk(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path)
     staging = store.staging_dir(1, "a")
