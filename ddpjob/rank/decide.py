@@ -10,6 +10,10 @@ With `lag` 1 (train.stop_vote = "overlap", the default) the vote started after s
 while step s+1 computes and is read after it: nothing waits for it, and a stop lands one step
 later. With `lag` 0 it is read at once (one blocking all-reduce per step).
 
+Other values ride the same all-reduce (a Rider, several as one Riders): the step times of the
+straggler watch (rank/steptimer.py) and, with checkpoint.snapshot_every = "auto", rank 0's
+measured snapshot interval (rank/snapvote.py), so neither needs a collective of its own.
+
 No torch and no process group: the channel is anything with `agree` / `start_agree` (node/dist's
 Control, or a fake in tests/unit/test_decide.py), the clock a plain function.
 """
@@ -30,12 +34,43 @@ class Pending(Protocol):
 
 
 class Rider(Protocol):
-    """Values that travel with the vote, after its own three (rank/steptimer.StepTimer): the
-    same number on every rank, each rank filling its own slots (the channel takes the MAX)."""
+    """Values that travel with the vote, after its own three (rank/steptimer.StepTimer's step
+    times, rank/snapvote.IntervalVote's snapshot interval): `slots` of them, the same number on
+    every rank and at every vote, each rank filling its own (the channel takes the MAX)."""
+
+    @property
+    def slots(self) -> int: ...
 
     def values(self) -> list[int]: ...
 
     def arrived_votes(self, step: int, values: list[int]) -> None: ...
+
+
+class Riders:
+    """Several riders on one vote, each owning a slice of the values in the order given; a
+    rider with no slots takes none and hears nothing (so the vote is the same as without it)."""
+
+    def __init__(self, *riders: Rider | None) -> None:
+        self._riders = [r for r in riders if r is not None and r.slots]
+
+    @property
+    def slots(self) -> int:
+        return sum(r.slots for r in self._riders)
+
+    def values(self) -> list[int]:
+        out: list[int] = []
+        for r in self._riders:
+            mine = r.values()
+            # a slice of the wrong length would shift every later rider's values
+            assert len(mine) == r.slots, (type(r).__name__, len(mine), r.slots)
+            out += mine
+        return out
+
+    def arrived_votes(self, step: int, values: list[int]) -> None:
+        at = 0
+        for r in self._riders:
+            r.arrived_votes(step, values[at:at + r.slots])
+            at += r.slots
 
 
 class Channel(Protocol):
@@ -118,7 +153,7 @@ class StepDecider:
 
     def my_vote(self, due_at: int) -> list[int]:
         """This rank's [stop code, checkpoint due at step `due_at`, background write busy], and
-        the rider's values after them."""
+        the rider's values after them (several riders: one Riders)."""
         if self._deadline.expired():
             self._stop.request(DEADLINE)
         own = [self._stop.code, int(self._schedule.due(due_at)), int(self._busy())]

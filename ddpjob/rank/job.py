@@ -165,7 +165,8 @@ class Job:
         step s+1, so no step waits for it: a stop request lands one step later.
         `info` (plain values) joins this start's record in events.jsonl, e.g. accumulation=4."""
         from ddpjob.node.sampler import StepSampler
-        from ddpjob.rank.decide import StepDecider
+        from ddpjob.rank import snapvote
+        from ddpjob.rank.decide import Riders, StepDecider
 
         if self._step is None:
             self.resume(state)
@@ -175,7 +176,9 @@ class Job:
         samplers = [o for o in state.values() if isinstance(o, StepSampler)]
         decider = StepDecider(self._control, stop=self._stop, schedule=self._schedule, deadline=self._deadline,
                               busy=self._store.busy, total=total, lag=int(self.config.train.stop_vote == "overlap"),
-                              rider=self._timer)  # no slots when the watch is off: nothing rides
+                              # the step times (no slots when the watch is off) and an "auto"
+                              # snapshot interval (none when snapshots are off or fixed)
+                              rider=Riders(self._timer, snapvote.for_snapshots(self._store.snapshots, self.rank)))
         self._stop.current_step = step
         try:
             while step < total:
@@ -208,7 +211,7 @@ class Job:
                     self.stopped_at = step
                     self._events.stop_for_requeue(step, now.stop, lag=decider.lag, decided_time=decided,
                                                   saved_time=time.time())  # raises StopForRequeue
-                elif self._store.snapshot_due(step):  # node-local memory (a collective once, for "auto")
+                elif self._store.snapshot_due(step):  # node-local memory ("auto": its interval came with the vote)
                     for s in samplers:
                         s.set_step(step)
                     t0 = time.monotonic()

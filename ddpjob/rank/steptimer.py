@@ -151,6 +151,11 @@ class StepTimer:
         else:  # one rank, or the straggler watch off: rank 0's own values alone
             self._observe_speed(step, now - self._started, [busy], [min(self.data_s, busy)])
 
+    @property
+    def slots(self) -> int:
+        """How many values this rider adds to the vote (decide.Rider): none when nothing rides."""
+        return SLOTS * self.world_size if self.ride else 0
+
     def values(self) -> list[int]:
         """This rank's slots of the vote: busy, data, wait, load, each world_size wide, the
         others 0."""

@@ -26,8 +26,9 @@ instead of falling back to the durable checkpoint.
 
 `snapshot_every = "auto"` (the default; on only for a job that may restart, slurm.max_failures >
 0) measures the interval at each start (store/snapauto.py: a probe snapshot, then rank 0's
-interval broadcast to every rank, which must snapshot the same steps). The folder tree is 0700 and must be ours: /dev/shm is writable by everyone, and a tree another user made is
-never read. The batch script, the local supervisor and a finished run remove the job's tree.
+interval, verdict(), which rides the per-step vote to every rank, rank/snapvote.py: they must
+snapshot the same steps). The folder tree is 0700 and must be ours: /dev/shm is writable by
+everyone, and a tree another user made is never read. The batch script, the local supervisor and a finished run remove the job's tree.
 A requeue onto other nodes finds none (or one of an earlier attempt that still verifies) and
 resumes from the durable checkpoint.
 """
@@ -193,7 +194,7 @@ class Snapshots:
         self._base, self._async = base, AsyncWrite
         self.host = host  # peers.keepers(): which rank on another node keeps a copy of the RNG file
         self.keepers: list[int | None] | None = None  # for each rank; known from the first snapshot
-        self.every = every  # None: "auto", until decided (Auto; StateStore.snapshot_due)
+        self.every = every  # None: "auto", until the vote brings rank 0's verdict() (rank/snapvote.py)
         self.auto = Auto(rule) if every is None else None
         # One process writes a rank's folder at a time, so a staging folder this process did not
         # open is a killed writer's (kill -9 mid-snapshot): the next prune drops it at once
@@ -233,21 +234,24 @@ class Snapshots:
             auto.step_s.append(now - auto.last[1])  # not the first steps: compiles, caches
         auto.last = (step, now)
 
-    def decide_now(self, step: int) -> bool:
-        """Whether the interval is decided at this step (a collective: the same on every rank,
-        whatever each rank's snapshots did)."""
-        decide = self.auto.decide_step() if self.auto is not None and self.every is None else None
-        return decide is not None and step >= decide
-
-    def proposal(self) -> tuple[int, str]:
-        """Rank 0: the interval its probe's cost asks for (waiting for the probe's write once)."""
-        assert self.auto is not None
-        if self._pending is not None:
-            try:
-                self._pending.wait()
-            except Exception:  # noqa: BLE001 - take() reports it at the next snapshot
-                pass
-        return self.auto.interval()
+    def verdict(self) -> tuple[int, str] | None:
+        """Rank 0, while "auto" measures: (the interval its probe's cost asks for, the line that
+        says why), once AUTO.decide steps have passed since the probe (the steps observe() saw)
+        and the probe's write is done; None before. Never waits for the write: one still
+        running AUTO.wait steps later is counted at its time so far (take() skips every
+        snapshot while it runs anyway), so "auto" is always decided."""
+        auto = self.auto
+        if auto is None or self.every is not None or auto.last is None:
+            return None
+        at, now = auto.decide_step(), auto.last[0]
+        if at is None or now < at:
+            return None
+        pending = self._pending
+        if pending is None or pending.done():
+            return auto.interval()
+        if now < at + auto.rule.wait or auto.write_since is None:
+            return None
+        return auto.interval(unfinished_s=time.perf_counter() - auto.write_since)
 
     def take(self, step: int, files: dict[str, Any], meta: dict[str, Any], held_s: float = 0.0) -> bool:
         """Copy `files` (the step waits for that only) and write them in a thread. Skipped when
@@ -291,6 +295,8 @@ class Snapshots:
             if auto is not None:
                 auto.write_cpu_s = time.thread_time() - cpu
 
+        if auto is not None:
+            auto.write_since = time.perf_counter()
         self._pending = self._async(write, self.store.root)
         self.taken += 1
         if auto is not None:

@@ -134,17 +134,14 @@ class StateStore:
         return peers.newest(self.snapshots, needs, durable, self.rank, self.control)
 
     def snapshot_due(self, step: int) -> bool:
-        """Whether this step's in-memory snapshot is due. Every rank calls it at the same steps
-        (every step the loop does not stop at); with snapshot_every = "auto" it measures the
-        steps and, once, takes rank 0's interval (a broadcast)."""
+        """Whether this step's in-memory snapshot is due (no collective). Every rank calls it
+        at the same steps (every step the loop does not stop at); with snapshot_every = "auto"
+        it measures the steps, and the interval arrives with the per-step vote
+        (rank/snapvote.py), read at the same step on every rank."""
         snaps = self.snapshots
         if snaps is None:
             return False
         snaps.observe(step)
-        if snaps.decide_now(step):
-            every, line = snaps.proposal() if self.rank == 0 else (0, "")
-            snaps.every = int(dist.broadcast_object(every, what="the in-memory snapshot interval"))
-            print0(line)
         return snaps.due(step, saved=self.saved_step == step)
 
     def snapshot(self, step: int, state: State) -> None:

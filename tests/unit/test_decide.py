@@ -176,3 +176,103 @@ def test_a_stop_during_the_last_step_ends_the_run_as_finished() -> None:
         assert r.decisions[-1] == Decision(6, last=True)
         assert not any(d.stop for d in r.decisions)
     assert hub.started == hub.read == 2 * 5
+
+
+class FakeSnaps:
+    """memsnap.Snapshots as snapvote.IntervalVote sees it: `every` (None: "auto", measuring)
+    and rank 0's verdict(), ready once the loop has asked about step `ready` (the probe's write
+    done); it never waits."""
+
+    def __init__(self, ready: int | None, every: int | None = None) -> None:
+        self.every, self.ready, self.last = every, ready, 0
+
+    def observe(self, step: int) -> None:  # what StateStore.snapshot_due does each step
+        self.last = step
+
+    def verdict(self) -> tuple[int, str] | None:
+        ready = self.ready is not None and self.last >= self.ready
+        return (7, "in-memory snapshots every 7 steps") if ready else None
+
+
+@dataclass
+class TimesRider:
+    """A straggler-watch-like rider: `world` slots, this rank's own one filled."""
+
+    rank: int
+    world: int
+    heard: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    @property
+    def slots(self) -> int:
+        return self.world
+
+    def values(self) -> list[int]:
+        return [self.rank + 1 if i == self.rank else 0 for i in range(self.world)]
+
+    def arrived_votes(self, step: int, values: list[int]) -> None:
+        self.heard.append((step, list(values)))
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_the_auto_snapshot_interval_rides_the_vote_and_is_set_at_the_same_step_on_every_rank(lag: int) -> None:
+    """Rank 0's verdict, ready after step 5, travels in one slot after the step times' slice;
+    every rank sets the interval at step 6 (lag 0: the vote of step 6 is read at once; lag 1:
+    the one started after step 5 is read after step 6), and only rank 0 says its line."""
+    from ddpjob.rank.decide import Riders
+    from ddpjob.rank.snapvote import IntervalVote
+
+    world, total = 3, 12
+    hub = Hub(world)
+    set_at: dict[int, int | None] = {}
+    said: dict[int, list[str]] = {r: [] for r in range(world)}
+    times = [TimesRider(r, world) for r in range(world)]
+    snaps = [FakeSnaps(ready=5 if r == 0 else None) for r in range(world)]
+
+    def loop(rank: int) -> None:
+        vote = IntervalVote(snaps[rank], lead=rank == 0, say=said[rank].append)  # type: ignore[arg-type]
+        decider = StepDecider(FakeChannel(hub), stop=preemption.StopFlag(), schedule=SaveSchedule(0, 0.0),
+                              deadline=preemption.DeadlineWatch(None), busy=lambda: False, total=total,
+                              lag=lag, rider=Riders(times[rank], vote))
+        step, set_at[rank] = 0, None
+        while step < total:
+            step += 1
+            if decider.after_step(step).last:
+                break
+            if snaps[rank].every is not None and set_at[rank] is None:
+                set_at[rank] = step
+            snaps[rank].observe(step)
+            decider.next_step(step)
+        decider.close()
+
+    threads = [threading.Thread(target=loop, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert set_at == {0: 6, 1: 6, 2: 6} and all(s.every == 7 for s in snaps)
+    assert said == {0: ["in-memory snapshots every 7 steps"], 1: [], 2: []}
+    for t in times:  # the step times' slice is what it would be alone
+        assert t.heard and all(v == [1, 2, 3] for _, v in t.heard), t.heard
+    assert hub.started == hub.read
+
+
+def test_snapshots_off_or_fixed_add_no_slot_to_the_vote() -> None:
+    """snapshot_every = 0 (no Snapshots) or N: no rider, the vote is [stop, save, busy] plus
+    the step times as before; once "auto" is decided its slot stays 0."""
+    from ddpjob.rank.decide import Riders
+    from ddpjob.rank.snapvote import IntervalVote, for_snapshots
+
+    assert for_snapshots(None, 0) is None
+    assert for_snapshots(FakeSnaps(None, every=5), 0) is None  # type: ignore[arg-type]
+    assert Riders(TimesRider(0, 2), None).values() == [1, 0]
+    assert Riders(TimesRider(0, 0), None).slots == 0 and Riders().values() == []
+    decider = StepDecider(FakeChannel(Hub(1)), stop=preemption.StopFlag(), schedule=SaveSchedule(0, 0.0),
+                          deadline=preemption.DeadlineWatch(None), busy=lambda: False, total=5, lag=0,
+                          rider=Riders(None))
+    assert decider.my_vote(1) == [0, 0, 0]
+    decided = FakeSnaps(ready=0)
+    vote = IntervalVote(decided, lead=True, say=lambda line: None)  # type: ignore[arg-type]
+    assert vote.values() == [8]  # interval 7, + 1
+    vote.arrived_votes(1, [8])
+    assert decided.every == 7 and vote.values() == [0]

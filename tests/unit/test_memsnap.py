@@ -106,9 +106,9 @@ def test_auto_interval_keeps_a_snapshot_within_one_percent_of_the_steps_between_
 
 
 def test_auto_probes_once_then_snapshots_at_the_interval_rank_0_measured(tmp_path: Path) -> None:
-    """snapshot_every = "auto": nothing but the probe until the decision, which waits for the
-    probe's write and proposes an interval from its real cost; the probe is the first step asked
-    about from start + probe on (the loop does not ask at a checkpoint's step)."""
+    """snapshot_every = "auto": nothing but the probe until rank 0's verdict (once the probe's
+    write is done), an interval from its real cost; the probe is the first step asked about from
+    start + probe on (the loop does not ask at a checkpoint's step)."""
     root = memsnap.rank_root(tmp_path / "run", "77", "n1", 0, tmp_path)
     s = memsnap.Snapshots(root, every=None, config_hash="abc", base=tmp_path)
     assert s.auto is not None
@@ -116,9 +116,10 @@ def test_auto_probes_once_then_snapshots_at_the_interval_rank_0_measured(tmp_pat
     probes, decided_at = [], None
     for st in asked:
         s.observe(st, now=st * 0.05)  # 50 ms steps
-        if s.decide_now(st) and decided_at is None:
+        found = s.verdict() if decided_at is None else None
+        if found is not None:
             decided_at = st
-            s.every, line = s.proposal()
+            s.every, line = found
             assert line.startswith(f"in-memory snapshots every {s.every} steps"), line
         if s.due(st, saved=st == 120):
             if s.every is None:
@@ -131,6 +132,38 @@ def test_auto_probes_once_then_snapshots_at_the_interval_rank_0_measured(tmp_pat
     taken = [i.step for i in s.store.list()]
     later = [st for st in asked if st >= 131 and st % s.every == 0 and st != 120]
     assert taken == sorted([121, *later], reverse=True)[:snaproom.KEEP], (taken, s.every)
+
+
+class Running:
+    """A background write that never ends; waiting for it would hang the loop."""
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self) -> None:
+        raise AssertionError("the loop waited for the probe's write")
+
+
+def test_auto_verdict_never_waits_for_the_probes_write_and_comes_within_a_bound(tmp_path: Path) -> None:
+    """Rank 0's verdict is None while the probe's write runs (the vote carries 0, "not yet"),
+    an interval as soon as it is done, and at most AutoRule.wait steps past the decide step an
+    interval from the write's time so far: "auto" never stays undecided."""
+    rule = snapauto.AutoRule(probe=3, decide=2, wait=4)
+    root = memsnap.rank_root(tmp_path / "run", "77", "n1", 0, tmp_path)
+    s = memsnap.Snapshots(root, every=None, config_hash="abc", base=tmp_path, rule=rule)
+    verdicts = {}
+    for st in range(1, 14):
+        s.observe(st, now=st * 0.05)
+        verdicts[st] = s.verdict()
+        if s.due(st):
+            assert st == 3 and s.take(st, files(st), {"step": st})
+            s.close()
+            s._pending = Running()  # the probe's write, still running
+    assert all(verdicts[st] is None for st in range(1, 9)), verdicts  # probe 3, decide 5, bound 5 + 4
+    every, line = verdicts[9]
+    assert every >= 1 and "its write still running after" in line, line
+    s._pending = None  # done after all: the verdict no longer waits for the bound
+    assert s.verdict() is not None and "still running" not in s.verdict()[1]
 
 
 def test_snapshot_every_auto_is_on_only_for_a_job_that_may_restart() -> None:
