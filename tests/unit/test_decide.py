@@ -252,8 +252,8 @@ def test_the_auto_snapshot_interval_rides_the_vote_and_is_set_at_the_same_step_o
     assert not any(t.is_alive() for t in threads), "a rank hung"
     assert set_at == {0: 6, 1: 6, 2: 6} and all(s.every == 7 for s in snaps)
     assert said == {0: ["in-memory snapshots every 7 steps"], 1: [], 2: []}
-    for t in times:  # the step times' slice is what it would be alone
-        assert t.heard and all(v == [1, 2, 3] for _, v in t.heard), t.heard
+    for rider in times:  # the step times' slice is what it would be alone
+        assert rider.heard and all(v == [1, 2, 3] for _, v in rider.heard), rider.heard
     assert hub.started == hub.read
 
 
@@ -276,3 +276,18 @@ def test_snapshots_off_or_fixed_add_no_slot_to_the_vote() -> None:
     assert vote.values() == [8]  # interval 7, + 1
     vote.arrived_votes(1, [8])
     assert decided.every == 7 and vote.values() == [0]
+
+
+def test_rank_0s_verdict_of_no_snapshots_travels_as_1_and_turns_them_off() -> None:
+    """Interval 0 (the probe could not be taken) is said as 1, so that 0 still means "not yet"."""
+    from ddpjob.rank.snapvote import IntervalVote
+
+    off = FakeSnaps(ready=None)
+    off.verdict = lambda: (0, "in-memory snapshots off: the probe snapshot could not be taken")  # type: ignore[method-assign]
+    said: list[str] = []
+    vote = IntervalVote(off, lead=True, say=said.append)  # type: ignore[arg-type]
+    assert vote.values() == [1]
+    IntervalVote(off, lead=False, say=said.append).arrived_votes(3, [0])  # type: ignore[arg-type]
+    assert off.every is None  # 0: nothing decided yet
+    vote.arrived_votes(3, [1])
+    assert off.every == 0 and said == ["in-memory snapshots off: the probe snapshot could not be taken"]

@@ -130,7 +130,9 @@ def test_auto_probes_once_then_snapshots_at_the_interval_rank_0_measured(tmp_pat
     assert s.auto.block_s is not None and s.auto.block_s > 0 and s.auto.write_cpu_s is not None
     assert len(s.auto.step_s) == 131 - 102  # every step asked about but the first two
     taken = [i.step for i in s.store.list()]
-    later = [st for st in asked if st >= 131 and st % s.every == 0 and st != 120]
+    every = s.every
+    assert every is not None and every > 0, every
+    later = [st for st in asked if st >= 131 and st % every == 0 and st != 120]
     assert taken == sorted([121, *later], reverse=True)[:snaproom.KEEP], (taken, s.every)
 
 
@@ -151,7 +153,7 @@ def test_auto_verdict_never_waits_for_the_probes_write_and_comes_within_a_bound(
     rule = snapauto.AutoRule(probe=3, decide=2, wait=4)
     root = memsnap.rank_root(tmp_path / "run", "77", "n1", 0, tmp_path)
     s = memsnap.Snapshots(root, every=None, config_hash="abc", base=tmp_path, rule=rule)
-    verdicts = {}
+    verdicts: dict[int, tuple[int, str] | None] = {}
     for st in range(1, 14):
         s.observe(st, now=st * 0.05)
         verdicts[st] = s.verdict()
@@ -160,10 +162,13 @@ def test_auto_verdict_never_waits_for_the_probes_write_and_comes_within_a_bound(
             s.close()
             s._pending = Running()  # the probe's write, still running
     assert all(verdicts[st] is None for st in range(1, 9)), verdicts  # probe 3, decide 5, bound 5 + 4
-    every, line = verdicts[9]
+    found = verdicts[9]
+    assert found is not None
+    every, line = found
     assert every >= 1 and "its write still running after" in line, line
     s._pending = None  # done after all: the verdict no longer waits for the bound
-    assert s.verdict() is not None and "still running" not in s.verdict()[1]
+    done = s.verdict()
+    assert done is not None and "still running" not in done[1]
 
 
 def test_snapshot_every_auto_is_on_only_for_a_job_that_may_restart() -> None:
