@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ddpjob import earlysignals  # standard library only, no environment read: safe to hold in the server
+
 # What a rank imports before its first step, in the order it does (torch._dynamo comes with the
 # first Optimizer(): torch wraps its methods in torch._disable_dynamo).
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "numpy")
@@ -284,6 +286,12 @@ def _become(request: Request) -> None:
     except (OSError, ValueError):
         pass
     handle_relayed(signal.SIG_DFL)
+    # A stop signal before the rank's StopFlag is in is noted, not the default's end of the rank,
+    # as `python -m ddpjob run` does from its first line: every module forked here is a rank
+    # (ddpjob run, or submitit's _submit of its rank function) whose StopFlag.install takes the
+    # noted ones over. SLURM's USR2 warning reaches the forked ranks while they start (a cluster
+    # run lost its rank 0 to it during a restart's start-up on a busy host).
+    earlysignals.hold()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _name(f"ddpjob-r{request.env.get('SLURM_PROCID', '')}")
 

@@ -42,6 +42,12 @@ if what == "signal":
     while not got and time.monotonic() < deadline:
         time.sleep(0.02)
     sys.exit(5 if got else 6)
+if what == "early":  # a stop signal at the rank's first line, before any handler of its own
+    os.kill(os.getpid(), signal.SIGUSR2)
+    from ddpjob.node import preemption
+    flag = preemption.StopFlag.install()
+    print(json.dumps({"code": flag.code, "signum": flag.signum}), flush=True)
+    sys.exit(0)
 if what == "hold":  # until the test kills something
     # written whole, then renamed: the test reads "pid" as soon as it exists, and an open()
     # then write() let it read the empty file in between under load
@@ -119,6 +125,17 @@ def test_a_signal_to_the_task_reaches_the_rank(server) -> None:
     proc.send_signal(signal.SIGUSR2)  # what srun does with scancel --signal=USR2
     proc.communicate(timeout=120)
     assert proc.returncode == 5  # the rank's handler ran
+
+
+def test_a_stop_signal_before_the_ranks_handlers_is_kept_for_its_stop_flag(server) -> None:
+    """SLURM's USR2 warning reaches a forked rank while it starts (a cluster run lost rank 0 of a
+    restart to it on a busy host): noted, and the rank's StopFlag takes it over, as a cold
+    `python -m ddpjob run` does. The signal is sent at the rank's first line, not by a timer."""
+    proc = _client(server, "early")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (proc.returncode, err)  # not killed by USR2's default action
+    seen = json.loads(out.splitlines()[1])
+    assert seen["signum"] == signal.SIGUSR2 and seen["code"] != 0, seen
 
 
 def test_a_rank_killed_by_a_signal_ends_its_task_by_the_same_signal(server) -> None:
