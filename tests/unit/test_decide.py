@@ -5,6 +5,8 @@ Nothing here starts a process or a process group."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
+from typing import Any
 from dataclasses import dataclass, field
 
 import pytest
@@ -12,6 +14,16 @@ import pytest
 from ddpjob.node import preemption
 from ddpjob.rank.decide import Decision, StepDecider
 from ddpjob.store.schedule import SaveSchedule
+
+
+def run_ranks(loop: Callable[[Any], None], ranks: Iterable[Any]) -> None:
+    """`loop(rank)` for each rank in a thread of its own, as processes would; none may hang."""
+    threads = [threading.Thread(target=loop, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
 
 
 class Hub:
@@ -115,12 +127,7 @@ def run(world: int, total: int, *, lag: int, every_steps: int = 0, step_s: float
             decider.next_step(step)
         decider.close()
 
-    threads = [threading.Thread(target=loop, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    run_ranks(loop, ranks)
     return ranks, hub
 
 
@@ -244,12 +251,7 @@ def test_the_auto_snapshot_interval_rides_the_vote_and_is_set_at_the_same_step_o
             decider.next_step(step)
         decider.close()
 
-    threads = [threading.Thread(target=loop, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
+    run_ranks(loop, range(world))
     assert set_at == {0: 6, 1: 6, 2: 6} and all(s.every == 7 for s in snaps)
     assert said == {0: ["in-memory snapshots every 7 steps"], 1: [], 2: []}
     for rider in times:  # the step times' slice is what it would be alone

@@ -5,7 +5,6 @@ The real ranks, with slowness injected at a chosen step, are in tests/ranks/test
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
@@ -14,7 +13,7 @@ from ddpjob.rank.decide import StepDecider
 from ddpjob.rank.steptimer import StepTimer
 from ddpjob.rank.straggler import Flag, Watch, host_of
 from ddpjob.store.schedule import SaveSchedule
-from test_decide import FakeChannel, Hub
+from test_decide import FakeChannel, Hub, run_ranks
 
 HOSTS = ["n1", "n1", "n2", "n2"]
 
@@ -178,12 +177,7 @@ def test_each_rank_s_times_ride_the_vote_and_reach_rank_0_with_their_step(lag: i
             decider.next_step(step)
         decider.close()
 
-    threads = [threading.Thread(target=loop, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads)
+    run_ranks(loop, range(world))
     assert seen[5] == [10000, 10000, 10000] and seen[30] == [10000, 30000, 10000]
     # every step but the last (no vote after it) and, overlapped, the one whose vote close() reads
     assert sorted(seen) == list(range(1, total - lag))
