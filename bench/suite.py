@@ -60,13 +60,16 @@ class Compared:
 
 # ------------------------------------------------------------------------------------ P1
 def p1(b: Bench) -> list[Row]:
-    from ddpjob.train.precision import cpu_has_native_bf16
+    import torch
+
+    from ddpjob.train.precision import amp_dtype_for, dtype_name
 
     s = b.sizes
     # The precision pinned to what "auto" means on this CPU: the trainer's auto times bf16 against
     # fp32 when the run begins, and on a busy host that race can pick fp32 while the bare loop
     # (which cannot measure) computes in bf16; P1 compares one computation, not that choice.
-    cfg = b.config(2, f"train.amp={json.dumps('bf16' if cpu_has_native_bf16() else 'off')}")
+    amp = dtype_name(amp_dtype_for("auto", torch.device("cpu")))  # "bf16" or "off": a train.amp value
+    cfg = b.config(2, f"train.amp={json.dumps(amp)}")
     a, bare = b.lockstep(Arm("P1-ddpjob", "fit", 2, {"config": cfg}),
                          Arm("P1-bare", "bare", 2, {"config": cfg}))
     c = Compared.of(a, bare, s.warm, s.warm + s.steps)
