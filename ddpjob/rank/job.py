@@ -196,6 +196,8 @@ class Job:
                     break
                 if not now.busy:
                     self._store.commit_pending()  # every rank's background write is done: the vote said so
+                if now.stop:
+                    self._events.signal(step)  # what this rank had when the vote said stop
                 if now.save:
                     for s in samplers:
                         s.set_step(step)

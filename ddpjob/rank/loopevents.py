@@ -41,6 +41,7 @@ class LoopEvents:
         self._checked_user = False  # the [user] keys never read: said once, before the first checkpoint
         self._first_step = False  # rank 0 records when the first step of this attempt ends (started())
         self.snapshot_s = 0.0  # the in-memory snapshots' hold on the loop since the last checkpoint record
+        self._signalled = ""  # the signal this rank had when its stop was decided (signal())
 
     def _record(self, kind: str, **fields: Any) -> None:
         events.record(self._run_dir, kind, job_id=self._env.job_id, restart=self._restart, **fields)
@@ -96,9 +97,8 @@ class LoopEvents:
         from ddpjob.node import preemption
         from ddpjob.rank import requeue
 
-        self.signal(step)
         stop, env, run_dir = self._stop, self._env, self._run_dir
-        mine = f"; this rank got {stop.describe()}" if stop.signum is not None else ""
+        mine = f"; this rank got {self._signalled}" if self._signalled else ""
         if env.is_rank0 and code == preemption.REQUEUE and requests.stop_requested(run_dir, env.job_id):
             # the checkpoint signal came from `ddpjob stop`: no requeue follows (requeue.after_stop)
             console.print0(f"stopping at step {step} (`ddpjob stop`{mine}): checkpoint written, not requeued")
@@ -116,11 +116,14 @@ class LoopEvents:
         raise StopForRequeue(step, exitcodes.RESTART if in_place else exitcodes.REQUEUE)
 
     def signal(self, step: int) -> None:
-        """Per rank: which signal reached it, and when (nothing when none did)."""
+        """Per rank, when the vote said stop (or at the end): which signal reached it, and when
+        (nothing when none did). Not later: a signal that comes while the stop is being carried
+        out (the requeue's own SIGTERM) is not what stopped the run."""
         import signal
 
         stop = self._stop
         if stop.signum is not None:
+            self._signalled = stop.describe()
             events.record(self._run_dir, "signal", rank=self._env.rank, signal=signal.Signals(stop.signum).name,
                           at_step=stop.signal_step, stop_step=step, signal_time=stop.time,
                           job_id=self._env.job_id, restart=self._restart)

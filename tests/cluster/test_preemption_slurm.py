@@ -400,7 +400,11 @@ def test_submitit_job_through_scancel_usr2_scontrol_requeue_and_preemption_is_bi
     times["scancel USR2"] = time.monotonic() - t0
     # USR2 is the job's time-limit warning signal, whoever sends it
     assert stop1["reason"] == "time_limit" and stop1["requeued"] is True and stop1["step"] == 25 + LAG, stop1
-    assert signal_events(run, 0) == [(r, "SIGUSR2", 24, 25 + LAG) for r in range(4)]
+    # every rank records the signal it had when the vote said stop, before the save: the ranks
+    # that had one had USR2 from step 25 on (SLURM signals node after node: on a busy machine
+    # the other node's ranks may stop by the vote before it comes, and record none)
+    sig = signal_events(run, 0)
+    assert sig and all(s == "SIGUSR2" and 24 <= at <= stop_at == 25 + LAG for _, s, at, stop_at in sig), sig
     # 2. scontrol requeue (SIGTERM now, SIGKILL after KillWait), run by rank 1 when step 45 is
     # handed out; it waits in that step until the SIGTERM is recorded
     actions.write_text("1 45 1 requeue\n")

@@ -101,6 +101,21 @@ def test_a_rank_that_waits_for_a_core_names_its_host_once_not_the_rank() -> None
     assert [f.describe().split(":")[0] for f in found] == ["host n1 is contended (load 1.5 on 8 cores)"]
 
 
+def test_a_rank_sharing_its_core_with_a_hog_names_its_host_though_its_work_grew() -> None:
+    """Rank 1 shares its core with a CPU hog from step 31 (the cluster test's hog case, as a
+    loaded CI host measured it): it waits 22 ms a step for the core, and its own work grows from
+    5.7 to 9.1 ms (cold caches, context switches), past even an oversubscribed host's share. The
+    waits are the larger part: its host is named, once, not the rank."""
+    watch = Watch(["n1", "n2"], window=20)
+    out = []
+    for s in range(1, 201):
+        hogged = s > 30
+        wait = [0.0003, 0.022 if hogged else 0.0003]
+        busy = [0.0057 + wait[0], (0.0091 if hogged else 0.0057) + wait[1]]
+        out += watch.observe(s, busy, [0.0006] * 2, wait, [(3.0, 2)] * 2)
+    assert [(f.rank, f.host, f.cause) for f in out] == [(1, "n2", "host")], [f.describe() for f in out]
+
+
 def test_a_rank_slow_in_its_own_work_on_a_busy_host_is_still_named() -> None:
     """The host is oversubscribed (every rank waits for a core now and then), and rank 2 also
     spins 15 ms a step from step 31: its own work grew, so it is named, with cause compute."""
