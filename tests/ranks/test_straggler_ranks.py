@@ -15,6 +15,7 @@ import pytest
 from clirun import REPO
 from clirun import ddpjob as run_cli
 from ddpjob.ledger.events import read as read_events
+from runlogs import decisions
 
 SMOKE = str(REPO / "jobs" / "smoke.toml")
 # train.straggler_threshold the tests used before the watch followed the run's own spread and
@@ -118,6 +119,6 @@ def test_on_straggler_exclude_on_the_local_backend_names_the_rank_and_says_once_
     why = (f'ddpjob: warning: slurm.on_straggler = "exclude": {named[0]["host"]} is not left out: the local '
            "backend runs every rank on this host, none other to run on (the straggler is only reported)")
     assert log0.count(why) == 1, log0[-3000:]
-    assert [e["reason"] for e in read_events(run) if e["event"] == "stop" and "rank" not in e] == ["finished"]
+    assert [e["reason"] for e in decisions(read_events(run))] == ["finished"]
     status = run_cli("status", str(run), cwd=tmp_path).stdout
     assert "restarts    0" in status and "left out" not in status, status

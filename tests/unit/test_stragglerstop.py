@@ -15,6 +15,7 @@ from ddpjob.errors import UsageError
 from ddpjob.launch import summary
 from ddpjob.ledger import budget, policy, stragglers
 from ddpjob.ledger.events import read as read_events
+from runlogs import decisions as decided
 from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.rank import requeue, stragglerstop
@@ -37,7 +38,7 @@ def run_dir(tmp_path: Path, **slurm_keys) -> tuple[config.JobConfig, Path]:
 
 
 def decisions(d: Path) -> list[dict]:
-    return [e for e in read_events(d) if e["event"] == "stop" and "rank" not in e]
+    return decided(read_events(d))
 
 
 @pytest.mark.parametrize("key, value, said", [
