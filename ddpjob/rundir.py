@@ -233,3 +233,17 @@ def refuse_completed(path: Path) -> None:
 
 def mark_completed(run_dir: str | Path, **info: Any) -> None:
     fileio.write_json_atomic(Path(run_dir) / COMPLETED, {"time": time.time(), **info})
+
+
+def follow_successor(run_dir: Path, old: str, new: str) -> None:
+    """Job `new` succeeds `old` (a requeue by a successor job): job.json makes it the job that
+    status, logs and cancel follow, `job_ids` keeps the chain, and submitit's task pickle is
+    copied under the new id (the backend's script loads RUN_DIR/logs/NEWID_submitted.pkl)."""
+    job = fileio.read_json(run_dir / JOB, {}) or {"backend": "slurm", "via": "sbatch"}
+    chain = list(job.get("job_ids") or [job.get("job_id") or old])
+    job.update(job_id=new, job_ids=[*chain, new])
+    fileio.write_json_atomic(run_dir / JOB, job)
+    folder = Path(job.get("log_folder") or run_dir / LOGS)
+    pickle = folder / f"{old}_submitted.pkl"
+    if pickle.is_file():
+        fileio.write_atomic(folder / f"{new}_submitted.pkl", lambda f: f.write(pickle.read_bytes()))

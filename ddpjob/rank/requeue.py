@@ -55,22 +55,9 @@ def bring_back(cfg: JobConfig, env: ClusterEnv, run_dir: Path) -> dict[str, Any]
            else slurm.Failed(f"{script} is missing"))
     if isinstance(new, slurm.Failed):
         return {"requeued": False, "note": f"{res.error}; no successor either: {new.why}"}
-    _follow(run_dir, job_id, new)
+    rundir.follow_successor(run_dir, job_id, new)
     return {"requeued": True, "requeued_by": "successor", "next_job_id": new,
             "note": f"{res.error}; submitted successor job {new}"}
-
-
-def _follow(run_dir: Path, old: str, new: str) -> None:
-    """job.json: the successor becomes the job that status/logs/cancel follow; `job_ids` keeps
-    the chain. submitit's task pickle is copied under the new id (its script loads it by id)."""
-    job = fileio.read_json(run_dir / rundir.JOB, {}) or {"backend": "slurm", "via": "sbatch"}
-    chain = list(job.get("job_ids") or [job.get("job_id") or old])
-    job.update(job_id=new, job_ids=[*chain, new])
-    fileio.write_json_atomic(run_dir / rundir.JOB, job)
-    folder = Path(job.get("log_folder") or run_dir / rundir.LOGS)
-    pickle = folder / f"{old}_submitted.pkl"
-    if pickle.is_file():
-        fileio.write_atomic(folder / f"{new}_submitted.pkl", lambda f: f.write(pickle.read_bytes()))
 
 
 def _preempting(job_id: str) -> bool | slurm.Failed:
