@@ -262,7 +262,7 @@ def attempt_marks(events: list[dict[str, Any]]) -> list[tuple[tuple[str, int], s
                 why = "no stop recorded before it: killed?"
             else:
                 stop = events[at_stop]
-                how = came_back(stop, events[at_stop + 1:])
+                how = came_back(stop)
                 if how == "not requeued":  # brought back by hand (`ddpjob resume`) or torchrun's agent
                     how = "resumed" if str(events[prev].get("job_id") or "-") != job else "restarted"
                 how = _REQUEUED_BY.get(how, how)

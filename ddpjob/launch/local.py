@@ -24,7 +24,7 @@ from typing import Any
 
 from ddpjob import exitcodes, fileio, jobfile, rundir, runlock
 from ddpjob.launch import slurmopts
-from ddpjob.ledger import attempts, budget, crashes, events, recovery
+from ddpjob.ledger import attempts, budget, crashes, events, policy, recovery
 from ddpjob.node import preemption, warm
 from ddpjob.store import memsnap
 
@@ -236,17 +236,15 @@ class Supervisor:
             # a stop: every rank stopped for a requeue, or had ended with 0 before the stop came (a
             # [train] command's rank whose program was done; rank 0 decided the stop all the same)
             elif stopped(codes):
-                stop = self.after_stop()
-                if stop.retry:
+                verdict = self.after_stop()
+                if verdict.action != policy.END:
                     self.restarts += 1
-                    log(f"all ranks stopped for a requeue: {stop.verdict.line}")
-                    events.record(self.run_dir, "local_requeue", source="local-supervisor", job_id=self.job_id,
-                                  restart=self.attempt, note=stop.verdict.line)
+                    log(f"all ranks stopped for a requeue: {verdict.line}")
                     self.write("REQUEUED")
                     continue
                 # the run ends as asked (`ddpjob stop`: STOPPED) or where it would go on (FAILED)
-                state, reason = (("STOPPED", stop.verdict.line) if stop.verdict.asked
-                                 else ("FAILED", f"stopped for a requeue, but {stop.verdict.line}"))
+                state, reason = (("STOPPED", verdict.line) if verdict.asked
+                                 else ("FAILED", f"stopped for a requeue, but {verdict.line}"))
             elif self.retry_crash(codes):
                 continue
             else:
@@ -264,14 +262,22 @@ class Supervisor:
             return state
 
 
-    def after_stop(self) -> recovery.Stop:
-        """Every rank stopped with a checkpoint (exit 3): the policy's verdict (recovery.decide_stop),
-        from why they did (rank 0's stop record: a time limit, a preemption; SIGUSR2 reads as the
-        time limit) and the requeues this submission spent."""
+    def after_stop(self) -> policy.Verdict:
+        """Every rank stopped with a checkpoint (exit 3): rank 0's decision, to carry out
+        (rank/requeue.after_stop decided it as on SLURM: why they stopped, the requeues this
+        submission spent; requeued_by the supervisor). Where rank 0 recorded no verdict (it died
+        after the stop), the policy's is decided and recorded here, for a time limit (SIGUSR2)
+        or the reason rank 0 recorded."""
         evs = events.read(self.run_dir)
         mine = [e for e in evs if events.is_decision(e) and events.of_attempt(e, self.job_id, self.attempt)]
-        return recovery.decide_stop(self.cfg, self.run_dir, evs, self.job_id,
-                                    str(mine[-1].get("reason")) if mine else "time_limit")
+        if mine and mine[-1].get("action"):
+            d = mine[-1]
+            return policy.Verdict(str(d["action"]), str(d.get("note") or ""), asked=bool(d.get("asked")))
+        reason = str(mine[-1].get("reason")) if mine else "time_limit"
+        verdict = recovery.decide_stop(self.cfg, self.run_dir, evs, self.job_id, reason).verdict
+        events.decision(self.run_dir, reason, job_id=self.job_id, restart=self.attempt, source="local-supervisor",
+                        **recovery.carried_here(verdict, budget.SUPERVISOR))
+        return verdict
 
     def retry_crash(self, codes: list[int]) -> bool:
         """A rank failed (raised, was killed): the policy's verdict (ledger/policy.py), recorded

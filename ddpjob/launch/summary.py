@@ -12,7 +12,7 @@ from typing import Any
 
 from ddpjob import rundir
 from ddpjob.launch.history import History, custom_metrics, load_history, number
-from ddpjob.ledger import attempts, budget, crashes, events, phases, stragglers
+from ddpjob.ledger import attempts, budget, crashes, events, phases, policy, stragglers
 from ddpjob.ledger.programend import stop_said
 
 
@@ -121,7 +121,7 @@ def ledger(evs: list[dict[str, Any]]) -> list[tuple[str, str]]:
                  "resumed after" if e.get("step") is None else "resumed step 0 after")
                 + f" {nxt['time'] - t0:.0f} s" if nxt and isinstance(t0, (int, float)) and "time" in nxt
                 else "not resumed")
-        how = came_back(e, evs[i + 1:]) + (f" -> job {e['next_job_id']}" if e.get("next_job_id") else "")
+        how = came_back(e) + (f" -> job {e['next_job_id']}" if e.get("next_job_id") else "")
         lost = e.get("steps_lost")
         who = ""
         if "failed_how" in e:  # who died where; how only for a death by a signal (`last event`
@@ -145,15 +145,9 @@ _BY = {budget.SUPERVISOR: "restarted in place by the local supervisor", budget.I
        budget.TORCHRUN: "restarted by torchrun"}
 
 
-def came_back(stop: dict[str, Any], later: list[dict[str, Any]]) -> str:
-    """How the run came back after `stop` ("not requeued": it did not): the decision's requeued_by,
-    else the local supervisor's `local_requeue` record before the next start (its ranks' stop
-    records leave the requeue to it). `later`: the records after the stop."""
+def came_back(stop: dict[str, Any]) -> str:
+    """How the run came back after `stop` ("not requeued": it did not): the decision's requeued_by."""
     by = stop.get("requeued_by")
-    if by is None:
-        for e in later:
-            if e.get("event") == "start":
-                break
-            if e.get("event") == "local_requeue" and str(e.get("job_id")) == str(stop.get("job_id")):
-                by = "requeued by the local supervisor"
+    if by == budget.SUPERVISOR and stop.get("reason") not in policy.FAILURES:
+        return "requeued by the local supervisor"  # a stop for a requeue, not a crash
     return _BY.get(str(by), str(by)) if by else "requeued" if stop.get("requeued") else "not requeued"

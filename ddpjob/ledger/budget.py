@@ -30,17 +30,15 @@ def job_chain(evs: Iterable[Mapping[str, Any]], job_id: Any) -> set[str]:
 
 def used(evs: Iterable[Mapping[str, Any]], job_id: Any) -> tuple[int, int]:
     """(requeues, failures) the submission of `job_id` has spent: every decision of its chain that
-    brought the job back (a requeue, a successor, SLURM's own requeue, a restart in place) and
-    every restart of the local supervisor after a stop for a requeue."""
+    brought the job back (a requeue, a successor, SLURM's own requeue, a restart in place, the
+    local supervisor's restart after a stop or a crash)."""
     evs = list(evs)
     chain = job_chain(evs, job_id)
     requeues = failures = 0
     for e in evs:
         if str(e.get("job_id")) not in chain:
             continue
-        if e.get("event") == "local_requeue":
-            requeues += 1
-        elif events.is_decision(e) and e.get("requeued") is True:
+        if events.is_decision(e) and e.get("requeued") is True:
             if e.get("reason") == "straggler" and e.get("requeued_by") == IN_PLACE:
                 continue  # a straggler left out inside the allocation: nothing failed, nothing queued
             if e.get("reason") in FAILURES:

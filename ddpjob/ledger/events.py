@@ -48,7 +48,7 @@ _STOP_FIELDS = (
     "requeued", "requeued_by", "next_job_id",
     # a crash: the culprit (crashes.Culprit.fields), the verdict (policy.Verdict.fields), loops
     "failed_rank", "failed_host", "failed_how", "host_fault", "no_progress", "lost_hosts",
-    "verdict", "action", "line", "where",
+    "verdict", "action", "line", "where", "asked",
     # a straggler's stop ([slurm] on_straggler): the host left out, the rank named, its cause
     "excluded_host", "straggler_rank", "cause", "srun_attempt",
     # a rank's own crash record (carries `rank`): its error line and what kind of error
@@ -77,8 +77,6 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("noop", "rank 0: a requeued run that had completed did nothing", ("reason",)),
     Kind("local_start", "the local supervisor started an attempt's ranks",
          ("source", "world_size", "master_port")),
-    Kind("local_requeue", "the local supervisor restarts the ranks after they stopped for a requeue",
-         ("source", "reason", "note")),
     Kind("local_end", "the local supervisor ended the run", ("source", "state", "reason")),
     Kind("stop_request", "`ddpjob stop` asked the job to checkpoint and end", ("by",)),
     Kind("cancel", "`ddpjob cancel` cancelled the job", ("by",)),

@@ -96,7 +96,8 @@ class Verdict:
 
     def fields(self) -> dict[str, Any]:
         """For the decision's stop record (events.jsonl)."""
-        return {"action": self.action, **({"verdict": self.crash, "line": self.line} if self.crash else {})}
+        return {"action": self.action, **({"verdict": self.crash, "line": self.line} if self.crash else {}),
+                **({"asked": True} if self.asked else {})}
 
 
 _STOPPED = "stopped by `ddpjob stop`: not requeueing (`ddpjob resume RUN_DIR` continues)"

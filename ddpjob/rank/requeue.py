@@ -137,13 +137,17 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
                 reason = "node_failure"
                 fields.update(requeued=True, requeued_by="slurm",
                               note="a node failed: SLURM ended this attempt (NODE_FAIL) and requeued the job")
-    # Rank 0 decides under SLURM (and torchrun inside it); elsewhere the local supervisor does
-    # (launch/local.Supervisor.after_stop), but a cancel's end is every decider's to say
+    # Rank 0 decides under SLURM (and torchrun inside it) and under the local supervisor, which
+    # carries the verdict out (launch/local.Supervisor.after_stop); a cancel's end is every
+    # decider's to say
     if under_slurm and reason == stragglers.REASON:
         fields.update(_leave_out(cfg, env, run_dir, step, detail or {}))
     elif (under_slurm or cancelled) and reason != "node_failure":
         stop = recovery.decide_stop(cfg, run_dir, events.read(run_dir), env.job_id, reason)
         fields.update(carry_out(cfg, env, run_dir, stop.verdict, fields.get("note")))
+    elif env.source == "local":
+        stop = recovery.decide_stop(cfg, run_dir, events.read(run_dir), env.job_id, reason)
+        fields.update(recovery.carried_here(stop.verdict, budget.SUPERVISOR, fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
     lost = steps_lost if signal_step is None or step is None else max(0, step - signal_step - 1 - lag)
     events.decision(run_dir, reason, job_id=env.job_id, restart=restart, step=step,

@@ -82,7 +82,11 @@ def test_sigusr2_is_forwarded_ranks_exit_3_and_are_restarted(tmp_path):
     log0 = (run / "logs" / "rank-0.log").read_text()  # appended across the restart
     assert "restart 0 mode wait" in log0 and "got signal [12]" in log0 and "restart 1 mode wait" in log0
     events = [e["event"] for e in read_events(run)]
-    assert events == ["local_start", "signal", "local_requeue", "local_start", "local_end"]
+    # the fake ranks record no stop: the supervisor decides it (a time limit) and records it
+    assert events == ["local_start", "signal", "stop", "local_start", "local_end"]
+    (stop,) = [e for e in read_events(run) if e["event"] == "stop"]
+    assert (stop["reason"], stop["requeued"], stop["requeued_by"], stop["action"]) == (
+        "time_limit", True, "supervisor", "requeue"), stop
 
 
 def test_one_rank_failing_kills_the_others_within_seconds(tmp_path):

@@ -143,7 +143,8 @@ def test_stop_mid_accumulation_resumes_bit_exactly(tmp_path: Path, reference, wo
 
 def test_sigterm_is_a_preemption_no_self_requeue(tmp_path: Path) -> None:
     """SIGTERM (SLURM preemption / scancel) to every rank: checkpoint, exit 3, reason
-    'preemption', and no requeue attempt (SLURM requeues by itself)."""
+    'preemption'. Rank 0 decides as under the local supervisor (the ranks carry its job id):
+    requeued by it, within max_requeues; it runs no scontrol."""
     job = _job(tmp_path, max_steps=400, batch_size=_batch(2))
     out = tmp_path / "run"
     ranks = Ranks([str(job), "--run-dir", str(out)], 2, tmp_path / "logs",
@@ -151,7 +152,8 @@ def test_sigterm_is_a_preemption_no_self_requeue(tmp_path: Path) -> None:
     signal_when_paused(ranks, 0, signal.SIGTERM)
     assert ranks.wait(120) == [3, 3], ranks.output()
     stop = _stop_record(out)
-    assert stop["reason"] == "preemption" and stop["requeued"] is None and stop["step"] == 6 + LAG, stop
+    assert stop["reason"] == "preemption" and stop["step"] == 6 + LAG, stop
+    assert (stop["requeued"], stop["requeued_by"], stop["action"]) == (True, "supervisor", "requeue"), stop
     assert (out / "checkpoints" / f"step-{stop['step']:09d}" / "manifest.json").is_file()
 
 

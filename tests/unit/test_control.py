@@ -198,9 +198,8 @@ def _run_with(tmp_path: Path, events: list[dict], metrics: list[dict] = (), job:
 LOCAL_HISTORY = [
     {"event": "local_start", "job_id": "local-1", "restart": 0, "time": 9.0},
     {"event": "start", "job_id": "local-1", "restart": 0, "time": 10.0, "resumed_step": None},
-    {"event": "stop", "reason": "time_limit", "step": 7, "job_id": "local-1", "restart": 0, "requeued": None,
-     "time": 20.0},
-    {"event": "local_requeue", "job_id": "local-1", "restart": 1, "time": 21.0},
+    {"event": "stop", "reason": "time_limit", "step": 7, "job_id": "local-1", "restart": 0, "requeued": True,
+     "requeued_by": "supervisor", "action": "requeue", "time": 20.0},
     {"event": "start", "job_id": "local-1", "restart": 1, "time": 25.0, "resumed_step": 7},
     {"event": "stop", "reason": "crash", "rank": 1, "job_id": "local-1", "restart": 1, "error": "boom"},
     {"event": "stop", "reason": "crash", "step": 10, "job_id": "local-1", "restart": 1, "requeued": True,
@@ -214,8 +213,8 @@ LOCAL_HISTORY = [
 
 
 def test_the_ledger_says_who_brought_a_local_run_back(tmp_path):
-    """Not "not requeued" where the local supervisor requeued (its local_requeue record) or
-    restarted the ranks in place (the crash decision's requeued_by "supervisor")."""
+    """Not "not requeued" where the local supervisor requeued the run (rank 0's stop decision,
+    requeued_by "supervisor") or restarted the ranks in place after a crash (its own decision)."""
     from ddpjob.launch import summary
 
     lines = [line for line, _ in summary.ledger(LOCAL_HISTORY)]

@@ -165,9 +165,9 @@ def test_a_local_warm_start_is_start_up_from_the_submission_not_other() -> None:
     evs = [{"event": "local_start", "job_id": "local-9", "restart": 0, "time": 0.5},
            start(5, 0, job="local-9", load=0.5, launched=4.0),
            {"event": "stop", "reason": "time_limit", "job_id": "local-9", "restart": 0, "step": 10,
-            "signal_time": 14.0, "decided_time": 14.2, "saved_time": 14.5, "time": 14.6},
+            "signal_time": 14.0, "decided_time": 14.2, "saved_time": 14.5, "requeued": True,
+            "requeued_by": "supervisor", "time": 14.6},
            {"event": "exit", "job_id": "local-9", "restart": 0, "step": 10, "time": 15.0},
-           {"event": "local_requeue", "job_id": "local-9", "restart": 1, "time": 15.5},
            {"event": "local_start", "job_id": "local-9", "restart": 1, "time": 15.6},
            start(20, 1, job="local-9", resumed=10, load=0.5, launched=19.0),
            {"event": "stop", "reason": "finished", "job_id": "local-9", "restart": 1, "step": 20, "time": 30}]

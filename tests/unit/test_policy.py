@@ -193,9 +193,9 @@ STOPS = {
 
 @pytest.mark.parametrize("case", list(STOPS))
 def test_both_backends_bring_a_stopped_job_back_alike(case: str, fake_slurm, tmp_path: Path) -> None:
-    """A stop with a checkpoint: rank 0 decides on SLURM (rank/requeue.after_stop), the local
-    supervisor after the ranks exit 3 (launch/local.Supervisor.after_stop); the same facts give
-    the same answer through the one policy."""
+    """A stop with a checkpoint: rank 0 decides on both backends (rank/requeue.after_stop), the
+    local supervisor carries out the verdict it recorded (launch/local.Supervisor.after_stop);
+    the same facts give the same answer through the one policy."""
     from ddpjob.ledger import requests
 
     code, asked, spent, back = STOPS[case]
@@ -216,12 +216,12 @@ def test_both_backends_bring_a_stopped_job_back_alike(case: str, fake_slurm, tmp
     env = ClusterEnv(source="slurm", job_id="77", restart_count=0)
     slurm_back = requeue.after_stop(jobfile.read_run_config(dirs["slurm"]), env, dirs["slurm"], code, 9,
                                     restart=spent)
-    # the local run: rank 0 records its stop (the supervisor decides), then the supervisor
+    # the local run: rank 0 decides and records, then the supervisor reads what to carry out
     local_env = ClusterEnv(source="local", job_id="local-1", restart_count=spent)
     requeue.after_stop(jobfile.read_run_config(dirs["local"]), local_env, dirs["local"], code, 9, restart=spent)
     sup = local.Supervisor(dirs["local"], "local-1")
     sup.attempt = spent
-    local_back = sup.after_stop().verdict.action == policy.REQUEUE
+    local_back = sup.after_stop().action == policy.REQUEUE
     assert (slurm_back is True) == local_back == back, (slurm_back, local_back)
 
 
