@@ -160,7 +160,9 @@ def directive_quote(arg: str) -> str:
     """One argument for sbatch's `#SBATCH` parser (not a shell): bare if plain, else "...",
     with backslash and double quote escaped. Control characters cannot be written at all: what
     reaches here was checked (the run dir by scriptsafe.run_dir, sbatch_extra by job_strings)."""
-    assert not _CONTROL.search(arg), arg
+    if _CONTROL.search(arg):  # a check, not an assert: `python -O` must not drop it
+        raise UsageError(f"{arg!r} holds a control character, expected printable text in an #SBATCH line",
+                         "remove it from the job file (slurm.sbatch_extra, the run dir)")
     if _DIRECTIVE_SAFE.fullmatch(arg):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'

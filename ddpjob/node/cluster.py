@@ -242,16 +242,13 @@ def _slurm_job_id(v: _Vars) -> str | None:
 def _master(v: _Vars, addr: str, job_id: str | None) -> dict:
     """An explicitly set MASTER_ADDR / MASTER_PORT always wins over the derived ones."""
     port = v.integer("MASTER_PORT", default=port_for_job(job_id))
-    assert port is not None
-    if not 0 < port < 65536:
+    if port is None or not 0 < port < 65536:
         raise DDPJobError(f"MASTER_PORT={port} is not a TCP port (1-65535)", "unset it or pick a free port")
     return dict(master_addr=v.text("MASTER_ADDR") or addr, master_port=port)
 
 
 def _restart_count(v: _Vars, *names: str) -> int:
-    count = v.integer(*names, default=0)
-    assert count is not None
-    return count
+    return v.integer(*names, default=0) or 0
 
 
 def _from_torchrun(v: _Vars, argv_local_rank: int | None) -> dict:

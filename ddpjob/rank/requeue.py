@@ -142,12 +142,9 @@ def after_stop(cfg: JobConfig, env: ClusterEnv, run_dir: Path, code: int, step: 
     # decider's to say
     if under_slurm and reason == stragglers.REASON:
         fields.update(_leave_out(cfg, env, run_dir, step, detail or {}))
-    elif (under_slurm or cancelled) and reason != "node_failure":
+    elif (under_slurm or cancelled or env.source == "local") and reason != "node_failure":
         stop = recovery.decide_stop(cfg, run_dir, events.read(run_dir), env.job_id, reason)
         fields.update(carry_out(cfg, env, run_dir, stop.verdict, fields.get("note")))
-    elif env.source == "local":
-        stop = recovery.decide_stop(cfg, run_dir, events.read(run_dir), env.job_id, reason)
-        fields.update(recovery.carried_here(stop.verdict, budget.SUPERVISOR, fields.get("note")))
     # steps run after the signal beyond the one in flight and the `lag` an overlapped vote adds
     lost = steps_lost if signal_step is None or step is None else max(0, step - signal_step - 1 - lag)
     events.decision(run_dir, reason, job_id=env.job_id, restart=restart, step=step,
@@ -188,7 +185,10 @@ def carry_out(cfg: JobConfig, env: ClusterEnv, run_dir: Path, verdict: policy.Ve
               prefix: str | None = None) -> dict[str, Any]:
     """The decision's fields for its stop record, the verdict carried out: a requeue is
     `scontrol requeue` or a successor job (bring_back); a restart here is the batch shell's to
-    run (this process answers RESTART); the end needs nothing."""
+    run (this process answers RESTART); under the local supervisor every retry is its restart
+    (launch/local.Supervisor.after_stop reads this record); the end needs nothing."""
+    if env.source == "local":
+        return recovery.carried_here(verdict, budget.SUPERVISOR, prefix)
     if verdict.action != policy.REQUEUE:
         return recovery.carried_here(verdict, budget.IN_PLACE, prefix)
     out = bring_back(cfg, env, run_dir)

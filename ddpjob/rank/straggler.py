@@ -153,8 +153,8 @@ class Watch:
             own = excess(work, r)  # the rank's own work: its compute and its data wait
             raw = excess(busy, r)  # and what it took in wall time, waits for a core included
             # slow in wall time only because it waited for a core more than the others: its host
-            waited_s = median_excess([s[3] for s in self._steps], r)
-            waited = raw.stands_out(self.threshold) and waited_s >= 0.5 * raw.excess
+            waited = raw.stands_out(self.threshold) and median_excess(
+                [s[3] for s in self._steps], r) >= 0.5 * raw.excess
             slow = own.stands_out_on(self.threshold, self._load[r]) or waited
             # slow at CONFIRM looks in a row (half a window apart): a busy moment is not a straggler
             self._suspect[r] = self._suspect.get(r, 0) + 1 if slow else 0
@@ -162,19 +162,19 @@ class Watch:
                 self._flagged.discard(r)
             elif self._suspect[r] >= CONFIRM and r not in self._flagged:
                 self._flagged.add(r)
-                flag = self._flag(r, step, own, raw, waited_s if waited else 0.0)
+                flag = self._flag(r, step, own, raw, waited)
                 if flag is not None:
                     out.append(flag)
         return out
 
-    def _flag(self, r: int, step: int, own: Excess, raw: Excess, waited_s: float) -> Flag | None:
+    def _flag(self, r: int, step: int, own: Excess, raw: Excess, waited: bool) -> Flag | None:
         first = self._steps[0][0]
         data = statistics.median(s[2][r] for s in self._steps)
         wait = median_excess([s[3] for s in self._steps], r)
         # A rank that shares its core with other work also does more work (cold caches, context
         # switches: 60% more on the test cluster's hogged core); where it waited for the core
         # longer than that extra work, the sharing is the cause, and its host is named.
-        if own.stands_out_on(self.threshold, self._load[r]) and waited_s < own.excess:
+        if own.stands_out_on(self.threshold, self._load[r]) and not (waited and wait >= own.excess):
             extra_data = median_excess([s[2] for s in self._steps], r)
             cause = "data" if extra_data >= 0.5 * own.excess else "compute"
             return Flag(r, self.hosts[r], cause, own.mine, own.others, data, first, step,

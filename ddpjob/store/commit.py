@@ -317,7 +317,9 @@ class CheckpointStore:
 
 
 def _check_name(name: str) -> None:
-    assert manifest.FILE_NAME.fullmatch(name) and name != manifest.MANIFEST and not name.endswith(".tmp"), f"bad file name {name!r}"
+    # a check, not an assert: `python -O` must not let a name leave the checkpoint folder
+    if not manifest.FILE_NAME.fullmatch(name) or name == manifest.MANIFEST or name.endswith(".tmp"):
+        raise ValueError(f"bad checkpoint file name {name!r}")
 
 
 def _newest_mtime(path: Path) -> float:
