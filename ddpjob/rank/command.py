@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,7 +34,7 @@ from ddpjob.ledger import crashes, events, metricslines, policy
 from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv, process_started
 from ddpjob.rank import commandenv, requeue, startcheck
-from ddpjob.ledger.programend import stop_said
+from ddpjob.ledger.programend import PEER_GONE, stop_said
 from ddpjob.rank.command_end import Ending, ending
 
 POLL_S = 0.1
@@ -284,6 +284,17 @@ def _others_ended(run_dir: Path, env: ClusterEnv, restart: int, stop: preemption
         time.sleep(POLL_S * 2)
 
 
+def _program_of_the_stop(run_dir: Path, env: ClusterEnv, restart: int, stop: preemption.StopFlag,
+                         grace_s: float) -> str:
+    """What the program did about the stop, where rank 0's own program only saw a peer leave (it
+    waited in a collective while a peer died of the signal first): the first rank's end that says
+    more (it exited by itself, died of the signal, was killed), waited for within the grace."""
+    ends = _others_ended(run_dir, env, restart, stop, grace_s) or [
+        e for e in events.read(run_dir) if e.get("event") == "rank_end" and events.of_attempt(e, env.job_id, restart)]
+    told = sorted((e for e in ends if e.get("program") not in (None, PEER_GONE)), key=lambda e: int(e.get("rank", 0)))
+    return str(told[0]["program"]) if told else PEER_GONE
+
+
 def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: Ending,
             stop: preemption.StopFlag, lock: runlock.RunLock | None, last_line: str) -> int:
     """Record the ending (every rank: its rank_end; rank 0: the run's completion or the stop's
@@ -333,6 +344,8 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
         events.decision(run_dir, "finished", job_id=env.job_id, restart=restart, step=step)
         console.print0(f"ddpjob: every rank's program exited 0: {run_dir} is COMPLETED")
     elif env.is_rank0 and end.stop:
+        if end.program == PEER_GONE and env.world_size > 1:
+            end = replace(end, program=_program_of_the_stop(run_dir, env, restart, stop, cfg.train.command_grace_s))
         if end.program:
             console.print0(f"ddpjob: {stop_said(end.program, signal.Signals(preemption.signal_number(cfg.train.command_signal)).name, cfg.train.command_grace_s)}")
         # the job's warning signal first (time limit, `ddpjob stop`), then SIGTERM: srun ending the

@@ -15,7 +15,6 @@ from ddpjob.errors import UsageError
 from ddpjob.ledger import policy
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.rank.commandenv import command_environ
-from ddpjob import commandpaths
 from ddpjob.ledger.programend import DIED, EXITED, KILLED, PEER_GONE
 from ddpjob.rank.command_end import Ending, Raised, clip, ending, last_traceback
 
@@ -284,3 +283,23 @@ def test_an_end_line_is_no_curve_point_and_no_training_time(tmp_path) -> None:
         '{"kind": "train", "step": 300, "restart": 0, "time": 1.0, "loss": 0.5}\n'
         '{"kind": "end", "step": 300, "restart": 0, "time": 2.0}\n')
     assert [r.get("loss") for r in load_history(tmp_path).train] == [0.5]
+
+
+def test_a_stop_says_what_a_peers_program_did_where_rank_0s_only_saw_the_peer_leave(tmp_path: Path) -> None:
+    # rank 0's program waited in a collective while rank 1's died of SIGTERM first: its own end
+    # (PEER_GONE) says nothing about the program's habit; rank 1's (no handler: DIED) does
+    from ddpjob.ledger import events
+    from ddpjob.node import preemption
+    from ddpjob.rank.command import _program_of_the_stop
+    env = ClusterEnv(rank=0, world_size=3, job_id="local-9", restart_count=0, source="local")
+    stop = preemption.StopFlag()
+    stop.code = preemption.REQUEUE
+    for rank, program in ((0, PEER_GONE), (2, PEER_GONE), (1, DIED)):
+        events.record(tmp_path, "rank_end", rank=rank, job_id="local-9", restart=0, status=3, stop=True, program=program)
+    events.record(tmp_path, "rank_end", rank=1, job_id="local-8", restart=0, status=3, stop=True, program=EXITED)
+    assert _program_of_the_stop(tmp_path, env, 0, stop, grace_s=5) == DIED
+    other = tmp_path / "other"
+    other.mkdir()
+    for rank in range(3):  # every rank only saw another leave: that is what is said
+        events.record(other, "rank_end", rank=rank, job_id="local-9", restart=0, status=3, stop=True, program=PEER_GONE)
+    assert _program_of_the_stop(other, env, 0, stop, grace_s=5) == PEER_GONE
