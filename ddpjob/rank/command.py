@@ -284,6 +284,12 @@ def _others_ended(run_dir: Path, env: ClusterEnv, restart: int, stop: preemption
         time.sleep(POLL_S * 2)
 
 
+# How long rank 0 waits for a peer's word on what its program did: that program has ended
+# already (rank 0's saw it leave), so its rank_end comes within moments, and the stop's
+# decision must not wait long for a peer's wrapper that died without one
+PEER_WORDS_S = 5.0
+
+
 def _program_of_the_stop(run_dir: Path, env: ClusterEnv, restart: int, stop: preemption.StopFlag,
                          grace_s: float) -> str:
     """What the program did about the stop, where rank 0's own program only saw a peer leave (it
@@ -345,7 +351,8 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
         console.print0(f"ddpjob: every rank's program exited 0: {run_dir} is COMPLETED")
     elif env.is_rank0 and end.stop:
         if end.program == PEER_GONE and env.world_size > 1:
-            end = replace(end, program=_program_of_the_stop(run_dir, env, restart, stop, cfg.train.command_grace_s))
+            wait_s = min(cfg.train.command_grace_s, PEER_WORDS_S)
+            end = replace(end, program=_program_of_the_stop(run_dir, env, restart, stop, wait_s))
         if end.program:
             console.print0(f"ddpjob: {stop_said(end.program, signal.Signals(preemption.signal_number(cfg.train.command_signal)).name, cfg.train.command_grace_s)}")
         # the job's warning signal first (time limit, `ddpjob stop`), then SIGTERM: srun ending the
