@@ -88,7 +88,7 @@ def _time_checkpoints() -> None:
 
     for name in ("save", "commit_pending", "finish_pending"):
         wrap(StateStore, name, time.perf_counter)
-    wrap(snapshot.AsyncWrite, "run", time.thread_time)  # runs on the writer thread
+    wrap(snapshot.AsyncWrite, "_run", time.thread_time)  # runs in the writer thread
 
 
 def fit(spec: dict[str, Any], ctx: Any) -> recipes.Trial:
