@@ -189,8 +189,9 @@ class Snapshots:
                  rule: AutoRule = AUTO, host: str = "", ranks: int = 1, node_lead: bool = True,
                  memory: Callable[[], int | None] = lambda: None) -> None:
         from ddpjob.store.commit import CheckpointStore
+        from ddpjob.store.snapshot import AsyncWrite
 
-        self._base = base
+        self._base, self._async = base, AsyncWrite
         self.host = host  # peers.keepers(): which rank on another node keeps a copy of the RNG file
         self.keepers: list[int | None] | None = None  # for each rank; known from the first snapshot
         self.every = every  # None: "auto", until the vote brings rank 0's verdict() (rank/snapvote.py)
@@ -253,9 +254,9 @@ class Snapshots:
         return auto.interval(unfinished_s=time.perf_counter() - auto.write_since)
 
     def take(self, step: int, files: dict[str, Any], meta: dict[str, Any], held_s: float = 0.0) -> bool:
-        """Copy `files` (the step waits for that only) and hand their write to the writer thread
-        (snapshot.AsyncWrite). Skipped when the previous one is still being written (training
-        never waits for a snapshot), the memory is not free or the tree may not be used: False then. `held_s`: how long the
+        """Copy `files` (the step waits for that only) and write them in a thread. Skipped when
+        the previous one is still being written (training never waits for a snapshot), the
+        memory is not free or the tree may not be used: False then. `held_s`: how long the
         caller already held the loop for it (the peer copies' gather), for "auto"."""
         started = time.perf_counter() - held_s
         if self.why_not is not None:
@@ -296,9 +297,7 @@ class Snapshots:
 
         if auto is not None:
             auto.write_since = time.perf_counter()
-        from ddpjob.store.snapshot import AsyncWrite  # torch: not at import (status reads this module)
-
-        self._pending = AsyncWrite(write, self.store.root)
+        self._pending = self._async(write, self.store.root)
         self.taken += 1
         if auto is not None:
             auto.block_s = time.perf_counter() - started

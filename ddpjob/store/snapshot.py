@@ -1,16 +1,13 @@
 """Host snapshots of checkpoint state and their background writes (runner/trainer side).
 
 snapshot() copies nested dicts/lists/tuples of tensors to CPU (reusing pooled buffers), so the
-training step blocks only for the copy; AsyncWrite hands a background write (an async save's
-sink and agreement, pipeline.py; an in-memory snapshot, memsnap.py) to the process's one writer
-thread, which runs them one at a time in the order they came.
+training step blocks only for the copy; AsyncWrite runs a background write in a thread (an async
+save's sink and agreement, pipeline.py; an in-memory snapshot, memsnap.py).
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import queue
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -21,62 +18,29 @@ import torch
 from ddpjob.errors import DDPJobError
 
 
-class _Writer:
-    """The process's one writer thread. A checkpoint's write and a snapshot's never run at once:
-    two writers would compete with each other for the disk and with training for the cores, and
-    each would take longer than both in turn. No write waits for the training thread (the
-    agreement's collective is among the ranks' writer threads, on the io group), so one queued
-    behind another always gets its turn."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[AsyncWrite] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
-
-    def submit(self, write: AsyncWrite) -> None:
-        with self._lock:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                # first use, or a forked child: the parent's thread and queue are not its own
-                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
-                # daemon: nothing is committed before wait() returned, so a write cut short by
-                # the process exiting leaves only a staging folder, which prune() removes later
-                self._thread = threading.Thread(target=self._run, args=(self._queue,), name="ddpjob-writer", daemon=True)
-                self._thread.start()
-            self._queue.put(write)
-
-    @staticmethod
-    def _run(writes: queue.SimpleQueue[AsyncWrite]) -> None:
-        while True:
-            writes.get().run()
-
-
-_WRITER = _Writer()
-
-
 class AsyncWrite:
-    """A background write of snapshotted files on the writer thread; `wait()` re-raises whatever
-    the write raised."""
+    """A background write of snapshotted files; `wait()` re-raises whatever the writer raised."""
 
     def __init__(self, work: Callable[[], None], where: Path) -> None:
-        self._work, self._where = work, where
+        self._where = where
         self._error: BaseException | None = None
-        self._done = threading.Event()
-        _WRITER.submit(self)
+        # daemon: nothing is committed before wait() returned, so a write cut short by the
+        # process exiting leaves only a staging folder, which prune() removes later.
+        self._thread = threading.Thread(target=self._run, args=(work,), name="ddpjob-ckpt", daemon=True)
+        self._thread.start()
 
-    def run(self) -> None:
+    def _run(self, work: Callable[[], None]) -> None:
         try:
-            self._work()
+            work()
         except BaseException as err:  # handed to the waiting thread, never lost
             self._error = err
-        finally:
-            self._done.set()
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return not self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> None:
-        if not self._done.wait(timeout):
+        self._thread.join(timeout)
+        if self._thread.is_alive():
             raise DDPJobError(f"checkpoint write into {self._where} still running after {timeout:g} s",
                               "the checkpoint filesystem is slow or hung: check it on this node (df, mount)")
         if self._error is not None:

@@ -9,7 +9,6 @@ import pickle
 import random
 import resource
 import signal
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -640,23 +639,3 @@ def test_init_from_loads_the_named_keys_exactly(tmp_path: Path) -> None:
         with pytest.raises(DDPJobError, match=expected) as caught:
             initfrom.load({"model": torch.nn.Linear(5, 3)}, str(source), ("model",), 0, target)
         assert "weights_only" not in caught.value.line()  # torch's advice to load it unsafely is not repeated
-
-
-def test_every_background_write_takes_its_turn_on_the_one_writer_thread(tmp_path: Path) -> None:
-    # an async checkpoint's write still running: a snapshot's write handed in after it waits
-    # (two writers would compete for the disk and the training's cores), then runs on the same thread
-    from ddpjob.store.snapshot import AsyncWrite
-    gate, ran = threading.Event(), []
-    checkpoint = AsyncWrite(lambda: (gate.wait(30), ran.append(("checkpoint", threading.current_thread().name))), tmp_path)
-    snap = AsyncWrite(lambda: ran.append(("snapshot", threading.current_thread().name)), tmp_path)
-    with pytest.raises(DDPJobError, match="still running after 0.05 s"):
-        snap.wait(0.05)
-    assert not checkpoint.done() and not snap.done() and ran == []
-    gate.set()
-    snap.wait(30)
-    assert checkpoint.done() and ran == [("checkpoint", "ddpjob-writer"), ("snapshot", "ddpjob-writer")]
-    failing = AsyncWrite(lambda: 1 / 0, tmp_path)
-    with pytest.raises(ZeroDivisionError):
-        failing.wait(30)
-    AsyncWrite(lambda: ran.append(("after a failed write", threading.current_thread().name)), tmp_path).wait(30)
-    assert ran[-1] == ("after a failed write", "ddpjob-writer")
