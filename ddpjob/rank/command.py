@@ -265,6 +265,12 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv, stop: preemption.StopFla
     return _finish(cfg, env, run_dir, restart, end, stop, lock, out.last_line)
 
 
+def _rank_ends(run_dir: Path, env: ClusterEnv, restart: int) -> dict[Any, dict[str, Any]]:
+    """The `rank_end` records of this attempt so far, by rank."""
+    return {e.get("rank"): e for e in events.read(run_dir)
+            if e.get("event") == "rank_end" and events.of_attempt(e, env.job_id, restart)}
+
+
 def _others_ended(run_dir: Path, env: ClusterEnv, restart: int, stop: preemption.StopFlag,
                   grace_s: float) -> list[dict[str, Any]] | None:
     """Rank 0, its own program done: every rank's `rank_end` of this attempt, waited for (a peer
@@ -273,8 +279,7 @@ def _others_ended(run_dir: Path, env: ClusterEnv, restart: int, stop: preemption
     srun or the supervisor ends the step and the batch shell decides what they saw)."""
     deadline: float | None = None
     while True:
-        ends = {e.get("rank"): e for e in events.read(run_dir)
-                if e.get("event") == "rank_end" and events.of_attempt(e, env.job_id, restart)}
+        ends = _rank_ends(run_dir, env, restart)
         if len(ends) >= env.world_size:
             return list(ends.values())
         if stop.code != preemption.NONE and deadline is None:
@@ -291,12 +296,11 @@ PEER_WORDS_S = 5.0
 
 
 def _program_of_the_stop(run_dir: Path, env: ClusterEnv, restart: int, stop: preemption.StopFlag,
-                         grace_s: float) -> str:
+                         wait_s: float) -> str:
     """What the program did about the stop, where rank 0's own program only saw a peer leave (it
     waited in a collective while a peer died of the signal first): the first rank's end that says
-    more (it exited by itself, died of the signal, was killed), waited for within the grace."""
-    ends = _others_ended(run_dir, env, restart, stop, grace_s) or [
-        e for e in events.read(run_dir) if e.get("event") == "rank_end" and events.of_attempt(e, env.job_id, restart)]
+    more (it exited by itself, died of the signal, was killed), waited for at most `wait_s`."""
+    ends = _others_ended(run_dir, env, restart, stop, wait_s) or list(_rank_ends(run_dir, env, restart).values())
     told = sorted((e for e in ends if e.get("program") not in (None, PEER_GONE)), key=lambda e: int(e.get("rank", 0)))
     return str(told[0]["program"]) if told else PEER_GONE
 

@@ -297,9 +297,9 @@ def test_a_stop_says_what_a_peers_program_did_where_rank_0s_only_saw_the_peer_le
     for rank, program in ((0, PEER_GONE), (2, PEER_GONE), (1, DIED)):
         events.record(tmp_path, "rank_end", rank=rank, job_id="local-9", restart=0, status=3, stop=True, program=program)
     events.record(tmp_path, "rank_end", rank=1, job_id="local-8", restart=0, status=3, stop=True, program=EXITED)
-    assert _program_of_the_stop(tmp_path, env, 0, stop, grace_s=5) == DIED
+    assert _program_of_the_stop(tmp_path, env, 0, stop, wait_s=5) == DIED
     other = tmp_path / "other"
     other.mkdir()
     for rank in range(3):  # every rank only saw another leave: that is what is said
         events.record(other, "rank_end", rank=rank, job_id="local-9", restart=0, status=3, stop=True, program=PEER_GONE)
-    assert _program_of_the_stop(other, env, 0, stop, grace_s=5) == PEER_GONE
+    assert _program_of_the_stop(other, env, 0, stop, wait_s=5) == PEER_GONE
