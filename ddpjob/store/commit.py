@@ -235,6 +235,14 @@ class CheckpointStore:
         damaged ones and staging folders nobody touched for stale_after_s (dead attempts)."""
         self._prune(known_valid=None)
 
+    def drop_others(self, step: int | None) -> None:
+        """Delete every checkpoint but the one of `step` (None: all of them), and the staging
+        folders nobody writes: in-memory snapshots after a resume (memsnap.Snapshots.resumed)."""
+        for info in self.list():
+            if info.step != step:
+                self._delete(info.path)
+        self._prune(known_valid=None)
+
     def _prune(self, known_valid: Path | None) -> None:
         if not self.root.is_dir():
             return

@@ -94,7 +94,9 @@ class StateStore:
                                       what="the choice of the checkpoint to resume from")
         source = None if info is None else Source.of(self.store, info)
         if self.snapshots is not None and enabled:
-            source = self._newest_snapshot(state, None if info is None else info.step) or source
+            snap = self._newest_snapshot(state, None if info is None else info.step)
+            self.snapshots.resumed(None if snap is None else snap.step)
+            source = snap or source
         self._rng_seed = (seed, 0 if source is None else source.step)
         if source is None:
             if self.init_from:

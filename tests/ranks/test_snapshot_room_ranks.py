@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -81,11 +82,19 @@ def test_a_folder_too_small_for_one_snapshot_each_turns_them_off_in_one_line(tmp
 
 def test_a_folder_with_room_for_one_each_keeps_one_and_a_restart_resumes_from_it(tmp_path: Path, for_one: Path) -> None:
     """Each start fits them (one line each); rank 1 is SIGKILLed in step 9 once both snapshots of
-    step 8 are committed, and the restart resumes from that snapshot: kept 1 deep, it was there."""
+    step 8 are committed, and the restart resumes from that snapshot: kept 1 deep, it was there.
+    Rank 1's folder also holds three older snapshots, as kills between a commit and its prune
+    leave them (a stressed run saw one): the restart drops them once it has resumed, so its
+    first snapshots find the room the fit counted on and no "snapshots off" line is printed."""
     codes, log = train(tmp_path, for_one, DDPJOB_TEST_SIGNAL="1:9:0:kill", DDPJOB_TEST_SNAP_WAIT="8")
     assert codes[1] == -signal.SIGKILL and codes[0] != 0, log[-3000:]
     lines = fitted(log)
     assert len(lines) == 1 and "in-memory snapshots kept 1 deep instead of 2 on " in lines[0], log[-3000:]
+    (eight,) = for_one.glob("ddpjob-*/*/*/rank-1/step-000000008")
+    for step in (2, 4, 6):  # 4 x 532 KiB of the tmpfs's 5 x 532: without the drop no rank has room
+        old = eight.with_name(f"step-{step:09d}")
+        shutil.copytree(eight, old)
+        (old / "manifest.json").write_text((old / "manifest.json").read_text().replace('"step": 8', f'"step": {step}'))
     codes, log = train(tmp_path, for_one, restart=1)
     finished(tmp_path, for_one, codes, log)
     assert "resuming from the in-memory snapshot of step 8" in log, log[-3000:]

@@ -63,6 +63,26 @@ def test_a_snapshot_a_killed_writer_left_half_done_goes_at_the_next_one(tmp_path
     assert names == ["step-000000004", "step-000000006"], names
 
 
+def test_a_resume_leaves_each_rank_only_the_snapshot_it_resumed_from(tmp_path: Path) -> None:
+    """A rank killed between a snapshot's commit and its prune keeps KEEP + 1 (here 2, 4, 6 with
+    a half-written 8): once the resume has read the one of step 4 (the newest every rank held),
+    the others go, so the first new snapshot finds the room the node's fit counted on. A resume
+    that took no snapshot leaves none."""
+    killed = snaps(tmp_path)
+    killed.store.keep_last = 3  # as if the kill came before the prune
+    for step in (2, 4, 6):
+        assert killed.take(step, files(step), {"step": step})
+        killed.close()
+    (killed.store.staging_dir(8, "pid999") / "model.pt").write_bytes(b"half")
+    restarted = snaps(tmp_path)
+    assert sorted(restarted.held()) == [2, 4, 6]
+    restarted.resumed(4)
+    assert sorted(p.name for p in restarted.store.root.iterdir()) == ["step-000000004"]
+    assert torch.equal(restarted.store.load(restarted.info(4), "model.pt")["w"], torch.full((4,), 4.0))
+    restarted.resumed(None)
+    assert list(restarted.store.root.iterdir()) == []
+
+
 def test_a_tree_someone_else_can_change_is_never_used(tmp_path: Path) -> None:
     top = memsnap.top(tmp_path)
     top.mkdir(mode=0o777)
