@@ -26,8 +26,8 @@ on the ranks' PYTHONPATH.
   rank RANK is slow by SECONDS per call. HOW = "compute": a busy-wait in the backward pass (a
   hook on the output's gradient); "data": a sleep in data loading (with the dataset plugin
   `trainer_plugins:slow_synthetic`, which waits before handing out a batch's first sample);
-  "hog": three processes spinning on the CPU this rank is pinned to, from that call on (the rank pins
-  itself to its node's last core and every other rank to the first).
+  "hog": SECONDS processes (0: three) spinning on the CPU this rank is pinned to, from that call on
+  (the rank pins itself to its node's last core and every other rank to the first).
 - DDPJOB_TEST_COPY_TEXTFILE="STEP,STEP,...": when `job.steps()` hands out each STEP, rank 0 copies
   its train.metrics_textfile to FILE.at-STEP, so a test reads the file as it was at that step.
 """
@@ -179,8 +179,8 @@ def _straggle() -> tuple[bool, int, str, float]:
     share (AMOUNT x the CPU time of the step's own forward and backward so far, spent again at
     its end), data (a sleep of AMOUNT s per batch in the dataset), datashare (AMOUNT x the median
     CPU time of a step before, spent in the dataset per batch), datawait (a sleep of AMOUNT x the
-    median wall-clock step before, per batch) or hog (3 CPU hogs on the rank's
-    core). CPU time, not wall time: on a busy host the extra work takes as long as real work would."""
+    median wall-clock step before, per batch) or hog (AMOUNT CPU hogs on the rank's core, 0:
+    three). CPU time, not wall time: on a busy host the extra work takes as long as real work would."""
     spec = os.environ.get("DDPJOB_TEST_STRAGGLE", "")
     if not spec:
         return False, 0, "", 0.0
@@ -230,11 +230,11 @@ class StragglingCNN(SignallingCNN):
                     import sys
 
                     core = str(sorted(os.sched_getaffinity(0))[-1])
-                    # three spinners: against one, the scheduler's credit for the time the rank
-                    # sleeps in its collectives leaves it ~1.5 times slower, the flagging
+                    # three spinners by default: against one, the scheduler's credit for the time
+                    # the rank sleeps in its collectives leaves it ~1.5 times slower, the flagging
                     # threshold itself (a CI run missed it); against three, 2.5 times or more
                     self._hog = [subprocess.Popen(["taskset", "-c", core, sys.executable, "-c", "while True: pass"])
-                                 for _ in range(3)]
+                                 for _ in range(int(self._secs) or 3)]
                     import atexit
 
                     for hog in self._hog:
