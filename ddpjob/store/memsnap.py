@@ -338,10 +338,10 @@ class Snapshots:
         can serve a restart any more: an older one is behind the resume point, a newer one is
         not on every rank (the resume took the newest common one). They matter because a rank
         killed between a snapshot's commit and its prune leaves KEEP + 1 behind, and the room
-        fit() shares out assumes each rank holds at most `keep` plus the one being written (a
-        stressed run saw rank 0's first snapshot after a restart find 552 KiB free of the 1064
-        it counted on). Every rank is here before the first step's collectives, so before any
-        rank's first take."""
+        fit() shares out assumes each rank holds at most `keep` plus the one being written (in a
+        stressed run, rank 0's first snapshot after a restart found 552.0 KiB free where it
+        needed 552.4 KiB more, and the snapshots went off). Every rank is here before the first
+        step's collectives, so before any rank's first take."""
         if self.why_not is None and self.store.root.is_dir():
             try:
                 self.store.drop_others(step)
