@@ -58,7 +58,9 @@ class CifarResNet(nn.Module):
 
     def __init__(self, depth: int, num_classes: int = 10) -> None:
         super().__init__()
-        assert (depth - 2) % 6 == 0, depth
+        if depth < 8 or (depth - 2) % 6:  # a caller's value (the class is public), not an invariant
+            raise UsageError(f"CifarResNet depth is {depth}, expected 6n+2 with n >= 1 (8, 14, 20, 32, ...)",
+                             "use the models resnet8 or resnet20, or a depth of 6n+2")
         n = (depth - 2) // 6
         layers: list[nn.Module] = [*_conv_bn(3, 16)]
         cin = 16
