@@ -166,11 +166,12 @@ class TrainConfig:
     # all-reduce per step, the stop one step sooner: for steps of minutes under a short GraceTime)
     stop_vote: Free[str] = "overlap"
     # a rank whose work per step (its arrival at the gradient all-reduce, less its waits for a
-    # core) stays above the others' over straggler_window steps by more than the run's own
-    # step-to-step spread (3 robust sigmas) and by at least this share of their median is named,
-    # with its host and the cause: compute or data; a host whose ranks wait for a core is named
-    # instead of a rank (rank/straggler.py); straggler_window = 0: off
-    straggler_threshold: Free[float] = 0.2
+    # core) stays above the others' over straggler_window steps, step by step, by more than the
+    # run's own variation allows (3 standard errors of the window's median difference) and by at
+    # least this share of their median is named, with its host and the cause: compute or data; a
+    # host whose ranks wait for a core is named instead of a rank (rank/straggler.py);
+    # straggler_window = 0: off
+    straggler_threshold: Free[float] = 0.15
     straggler_window: Free[int] = 20
     # the whole job slower than its own baseline (the median step over slowdown_window steps
     # after the warm-up, kept across requeues) by more than this share, for a window: one line

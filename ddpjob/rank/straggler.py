@@ -9,12 +9,13 @@ for a core (the kernel's run_delay: `wait`).
 
 A rank is named only when its excess stands out from the run's own variation, and lasts:
   - work = busy - wait: what the rank did, not the turns it waited for a core. Over a window of
-    steps, its median work against the others' median (their steps pooled) M and their spread S
-    (1.4826 x the median absolute deviation: a robust sigma of how far a rank that is not slow
-    strays from step to step). The excess must pass M + SPREAD_K x S, `threshold` (a share of M:
-    a real but small difference is not worth a line; OVERSUBSCRIBED_SHARE at least on a host with
-    more runnable threads than cores) and MIN_EXCESS_S, at CONFIRM looks in a row, half a window
-    apart, after the attempt's warm-up.
+    steps, at each step the rank's work less the others' median work at that step (paired, so
+    a moment that slows every rank cancels out); the median of these differences is its excess.
+    It must pass SPREAD_K standard errors (those of a difference of two medians of the window's
+    steps, each as spread as the others' steps: 1.4826 x their median absolute deviation),
+    `threshold` (a share of the others' median work: a real but small difference is not worth
+    a line; OVERSUBSCRIBED_SHARE at least on a host with more runnable threads than cores) and
+    MIN_EXCESS_S, at CONFIRM looks in a row, half a window apart, after the attempt's warm-up.
   - Its cause: data when its extra data wait is at least half the excess, else compute.
   - A rank slow only by busy (its work is like the others'), or whose extra waits for a core
     are more than its extra work (work sharing a core grows too), waited for a core: that is its
@@ -25,22 +26,25 @@ A flagged rank is named again only after a window in which it was not slow. Pure
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-MIN_EXCESS_S = 0.002  # a rank 1 ms slower in a 1 ms step is noise, not a straggler
+MIN_EXCESS_S = 0.001  # a rank under a millisecond slower a step is not worth a line, however sure
 CONFIRM = 3  # looks in a row (every half window) that must find a rank slow before it is named
 WARMUP_MIN = 5  # an attempt's first steps (at least these, half a window) are not compared
 # Where a rank's host runs more threads than it has cores, a rank's work is inflated by more
 # than its waits for a core (a core shared with a hyperthread sibling, a hypervisor's steal,
 # caches), unevenly and for seconds at a time: only an excess of at least this share is named there.
 OVERSUBSCRIBED_SHARE = 0.5
-# Robust sigmas of the others' step-to-step spread a rank's median must pass. The median of 20
-# values scatters by about 0.28 sigma, so 3 sigmas is far outside chance, while a rank that is
-# slow at most of its steps (a slow GPU, a slow loader) passes at once.
+# Standard errors of the window's median difference a rank's excess must pass. A rank's steps
+# vary (a 7 ms CPU step by 10-20% at idle), and a fixed number of those per-step sigmas hides a
+# 30% straggler; what the window is unsure of is its median, whose error shrinks with the steps
+# in it. 3 of them, at CONFIRM looks in a row, is far outside chance for a rank that is not slow.
 SPREAD_K = 3.0
+MEDIAN_SE = 1.2533  # the standard error of a median is this x sigma / sqrt(n) (normal samples)
 MAD_SIGMA = 1.4826  # the MAD of a normal sample times this estimates its sigma
 
 
@@ -60,7 +64,7 @@ class Flag:
     first: int
     last: int
     wait_s: float = 0.0
-    spread_s: float = 0.0
+    error_s: float = 0.0  # the standard error of the excess
     load: float | None = None
     cores: int | None = None
 
@@ -81,20 +85,17 @@ class Flag:
 
 @dataclass(frozen=True)
 class Excess:
-    """One rank against the others over a window, in seconds: its median, the others' median
-    (every step of every other rank pooled) and their spread, and the excess of the first over
-    the second."""
+    """One rank against the others over a window, in seconds: its median and the others' median
+    (every step of every other rank pooled); `excess`, the median over the steps of its value
+    less the others' median at the same step; `error`, that median's standard error."""
 
     mine: float
     others: float
-    spread: float
-
-    @property
-    def excess(self) -> float:
-        return self.mine - self.others
+    excess: float
+    error: float
 
     def stands_out(self, threshold: float) -> bool:
-        return self.excess > max(SPREAD_K * self.spread, threshold * self.others, MIN_EXCESS_S)
+        return self.excess > max(SPREAD_K * self.error, threshold * self.others, MIN_EXCESS_S)
 
     def stands_out_on(self, threshold: float, load: tuple[float, int] | None) -> bool:
         """As stands_out, at OVERSUBSCRIBED_SHARE at least where `load` (the host's load average,
@@ -105,17 +106,24 @@ class Excess:
 
 def excess(series: Sequence[Sequence[float]], r: int) -> Excess:
     """Rank `r` against the other ranks (`series`: one list of every rank's values per step).
-    The spread is the others' own step-to-step variation: how far a rank that is not slow
-    strays. (Not the slow rank's: a rank whose slowness varies from step to step is no less
-    slow for it.)"""
+    The error is that of a difference of two medians of the window's steps, each as unsure as
+    the others' own step-to-step spread makes it: how far a rank that is not slow strays. (Not
+    the slow rank's: a rank whose slowness varies from step to step is no less slow for it, nor
+    is one that became slow inside the window less sure to be.)"""
     others = [v for values in series for i, v in enumerate(values) if i != r]
     mid = statistics.median(others)
-    spread = MAD_SIGMA * statistics.median(abs(v - mid) for v in others)
-    return Excess(statistics.median(v[r] for v in series), mid, spread)
+    sigma = MAD_SIGMA * statistics.median(abs(v - mid) for v in others)
+    error = MEDIAN_SE * sigma * math.sqrt(2 / len(series))
+    return Excess(statistics.median(v[r] for v in series), mid, statistics.median(differences(series, r)), error)
+
+
+def differences(series: Sequence[Sequence[float]], r: int) -> list[float]:
+    """Per step, rank `r`'s value less the median of the others'."""
+    return [v[r] - statistics.median([u for i, u in enumerate(v) if i != r]) for v in series]
 
 
 def median_excess(series: Sequence[Sequence[float]], r: int) -> float:
-    return statistics.median(v[r] - statistics.median([u for i, u in enumerate(v) if i != r]) for v in series)
+    return statistics.median(differences(series, r))
 
 
 class Watch:
@@ -178,14 +186,14 @@ class Watch:
             extra_data = median_excess([s[2] for s in self._steps], r)
             cause = "data" if extra_data >= 0.5 * own.excess else "compute"
             return Flag(r, self.hosts[r], cause, own.mine, own.others, data, first, step,
-                        wait_s=wait, spread_s=own.spread)
+                        wait_s=wait, error_s=own.error)
         # slow in wall time only: the turns it waited for a core made the difference
         host = self.hosts[r]
         if host in self._hosts_said:
             return None
         self._hosts_said.add(host)
         reported = self._load[r]
-        return Flag(r, host, "host", raw.mine, raw.others, data, first, step, wait_s=wait, spread_s=raw.spread,
+        return Flag(r, host, "host", raw.mine, raw.others, data, first, step, wait_s=wait, error_s=raw.error,
                     load=reported[0] if reported else None, cores=reported[1] if reported else None)
 
 
