@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +75,6 @@ def settle(limit_s: float = 180.0) -> None:
     """Wait (at most `limit_s`) until the 1-minute load average is back within the cores: the
     clean case's hogs leave it high for a minute after they end, and a host that looks over its
     cores asks a rank for a 50% excess (rank/straggler.py's OVERSUBSCRIBED_SHARE)."""
-    import time
-
     end = time.monotonic() + limit_s
     while os.getloadavg()[0] > 0.75 * (os.cpu_count() or 1) and time.monotonic() < end:
         time.sleep(5)

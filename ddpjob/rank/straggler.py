@@ -64,7 +64,6 @@ class Flag:
     first: int
     last: int
     wait_s: float = 0.0
-    error_s: float = 0.0  # the standard error of the excess
     load: float | None = None
     cores: int | None = None
 
@@ -114,7 +113,7 @@ def excess(series: Sequence[Sequence[float]], r: int) -> Excess:
     mid = statistics.median(others)
     sigma = MAD_SIGMA * statistics.median(abs(v - mid) for v in others)
     error = MEDIAN_SE * sigma * math.sqrt(2 / len(series))
-    return Excess(statistics.median(v[r] for v in series), mid, statistics.median(differences(series, r)), error)
+    return Excess(statistics.median(v[r] for v in series), mid, median_excess(series, r), error)
 
 
 def differences(series: Sequence[Sequence[float]], r: int) -> list[float]:
@@ -186,14 +185,14 @@ class Watch:
             extra_data = median_excess([s[2] for s in self._steps], r)
             cause = "data" if extra_data >= 0.5 * own.excess else "compute"
             return Flag(r, self.hosts[r], cause, own.mine, own.others, data, first, step,
-                        wait_s=wait, error_s=own.error)
+                        wait_s=wait)
         # slow in wall time only: the turns it waited for a core made the difference
         host = self.hosts[r]
         if host in self._hosts_said:
             return None
         self._hosts_said.add(host)
         reported = self._load[r]
-        return Flag(r, host, "host", raw.mine, raw.others, data, first, step, wait_s=wait, error_s=raw.error,
+        return Flag(r, host, "host", raw.mine, raw.others, data, first, step, wait_s=wait,
                     load=reported[0] if reported else None, cores=reported[1] if reported else None)
 
 
