@@ -98,7 +98,10 @@ def test_the_whole_job_slowed_from_a_step_is_said_against_its_own_speed(tmp_path
 def test_a_rank_that_shares_its_core_with_hogs_names_its_host_not_the_rank(tmp_path: Path) -> None:
     """2 ranks pinned to a core each; from step 31 six CPU hogs share rank 1's core
     (trainer_plugins' hog): rank 1's steps take longer, all of it waiting for its core. Its host
-    is named as oversubscribed, once; no rank is named a straggler. Six, not three: beside
+    is named, once: oversubscribed, or contended where the 1-minute load average has not yet
+    caught up with the hogs (on an idle host the watch names it a second or two after they
+    start, long before a minute's average passes the cores); no rank is named a straggler.
+    Six, not three: beside
     `stress-ng --cpu 2` (whose workers then crowd rank 0's core) three left rank 1 only ~4/3 as
     slow as rank 0, inside the steps' spread, and nothing was named; six keep it twice as slow
     whatever else runs on the two cores."""
@@ -106,7 +109,8 @@ def test_a_rank_that_shares_its_core_with_hogs_names_its_host_not_the_rank(tmp_p
     log0 = (run / "logs" / "rank-0.log").read_text()
     assert [(f["rank"], f["cause"]) for f in flags] == [(1, "host")], (flags, log0[-2500:])
     assert flags[0]["wait_ms"] > 0 and flags[0]["cores"] == os.cpu_count(), flags
-    assert f"host {flags[0]['host']} is oversubscribed (load " in log0 and "is a straggler" not in log0, log0
+    said = [f"host {flags[0]['host']} is {state} (load " for state in ("oversubscribed", "contended")]
+    assert any(line in log0 for line in said) and "is a straggler" not in log0, log0
 
 
 @pytest.mark.slow
