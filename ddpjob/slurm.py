@@ -57,16 +57,28 @@ class Failed:
         return self.why
 
 
+# Signals a rank may take as a stop (validate.SIGNALS but INT, which stays Ctrl-C's at a terminal)
+_STOPS = tuple(getattr(signal, f"SIG{n}") for n in ("USR1", "USR2", "HUP", "URG", "XCPU", "QUIT", "ALRM"))
+
+
+def _shielded() -> set[int]:
+    """SIGTERM, and each stop signal this process catches itself (a rank's StopFlag: USR2 or its
+    `slurm.signal`): the ones a SLURM command must not die of."""
+    return {signal.SIGTERM, *(s for s in _STOPS if callable(signal.getsignal(s)))}
+
+
 def _subprocess(args: Sequence[str], timeout: float, env: Mapping[str, str] | None,
                 cwd: str | None) -> Result:
     argv = tuple(args)
-    # The command starts with SIGTERM blocked (a child inherits its starter thread's mask, and
-    # scontrol keeps it): the requeue that rank 0's `scontrol requeue` asks for sends SIGTERM to
-    # every process of the job, that scontrol included, which could die of it before printing
-    # the answer (seen under load: exit -15 read as a refusal, so a successor job was sent for a
-    # job that SLURM had requeued; it ran idle). KillWait's SIGKILL still ends a command that
-    # hangs; a SIGTERM for this thread waits until the command has returned.
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # The command starts with the stop signals blocked (a child inherits its starter thread's
+    # mask, and scontrol keeps it). SLURM sends them to every process of a job step, rank 0's
+    # `scontrol requeue` included, which died of them before printing its answer: a requeue's
+    # own SIGTERM (stop 34's CI), and a warm-started rank's USR2, which reaches it twice (relayed
+    # by its srun task, and by the warm server's step), the second after the checkpoint, during
+    # the requeue (a stressed run: exit -12 read as a refusal, a successor job sent for a job
+    # that should have been requeued). KillWait's SIGKILL still ends a command that hangs; a
+    # signal for this thread waits until the command has returned.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _shielded())
     try:
         p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
                            env=None if env is None else dict(env), cwd=cwd)

@@ -93,6 +93,40 @@ def test_the_sigterm_that_ends_the_job_does_not_cut_our_scontrol_short(monkeypat
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # ours: as before
 
 
+@pytest.mark.parametrize("name", ["USR2", "USR1"])
+def test_a_stop_signal_the_rank_catches_does_not_cut_our_scontrol_short(monkeypatch, tmp_path, name) -> None:
+    """A warm-started rank is its server's child, in the server's step: `scancel --signal=USR2`
+    reaches it twice (that step's, and its srun task's relay), the second while rank 0's
+    `scontrol requeue` runs (a stressed CI run: exit -12, read as a refusal, a successor sent
+    instead of the requeue). A signal the process catches as a stop (its StopFlag: USR2, or
+    `slurm.signal`) waits while a command runs. Here the command sends it to itself."""
+    signum = getattr(signal, f"SIG{name}")
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\nkill -{name} $$\necho \"requeued $2\"\n")
+    fake.chmod(0o700)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    caught: list[int] = []
+    previous = signal.signal(signum, lambda s, f: caught.append(s))
+    try:
+        res = slurm.run(["scontrol", "requeue", "77"])
+    finally:
+        signal.signal(signum, previous)
+    assert res.ok and res.stdout == "requeued 77\n", res
+    assert signum not in signal.pthread_sigmask(signal.SIG_BLOCK, set()) and caught == []  # ours: as before
+
+
+def test_a_signal_this_process_does_not_catch_still_ends_the_command(monkeypatch, tmp_path) -> None:
+    """On the login side nothing catches USR2, and Ctrl-C's INT is never held: a command ends of
+    them as it would without ddpjob."""
+    fake = tmp_path / "sinfo"
+    fake.write_text("#!/bin/sh\nkill -USR2 $$\necho never\n")
+    fake.chmod(0o700)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert signal.getsignal(signal.SIGUSR2) in (signal.SIG_DFL, None)
+    res = slurm.run(["sinfo"])
+    assert res.rc == -signal.SIGUSR2 and not res.ok and "never" not in res.stdout, res
+
+
 def test_successor_job_drops_the_running_jobs_slurm_variables(fake_slurm, monkeypatch) -> None:
     monkeypatch.setenv("SLURM_NTASKS", "4")
     fake_slurm.answer("sbatch", "91\n")
