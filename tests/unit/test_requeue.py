@@ -122,8 +122,12 @@ def test_a_signal_this_process_does_not_catch_still_ends_the_command(monkeypatch
     fake.write_text("#!/bin/sh\nkill -USR2 $$\necho never\n")
     fake.chmod(0o700)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    assert signal.getsignal(signal.SIGUSR2) in (signal.SIG_DFL, None)
-    res = slurm.run(["sinfo"])
+    # as on the login side (an earlier test in this process may have left a StopFlag's handler)
+    previous = signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    try:
+        res = slurm.run(["sinfo"])
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
     assert res.rc == -signal.SIGUSR2 and not res.ok and "never" not in res.stdout, res
 
 
