@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
 
+from ddpjob.validate import SIGNALS
+
 JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # used with fullmatch: no newline, ASCII digits only
 NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}", re.ASCII)  # a node name (fullmatch), as ledger/crashes.HOST
 TIMEOUT_S = 30.0
@@ -57,8 +59,8 @@ class Failed:
         return self.why
 
 
-# Signals a rank may take as a stop (validate.SIGNALS but INT, which stays Ctrl-C's at a terminal)
-_STOPS = tuple(getattr(signal, f"SIG{n}") for n in ("USR1", "USR2", "HUP", "URG", "XCPU", "QUIT", "ALRM"))
+# Signals a rank may take as a stop (`slurm.signal`), but INT, which stays Ctrl-C's at a terminal
+_STOPS = tuple(getattr(signal, f"SIG{n}") for n in SIGNALS if n != "INT")
 
 
 def _shielded() -> set[int]:

@@ -80,14 +80,19 @@ def test_the_real_runner_reports_a_missing_binary(monkeypatch) -> None:
     assert res.rc is None and not res.ok and "command not found" in res.error
 
 
+def self_signalling(monkeypatch, tmp_path, command: str, name: str, then: str) -> None:
+    """A stand-in `command` first on PATH that sends itself SIG`name`, then runs `then`."""
+    fake = tmp_path / command
+    fake.write_text(f"#!/bin/sh\nkill -{name} $$\n{then}\n")
+    fake.chmod(0o700)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
 def test_the_sigterm_that_ends_the_job_does_not_cut_our_scontrol_short(monkeypatch, tmp_path) -> None:
     """A preemption's requeue sends SIGTERM to every process of the job again, `scontrol requeue`
     of rank 0 included: it runs to its answer (stop 34's CI: killed halfway, the job got a
     successor although SLURM brought it back itself). Here the command sends it to itself."""
-    fake = tmp_path / "scontrol"
-    fake.write_text("#!/bin/sh\nkill -TERM $$\necho \"requeued $2\"\n")
-    fake.chmod(0o700)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    self_signalling(monkeypatch, tmp_path, "scontrol", "TERM", 'echo "requeued $2"')
     res = slurm.run(["scontrol", "requeue", "77"])
     assert res.ok and res.stdout == "requeued 77\n", res
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # ours: as before
@@ -101,10 +106,7 @@ def test_a_stop_signal_the_rank_catches_does_not_cut_our_scontrol_short(monkeypa
     instead of the requeue). A signal the process catches as a stop (its StopFlag: USR2, or
     `slurm.signal`) waits while a command runs. Here the command sends it to itself."""
     signum = getattr(signal, f"SIG{name}")
-    fake = tmp_path / "scontrol"
-    fake.write_text(f"#!/bin/sh\nkill -{name} $$\necho \"requeued $2\"\n")
-    fake.chmod(0o700)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    self_signalling(monkeypatch, tmp_path, "scontrol", name, 'echo "requeued $2"')
     caught: list[int] = []
     previous = signal.signal(signum, lambda s, f: caught.append(s))
     try:
@@ -118,10 +120,7 @@ def test_a_stop_signal_the_rank_catches_does_not_cut_our_scontrol_short(monkeypa
 def test_a_signal_this_process_does_not_catch_still_ends_the_command(monkeypatch, tmp_path) -> None:
     """On the login side nothing catches USR2, and Ctrl-C's INT is never held: a command ends of
     them as it would without ddpjob."""
-    fake = tmp_path / "sinfo"
-    fake.write_text("#!/bin/sh\nkill -USR2 $$\necho never\n")
-    fake.chmod(0o700)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    self_signalling(monkeypatch, tmp_path, "sinfo", "USR2", "echo never")
     # as on the login side (an earlier test in this process may have left a StopFlag's handler)
     previous = signal.signal(signal.SIGUSR2, signal.SIG_DFL)
     try:
