@@ -29,6 +29,10 @@ from ddpjob.node.hostlist import parse_hostlist, parse_tasks_per_node
 PORT_BASE = 15000
 PORT_SPAN = 15000
 DEFAULT_PORT = 29500  # torch's default, used when there is no job id to derive one from
+# A restart of the same job (in place or requeued) moves its port by this stride: a port another
+# program took on rank 0's node is not tried again, and the step keeps far from the ports of
+# the job ids next to this one (jobs submitted together run together)
+PORT_STRIDE = 7919
 
 _HINT_ENV = "unset the stray variable, or launch with srun / torchrun, which set all of them"
 
@@ -44,12 +48,13 @@ def process_started() -> float | None:
         return None
 
 
-def port_for_job(job_id: str | None) -> int:
-    """Deterministic MASTER_PORT for a job id (numeric ids map directly, others via crc32)."""
+def port_for_job(job_id: str | None, attempt: int = 0) -> int:
+    """Deterministic MASTER_PORT for a job id (numeric ids map directly, others via crc32) and
+    its attempt: the same on every rank of one attempt, another one for the next."""
     if not job_id:
         return DEFAULT_PORT
     number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
-    return PORT_BASE + number % PORT_SPAN
+    return PORT_BASE + (number + PORT_STRIDE * attempt) % PORT_SPAN
 
 
 # ---------------------------------------------------------------- reading variables
@@ -125,6 +130,9 @@ class ClusterEnv:
     num_nodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
+    # MASTER_PORT is ddpjob's choice (derived from the job id and attempt, or the local
+    # supervisor's), not the user's: a port taken on rank 0's node is then the node's doing
+    port_derived: bool = False
     # The job as SLURM's commands name it (_slurm_job_id): ARRAYID_TASK for an array task
     job_id: str | None = None
     restart_count: int = 0
@@ -239,12 +247,15 @@ def _slurm_job_id(v: _Vars) -> str | None:
     return v.text("SLURM_JOB_ID")
 
 
-def _master(v: _Vars, addr: str, job_id: str | None) -> dict:
-    """An explicitly set MASTER_ADDR / MASTER_PORT always wins over the derived ones."""
-    port = v.integer("MASTER_PORT", default=port_for_job(job_id))
+def _master(v: _Vars, addr: str, job_id: str | None, attempt: int = 0, *, chosen: bool = False) -> dict:
+    """An explicitly set MASTER_ADDR / MASTER_PORT always wins over the derived ones. `attempt`
+    counts this job's starts (requeues and restarts in place: DDPJOB_ATTEMPT); `chosen`: the
+    MASTER_PORT set is ddpjob's own (the local supervisor's), not the user's."""
+    port = v.integer("MASTER_PORT", default=port_for_job(job_id, attempt))
     if port is None or not 0 < port < 65536:
         raise DDPJobError(f"MASTER_PORT={port} is not a TCP port (1-65535)", "unset it or pick a free port")
-    return dict(master_addr=v.text("MASTER_ADDR") or addr, master_port=port)
+    return dict(master_addr=v.text("MASTER_ADDR") or addr, master_port=port,
+                port_derived=chosen or v.integer("MASTER_PORT") is None)
 
 
 def _restart_count(v: _Vars, *names: str) -> int:
@@ -284,7 +295,7 @@ def _from_torchrun(v: _Vars, argv_local_rank: int | None) -> dict:
                 source="local" if local else "torchrun", slurm_step=bool(v.text("SLURM_STEP_ID")),
                 agent_round=_restart_count(v, "TORCHELASTIC_RESTART_COUNT") if agent else None,
                 agent_pid=os.getppid() if elastic else None,
-                **_master(v, "127.0.0.1", v.text("DDPJOB_JOB_ID", "SLURM_JOB_ID") or job_id))
+                **_master(v, "127.0.0.1", v.text("DDPJOB_JOB_ID", "SLURM_JOB_ID") or job_id, chosen=local))
 
 
 _RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
@@ -363,7 +374,8 @@ def _from_slurm(v: _Vars) -> dict:
                 local_world_size=per_node[node_rank], node_rank=node_rank, num_nodes=nodes,
                 job_id=job_id, restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
                 source="slurm", slurm_step=True, hosts=hosts,
-                **_master(v, hosts[0] if hosts else "127.0.0.1", port_id))
+                **_master(v, hosts[0] if hosts else "127.0.0.1", port_id,
+                          _restart_count(v, "SLURM_RESTART_COUNT") + _restart_count(v, "DDPJOB_ATTEMPT")))
 
 
 def _check(e: ClusterEnv) -> None:

@@ -116,10 +116,18 @@ def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float 
                                 device_id=device if backend == "nccl" else None, **where)
     except (RuntimeError, ValueError, OSError) as exc:
         cause = " ".join(str(exc).split("\n")[0].split())[:200].rstrip(".")
+        if env.rank == 0 and "in use" in cause.lower() and env.port_derived:
+            # ddpjob chose the port: another program took it on this node, the node's doing. A
+            # retry derives another one from the attempt (node/cluster.port_for_job)
+            raise ClusterFailure(f"rank 0 on {env.hostname} could not listen on port {env.master_port}, "
+                                 f"which ddpjob chose: another program on the node holds it ({cause})",
+                                 "nothing to do: a restart takes another port; if this recurs, set "
+                                 "MASTER_PORT to a port the nodes keep free") from None
         if env.rank == 0 and "in use" in cause.lower():
-            raise DDPJobError(f"rank 0 on {env.hostname} could not listen on port {env.master_port} "
-                              f"({cause})",
-                              "another job uses this port: set MASTER_PORT to a free one") from None
+            raise DDPJobError(f"rank 0 on {env.hostname} could not listen on MASTER_PORT={env.master_port}, "
+                              f"which you set ({cause})",
+                              "another program uses this port: set MASTER_PORT to a free one, or unset "
+                              "it and ddpjob derives one from the job id") from None
         # a group that did not form: a peer that never came or a network in the way, the
         # cluster's doing (retried in place: ledger/policy.py), not the user's code
         if env.rank == 0:

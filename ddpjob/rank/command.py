@@ -259,7 +259,8 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv, stop: preemption.StopFla
     begun.record(saved, launched if saved is None else None)
     end = ending(child.returncode, requeue_exit=t.command_requeue_exit, stopped=stop.code != preemption.NONE,
                  stop_signal=signum, killed=killed and hung is None, hang_s=hung, stderr_tail=out.tail,
-                 trainer_ended=metricslines.trainer_ended(fileio.read_jsonl(metrics)[-50:], restart))
+                 trainer_ended=metricslines.trainer_ended(fileio.read_jsonl(metrics)[-50:], restart),
+                 port=env.master_port, port_ours=env.port_derived)
     if end.note:
         print(f"ddpjob: rank {env.rank} on {env.hostname}: {end.note}", file=sys.stderr, flush=True)
     return _finish(cfg, env, run_dir, restart, end, stop, lock, out.last_line)

@@ -102,10 +102,13 @@ class Ending:
 # by the interpreter's end with the process group left standing (the trainers leave it so)
 TEARDOWN_ABORT = "terminate called without an active exception"
 
+# rank 0's store could not listen on MASTER_PORT: torch's DistNetworkError says EADDRINUSE
+_PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+
 
 def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: int = signal.SIGTERM,
            killed: bool = False, hang_s: float | None = None, stderr_tail: str = "",
-           trainer_ended: int | None = None) -> Ending:
+           trainer_ended: int | None = None, port: int | None = None, port_ours: bool = True) -> Ending:
     """The program's exit status -> this rank's ending. `stopped`: ddpjob sent it the stop signal
     (its module docstring: then any end but its own exception is a stop); `killed`: ddpjob's
     SIGKILL after the grace (SLURM's own SIGKILL ending a step is no stop); `hang_s`: ddpjob
@@ -114,7 +117,9 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
     says a peer is gone); killed by a signal what the cluster broke; another status the user's.
     `trainer_ended`: the step at which an integration said the trainer's run ended by itself
     (metricslines.trainer_ended): a SIGABRT after it, with TEARDOWN_ABORT as the program's last
-    words, is the interpreter's end meeting torch's threads, not a crash: done."""
+    words, is the interpreter's end meeting torch's threads, not a crash: done. `port` the
+    MASTER_PORT the program got, `port_ours` ddpjob chose it (not the user): a program that could
+    not listen on it met another program on the node, retried on another port."""
     if hang_s is not None:
         return Ending(exitcodes.ERROR, crash={
             "error": f"the command stopped making progress: no output or heartbeat for {hang_s:.0f} s",
@@ -149,6 +154,12 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
                                                        "(no Python traceback on its stderr)",
                                               "error_class": policy.USER})
     at = f" at {raised.where}" if raised.where else ""
+    if _PORT_TAKEN.search(f"{raised.exception}: {raised.message}"):
+        whose = ("which ddpjob chose: another program on the node holds it (retried on another port)"
+                 if port_ours else "which you set: another program on the node holds it; set a free one")
+        return Ending(exitcodes.ERROR, crash={
+            "error": f"the command could not listen on MASTER_PORT {port}, {whose} ({raised.exception}{at})",
+            "error_class": policy.INFRASTRUCTURE if port_ours else policy.USER, "exception": raised.exception})
     if peer_gone:
         return Ending(exitcodes.ERROR, crash={
             "error": f"a peer of the command's process group is gone: {raised.exception}: "

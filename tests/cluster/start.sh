@@ -141,7 +141,7 @@ render() {  # render TEMPLATE FIRSTJOBID: print the template with @VARS@ filled 
     if [ "$(basename "$1")" = slurm.conf.in ] && [ "$NODE_COUNT" -gt 2 ]; then
         # the nodes past n2, each on its own loopback address and slurmd port, and `wide`
         for k in $(seq 3 "$NODE_COUNT"); do
-            echo "NodeName=n$k NodeHostname=$HOST NodeAddr=127.0.0.$((k + 1)) Port=$((17000 + k)) CPUs=2 RealMemory=$MEM State=UNKNOWN"
+            echo "NodeName=n$k NodeHostname=$HOST NodeAddr=127.0.0.$((k + 1)) Port=$((6820 + k)) CPUs=2 RealMemory=$MEM State=UNKNOWN"
         done
         echo "PartitionName=wide Nodes=n[1-$NODE_COUNT] Default=NO MaxTime=1:00:00 State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=20 OverSubscribe=NO"
     fi

@@ -7,11 +7,13 @@ slurm.max_no_progress attempts in a row, with one line. Each failure is caused a
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from clirun import job_env
 from ranks import write_job
 from runlogs import decisions
 from test_preemption_slurm import CHECKPOINT, DATA, SLURM, TRAIN, ddpjob, events, train_records
@@ -86,3 +88,37 @@ def test_a_crash_at_the_same_step_on_every_host_ends_the_job_after_max_no_progre
                         r"fix it and `ddpjob resume \S+`", lines[0]), lines[0]
     status = ddpjob("status", str(run), cwd=tmp_path).stdout
     assert "crash loop: 3 attempts in a row" in status and "excluded" not in status, status
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_port_another_program_holds_on_rank_0_s_node_is_the_node_s_fault_and_retried_on_another(
+        slurm_cluster: Any, tmp_path: Path) -> None:
+    """MASTER_PORT derived from the job id, taken on rank 0's node by another program (job 2001
+    once got 17001, a slurmd's): an infrastructure crash, not the user's, and the restart in
+    place derives another port and finishes."""
+    import slurmtools
+
+    from ddpjob.node.cluster import port_for_job
+
+    slurmtools.cluster_free(timeout=300)
+    job = write_job(tmp_path / "job.toml", train={**TRAIN, "max_steps": 20}, data=DATA, checkpoint=CHECKPOINT,
+                    slurm={**SLURM, "max_failures": 2})
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
+    jid = slurmtools.submit(tmp_path / "job.sbatch", "--hold", cwd=tmp_path, env=job_env())
+    with socket.socket() as other:  # the other program, holding the port before the job starts
+        other.bind(("0.0.0.0", port_for_job(jid)))
+        other.listen()
+        slurmtools._run(["scontrol", "release", jid])
+        assert slurmtools.wait_done(jid, 600) == "COMPLETED"
+    crash, done = decisions(events(run))
+    assert (crash["reason"], crash["verdict"], crash["requeued_by"]) == ("crash", "infrastructure", "in_allocation"), crash
+    assert done["reason"] == "finished", done
+    assert [(s["job_id"], s["restart"]) for s in events(run, "start")] == [(jid, 1)]
+    assert train_records(run)[-1]["step"] == 20
+    rank0 = (run / "logs" / "rank-0.log").read_text()  # the restart's rank 0 listened on the next port
+    assert f"via slurm, master n1:{port_for_job(jid, 1)}," in rank0, rank0
+    assert f"could not listen on port {port_for_job(jid)}, which ddpjob chose" in crash["failed_how"], crash
+    status = ddpjob("status", str(run), cwd=tmp_path).stdout
+    assert "verdict     infrastructure (attempt 0): restarting in place" in status, status

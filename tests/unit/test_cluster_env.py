@@ -85,6 +85,8 @@ def test_local_backend() -> None:
     env = ClusterEnv.from_environ(environ, [])
     assert env.source == "local" and env.job_id == "local-20240101-abc" and env.restart_count == 2
     assert env.ddpjob_vars["DDPJOB_RUN_DIR"] == "/runs/x" and env.master_port == 29400
+    assert env.port_derived  # the supervisor's pick, not the user's
+    assert not ClusterEnv.from_environ(TORCHRUN, []).port_derived  # torchrun's --master-port is the user's
 
 
 def test_torchrun_inside_slurm_keeps_job_id_and_restarts() -> None:
@@ -171,6 +173,19 @@ def test_an_array_task_is_named_by_array_and_index() -> None:
     # the local backend's own id wins, and a job outside an array keeps its plain id
     assert ClusterEnv.from_environ({**torchrun, "DDPJOB_JOB_ID": "local-7"}, []).job_id == "local-7"
     assert ClusterEnv.from_environ(slurm_task(0, job_id="548"), []).job_id == "548"
+
+
+def test_a_restart_derives_another_port_and_one_the_user_set_stays() -> None:
+    # every rank of one attempt agrees; a requeue (SLURM_RESTART_COUNT) or a restart in place
+    # (the batch shell's DDPJOB_ATTEMPT) moves it, so a port another program took is left
+    first = {ClusterEnv.from_environ(slurm_task(r), []).master_port for r in range(4)}
+    again = {ClusterEnv.from_environ(slurm_task(r, DDPJOB_ATTEMPT="1"), []).master_port for r in range(4)}
+    requeued = ClusterEnv.from_environ(slurm_task(0, SLURM_RESTART_COUNT="1"), []).master_port
+    assert first == {port_for_job("4242")} and again == {port_for_job("4242", 1)} == {requeued}
+    assert port_for_job("4242", 1) != port_for_job("4242") and 15000 <= port_for_job("4242", 7) < 30000
+    assert ClusterEnv.from_environ(slurm_task(0), []).port_derived
+    mine = ClusterEnv.from_environ(slurm_task(0, MASTER_PORT="23456", DDPJOB_ATTEMPT="1"), [])
+    assert (mine.master_port, mine.port_derived) == (23456, False)
 
 
 def test_explicit_master_variables_win() -> None:

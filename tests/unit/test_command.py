@@ -129,6 +129,14 @@ def test_exit_statuses_map_to_the_ranks_ending() -> None:
     assert ended == Ending(exitcodes.REQUEUE, stop=True, program=PEER_GONE)
     assert ending(1, requeue_exit=3, stopped=True, stderr_tail="Traceback (most recent call last):\n"
                   '  File "t.py", line 5, in <module>\nRuntimeError: Connection reset by peer\n').program == PEER_GONE
+    taken = ("Traceback (most recent call last):\n  File \"t.py\", line 5, in <module>\ntorch.distributed."
+             "DistNetworkError: The server socket has failed to listen on any local network address. "
+             "port: 15042, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n")
+    ours = ending(1, requeue_exit=3, stopped=False, stderr_tail=taken, port=15042).crash
+    assert ours is not None and ours["error_class"] == policy.INFRASTRUCTURE
+    assert "could not listen on MASTER_PORT 15042, which ddpjob chose" in ours["error"]
+    theirs = ending(1, requeue_exit=3, stopped=False, stderr_tail=taken, port=15042, port_ours=False).crash
+    assert theirs is not None and theirs["error_class"] == policy.USER and "set a free one" in theirs["error"]
     hung = ending(-9, requeue_exit=3, stopped=False, hang_s=30).crash
     assert hung is not None and "no output or heartbeat for 30 s" in hung["error"]
     assert hung["error_class"] == policy.INFRASTRUCTURE

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ddpjob.errors import DDPJobError
+from ddpjob.errors import ClusterFailure, DDPJobError
 from ddpjob.node import dist as ddist
 from ddpjob.node import group as dgroup
 from ddpjob.node.cluster import ClusterEnv
@@ -78,13 +78,23 @@ def test_backend_choice() -> None:
     assert "nccl" in line and "sees no GPU" in line and "--backend gloo" in line
 
 
-def test_rank0_port_in_use() -> None:
+@pytest.mark.parametrize("derived", [False, True])
+def test_rank0_port_in_use(derived: bool) -> None:
+    """A port the user set and another program holds is theirs to change (one line, not
+    retried); a port ddpjob chose is the node's doing: an infrastructure failure, retried on
+    another port."""
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        env = ClusterEnv(rank=0, world_size=2, local_world_size=2, master_port=port, hostname="n1")
+        env = ClusterEnv(rank=0, world_size=2, local_world_size=2, master_port=port, hostname="n1",
+                         port_derived=derived)
         with pytest.raises(DDPJobError) as exc:
             dgroup.init_process_group(env, backend="gloo", timeout_s=3)
     line = exc.value.line()
-    assert f"rank 0 on n1 could not listen on port {port}" in line and "MASTER_PORT" in line
+    assert isinstance(exc.value, ClusterFailure) is derived
+    if derived:
+        assert f"rank 0 on n1 could not listen on port {port}, which ddpjob chose" in line
+        assert "a restart takes another port" in line
+    else:
+        assert f"could not listen on MASTER_PORT={port}, which you set" in line and "set MASTER_PORT to a free one" in line
