@@ -176,6 +176,8 @@ def _straggle() -> tuple[bool, int, str, float]:
     """(this rank is the slow one, from which call, how, seconds per call: for "share", the
     share of its own compute). DDPJOB_TEST_STRAGGLE = "RANK:CALL:HOW:AMOUNT", RANK "*": every
     rank (the whole job slowed); HOW compute (a busy-wait of AMOUNT s in the backward pass),
+    device (a sleep of AMOUNT s there: a slow GPU, whose rank's thread waits blocked in a
+    synchronize, never runnable, so a loaded host's queue for its cores neither hides nor adds to it),
     share (AMOUNT x the CPU time of the step's own forward and backward so far, spent again at
     its end), data (a sleep of AMOUNT s per batch in the dataset), datashare (AMOUNT x the median
     CPU time of a step before, spent in the dataset per batch), datawait (a sleep of AMOUNT x the
@@ -225,6 +227,8 @@ class StragglingCNN(SignallingCNN):
             if self._forwards >= self._from:
                 if self._how_slow == "compute" and out.requires_grad:
                     out.register_hook(lambda g: (_spin(self._secs), g)[1])
+                elif self._how_slow == "device" and out.requires_grad:
+                    out.register_hook(lambda g: (time.sleep(self._secs), g)[1])
                 elif self._how_slow == "hog" and self._hog is None:
                     import subprocess
                     import sys

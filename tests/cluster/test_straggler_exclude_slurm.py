@@ -1,7 +1,9 @@
 """`[slurm] on_straggler = "exclude"` on the SLURM test cluster: a 1-node job of 2 ranks holding a
 spare node (spare_nodes = 1, on_node_loss = "continue": the allocation is n1 and n2). Rank 1 is
 made slow in its compute from its 31st training forward call (trainer_plugins'
-DDPJOB_TEST_STRAGGLE: a busy-wait in its backward pass, at a step, never by a timer). Rank 0's
+DDPJOB_TEST_STRAGGLE: a sleep in its backward pass, a slow device's wait, at a step, never by a
+timer; not a busy-wait, which on a loaded host waits for a core as long as it spins and gets the
+host named instead of the rank). Rank 0's
 watch names it; every rank stops at one step with a checkpoint, rank 0 records the decision with
 the verdict line, and the batch shell's restart loop runs the ranks again inside the same
 allocation without the slow rank's host: on the spare, at the same world size. The restarted
@@ -39,7 +41,7 @@ def test_a_straggler_s_host_is_left_out_and_the_run_goes_on_bit_exact_on_the_spa
     slurmtools.cluster_free(timeout=300)
     job = write_job(tmp_path / "job.toml", slurm=SLURM, train=SLOW, data=DATA, checkpoint=CHECKPOINT)
     run = tmp_path / "run"
-    slow = job_env(DDPJOB_TEST_STRAGGLE="1:31:compute:0.1")
+    slow = job_env(DDPJOB_TEST_STRAGGLE="1:31:device:0.1")
     if path == "sbatch":
         ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
         assert "#SBATCH --nodes=2" in (tmp_path / "job.sbatch").read_text()
@@ -100,7 +102,7 @@ def test_on_straggler_requeue_brings_the_job_back_without_the_host(slurm_cluster
     run = tmp_path / "run"
     ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
     jid = slurmtools.submit(tmp_path / "job.sbatch", cwd=tmp_path,
-                            env=job_env(DDPJOB_TEST_STRAGGLE="1:31:compute:0.1"))
+                            env=job_env(DDPJOB_TEST_STRAGGLE="1:31:device:0.1"))
     assert slurmtools.wait_done(jid, 900) == "COMPLETED"
     ref = write_job(tmp_path / "ref.toml", slurm={"nodes": 1, "tasks_per_node": 2}, train=SLOW, data=DATA,
                     checkpoint=CHECKPOINT)
