@@ -34,6 +34,9 @@ DEFAULT_PORT = 29500  # torch's default, used when there is no job id to derive 
 # the job ids next to this one (jobs submitted together run together)
 PORT_STRIDE = 7919
 
+# Set beside MASTER_PORT where ddpjob chose it for a [train] command's program (rank/commandenv.py)
+PORT_CHOSEN = "DDPJOB_MASTER_PORT"
+
 _HINT_ENV = "unset the stray variable, or launch with srun / torchrun, which set all of them"
 
 
@@ -254,8 +257,8 @@ def _master(v: _Vars, addr: str, job_id: str | None, attempt: int = 0, *, chosen
     port = v.integer("MASTER_PORT", default=port_for_job(job_id, attempt))
     if port is None or not 0 < port < 65536:
         raise DDPJobError(f"MASTER_PORT={port} is not a TCP port (1-65535)", "unset it or pick a free port")
-    return dict(master_addr=v.text("MASTER_ADDR") or addr, master_port=port,
-                port_derived=chosen or v.integer("MASTER_PORT") is None)
+    ours = v.integer("MASTER_PORT") is None or v.integer(PORT_CHOSEN) == port
+    return dict(master_addr=v.text("MASTER_ADDR") or addr, master_port=port, port_derived=chosen or ours)
 
 
 def _restart_count(v: _Vars, *names: str) -> int:

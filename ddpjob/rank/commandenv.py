@@ -24,7 +24,7 @@ from pathlib import Path
 from ddpjob import freeze, rundir
 from ddpjob.config import JobConfig
 from ddpjob.node import preemption
-from ddpjob.node.cluster import ClusterEnv
+from ddpjob.node.cluster import PORT_CHOSEN, ClusterEnv
 
 _UMASK = re.compile(r"0?[0-7]{3}")
 
@@ -64,7 +64,10 @@ def command_environ(env: ClusterEnv, extra: Mapping[str, str], environ: Mapping[
         "TORCHELASTIC_RESTART_COUNT": attempt, "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         # the program's own rank 0 hosts the store at MASTER_ADDR:MASTER_PORT (no agent here)
         "TORCHELASTIC_USE_AGENT_STORE": "False", "TORCH_NCCL_ASYNC_ERROR_HANDLING": out.get(
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"), **extra,
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        # the port is ddpjob's choice, not the user's: a program that reads its place with
+        # ddpjob's API says so if another program holds it (node/cluster.PORT_CHOSEN)
+        **({PORT_CHOSEN: str(env.master_port)} if env.port_derived else {}), **extra,
     })
     return out
 

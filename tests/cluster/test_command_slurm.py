@@ -117,6 +117,32 @@ def test_sbatch_command_with_a_killed_rank_restarts_in_place(slurm_cluster: Any,
     assert "COMPLETED" in text and "goodput" in text, text
 
 
+def test_a_script_whose_port_another_program_holds_restarts_in_place_on_another(
+        slurm_cluster: Any, tmp_path: Path) -> None:
+    """The script's `init_process_group("gloo", init_method="env://")` on the MASTER_PORT ddpjob
+    derived, held on rank 0's node by another program before the job starts: its EADDRINUSE
+    traceback is the node's doing, not the user's; the restart in place gets another port."""
+    import socket
+
+    import slurmtools
+    from ddpjob.node.cluster import port_for_job
+
+    slurmtools.cluster_free(timeout=300)
+    run = tmp_path / "run"
+    ddpjob("sbatch", str(job_file(tmp_path)), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
+    jid = slurmtools.submit(tmp_path / "job.sbatch", "--hold", cwd=tmp_path, env=job_env())
+    with socket.socket() as other:
+        other.bind(("0.0.0.0", port_for_job(jid)))
+        other.listen()
+        slurmtools._run(["scontrol", "release", jid])
+        assert slurmtools.wait_done(jid, 600) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
+    (crash,) = decisions(run)
+    assert (crash["verdict"], crash["action"], crash["failed_rank"]) == ("infrastructure", "restart", 0), crash
+    (own,) = rank_crashes(events(run), 0)
+    assert f"could not listen on MASTER_PORT {port_for_job(jid)}, which ddpjob chose" in own["error"], own
+    assert [r["step"] for r in lines(run / "metrics.jsonl")] == list(range(1, STEPS + 1))
+
+
 def test_a_script_without_a_sigterm_handler_restarts_in_place_after_a_peer_is_killed(
         slurm_cluster: Any, tmp_path: Path) -> None:
     """nanoGPT catches no SIGTERM. Rank 0's program waits after step 8 outside any collective (so

@@ -152,7 +152,13 @@ def test_the_child_gets_torchruns_variables_and_ddpjobs() -> None:
                                 "MASTER_ADDR", "PATH", "DDPJOB_ATTEMPT")} == {
         "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
         "MASTER_ADDR": "n1", "PATH": "/bin", "DDPJOB_ATTEMPT": "2"}
-    assert out["MASTER_PORT"] == str(env.master_port)
+    assert out["MASTER_PORT"] == out["DDPJOB_MASTER_PORT"] == str(env.master_port)
+    # the program, reading its place with ddpjob's API, knows the port is ddpjob's choice, not its
+    # own: a port another program holds is then the node's doing (node/group.py)
+    assert ClusterEnv.from_environ(out, argv=[]).port_derived
+    assert not ClusterEnv.from_environ({**out, "MASTER_PORT": "23456"}, argv=[]).port_derived  # its own
+    mine = ClusterEnv.from_environ({"SLURM_JOB_ID": "7", "MASTER_PORT": "23456"}, argv=[])
+    assert "DDPJOB_MASTER_PORT" not in command_environ(mine, {}, environ={})
     # the elastic set too: Lightning and Accelerate tell a torchrun launch by it
     assert {k: out[k] for k in ("GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
                                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE")} == {
