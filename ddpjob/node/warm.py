@@ -36,10 +36,18 @@ import signal
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
-from ddpjob.node import preemption
-from ddpjob.node.warmserver import MAX_FDS, handle_relayed, peer_uid, read_line, run_request, serve
+from ddpjob import earlysignals
+
+if __name__ == "__main__":
+    # srun's task (or the node's server): a stop signal from here on is noted, not the default's
+    # end of the task while the imports below and the connection run. A stressed pass saw a
+    # requeued job's warning signal come 4 s into its start: every task died of SIGUSR2.
+    earlysignals.hold()
+
+from ddpjob.node import preemption  # noqa: E402
+from ddpjob.node.warmserver import MAX_FDS, handle_relayed, peer_uid, read_line, run_request, serve  # noqa: E402
 
 ENV = "DDPJOB_WARM"  # "1" where the servers were started (templates/sbatch.sh.tmpl, launch/local.py)
 # How long a client retries a refused connection when ENV says a server was started: the srun
@@ -100,7 +108,7 @@ def client(module_argv: list[str], addr: bytes | None = None, wait: bool = False
     addr = addr or address()
     sock = _connect(addr, wait or os.environ.get(ENV) == "1") if addr else None
     if sock is None:
-        os.execv(sys.executable, cold)
+        _exec(cold)
     pending: list[int] = []
     pid: list[int] = []
 
@@ -114,6 +122,8 @@ def client(module_argv: list[str], addr: bytes | None = None, wait: bool = False
             pending.append(signum)
 
     handle_relayed(relay)
+    pending.extend(signum for signum, _ in earlysignals.noted)  # noted while this task started
+    earlysignals.noted.clear()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, preemption.HELD)  # held back by the launcher: relayed now
     umask = os.umask(0o077)
     os.umask(umask)
@@ -133,7 +143,8 @@ def client(module_argv: list[str], addr: bytes | None = None, wait: bool = False
         if reply and isinstance(reply.get("error"), str):
             print(f"ddpjob: warm start: rank {os.environ.get('SLURM_PROCID', '?')} starts cold: "
                   f"{reply['error']}", file=sys.stderr, flush=True)
-        os.execv(sys.executable, cold)  # exec puts the relaying handlers back to the default
+        earlysignals.noted[:0] = [(signum, time.time()) for signum in pending]
+        _exec(cold)  # exec puts the relaying handlers back to the default
     pid.append(reply["pid"])
     for waiting in pending:
         relay(waiting, None)
@@ -155,6 +166,18 @@ def client(module_argv: list[str], addr: bytes | None = None, wait: bool = False
         os.kill(os.getpid(), died_of)  # end as the rank ended: srun reports the same signal
         return 128 + died_of
     return int(end.get("exit", 1))
+
+
+def _exec(cold: list[str]) -> NoReturn:
+    """Run the module in this process, cold. A stop signal noted meanwhile is not lost: it is
+    sent again with the stop signals blocked, which exec keeps, and stays pending until the
+    rank's StopFlag opens the mask (preemption.StopFlag.install), as the local supervisor holds them."""
+    if earlysignals.noted:
+        preemption.block_stop_signals()
+        for signum in dict.fromkeys(signum for signum, _ in earlysignals.noted):
+            if signum in preemption.HELD:
+                os.kill(os.getpid(), signum)
+    os.execv(sys.executable, cold)
 
 
 def named(name: str) -> bytes | None:

@@ -104,6 +104,10 @@ def serve(addr: bytes, preload: tuple[str, ...] = PRELOAD, parent: int | None = 
     # SLURM ends the job's steps with SIGTERM: end once no child is left (a child may be
     # writing its checkpoint; it is in this step, so SLURM signals it itself)
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # what came while it started (warm.py holds them from its first line): a SIGTERM ends it as
+    # one now would; none is left for the ranks forked from it to take as their own
+    stopping.extend(True for signum, _ in earlysignals.noted if signum == signal.SIGTERM)
+    earlysignals.noted.clear()
     for name in preload:
         try:
             __import__(name)
@@ -127,7 +131,13 @@ def serve(addr: bytes, preload: tuple[str, ...] = PRELOAD, parent: int | None = 
                 if why:
                     _refuse(conn, request, why)
                     continue
+                # The child starts with the server's SIG_IGN: a signal its client relays the
+                # moment it has the pid would be lost. Blocked across the fork, it stays pending
+                # until the child's own handlers are in (run_request).
+                mask = signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
                 pid = os.fork()
+                if pid != 0:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 if pid == 0:  # the child: leave the server behind, become the rank
                     sel.close()
                     listener.close()
@@ -293,6 +303,7 @@ def _become(request: Request) -> None:
     # run lost its rank 0 to it during a restart's start-up on a busy host).
     earlysignals.hold()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)  # blocked by the server across the fork
     _name(f"ddpjob-r{request.env.get('SLURM_PROCID', '')}")
 
 

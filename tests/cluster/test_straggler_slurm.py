@@ -28,10 +28,10 @@ def test_a_slow_rank_is_named_with_its_host_and_cause_and_a_clean_run_names_nobo
 
     slurmtools.cluster_free(timeout=300)
     hog = how == "hog"
-    # hog: six hogs on rank 1's core (see test_straggler_ranks' hog test: with three, outside
-    # load on rank 0's core, here a stressed run's, brought the two ranks level and nobody was named)
+    # hog: three hogs at nice -10 on rank 1's core (see test_straggler_ranks' hog test: at nice 0,
+    # outside load on rank 0's core, a stressed pass's, brought the two ranks level and nobody was named)
     run, flags = straggler_run(tmp_path, how, backend="slurm", nodes=nodes, tasks=tasks, slow_rank=slow,
-                               seconds=6.0 if hog else 0.15)
+                               seconds=3.0 if hog else 0.15)
     named = [f for f in flags if f["cause"] != "host"]
     if slow is None:
         assert named == [], flags

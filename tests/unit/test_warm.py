@@ -48,6 +48,14 @@ if what == "early":  # a stop signal at the rank's first line, before any handle
     flag = preemption.StopFlag.install()
     print(json.dumps({"code": flag.code, "signum": flag.signum}), flush=True)
     sys.exit(0)
+if what == "flag":  # a stop signal sent while the task started: the rank's StopFlag takes it
+    from ddpjob.node import preemption
+    flag = preemption.StopFlag.install()
+    deadline = time.monotonic() + 60
+    while not flag.code and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print(json.dumps({"code": flag.code, "signum": flag.signum}), flush=True)
+    sys.exit(0)
 if what == "hold":  # until the test kills something
     # written whole, then renamed: the test reads "pid" as soon as it exists, and an open()
     # then write() let it read the empty file in between under load
@@ -136,6 +144,43 @@ def test_a_stop_signal_before_the_ranks_handlers_is_kept_for_its_stop_flag(serve
     assert proc.returncode == 0, (proc.returncode, err)  # not killed by USR2's default action
     seen = json.loads(out.splitlines()[1])
     assert seen["signum"] == signal.SIGUSR2 and seen["code"] != 0, seen
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """/proc says the process has a handler for `signum` (SigCgt): its first lines have run."""
+    try:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_stop_signal_while_the_task_starts_reaches_the_rank(server, tmp_path: Path, refused: bool) -> None:
+    """A requeued job's warning came 4 s into its start, while every srun task (the warm client)
+    was still importing or waiting for the node's server: all of them died of SIGUSR2. Now the
+    task notes it from its first line and the rank gets it, forked (relayed once it exists) or
+    cold (where the server refuses it: kept pending across the exec for the rank's StopFlag). The
+    signal is sent once /proc shows the task's handler, while no server listens yet; then the
+    server starts."""
+    tmp = server[0]
+    job = str(800_000_000 + os.getpid() + (1 if refused else 0))
+    proc = _client(server, "flag", job=job)
+    _until(lambda: _catches(proc.pid, signal.SIGUSR2) or proc.poll() is not None, "the task's first lines")
+    proc.send_signal(signal.SIGUSR2)
+    # the server, with a PYTHONPATH of its own where it must refuse the task
+    env = _env(tmp, job, **({"PYTHONPATH": f"{tmp}:{tmp_path}"} if refused else {}))
+    srv = subprocess.Popen([sys.executable, "-u", "-m", "ddpjob.node.warm", "serve"], cwd=tmp, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        srv.kill()
+        srv.wait()
+    assert proc.returncode == 0, (proc.returncode, err)  # not ended by USR2's default action
+    seen, flag = (json.loads(line) for line in out.splitlines()[:2])
+    assert flag["signum"] == signal.SIGUSR2 and flag["code"] != 0, (flag, err)
+    assert seen["forked"] == (None if refused else "1"), (seen, err)
 
 
 def test_a_rank_killed_by_a_signal_ends_its_task_by_the_same_signal(server) -> None:
