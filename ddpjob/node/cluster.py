@@ -23,19 +23,16 @@ from ddpjob.node.hostlist import parse_hostlist, parse_tasks_per_node
 # connection, gloo/NCCL's own included) from net.ipv4.ip_local_port_range, 32768-60999 by
 # default: a fixed port in there can be taken by some unrelated socket on the node and fail
 # with EADDRINUSE at random. Ports below ~15000 hold many well-known services (6817-6819 SLURM,
-# 8080, 8888 Jupyter, 6006 TensorBoard ...). So: 15000 + job_id % 15000, i.e. 15000-29999,
-# the same on every rank without any communication, different for jobs whose ids are less
-# than 15000 apart (a collision only matters if both jobs put rank 0 on the same node).
+# 8080, 8888 Jupyter, 6006 TensorBoard ...). So: 15000 + job_id % 15000, i.e. 15000-29999, the
+# same on every rank without any communication, different for jobs whose ids are less than 15000
+# apart (a collision only matters if both jobs put rank 0 on the same node). Each restart of the
+# job (in place or requeued) moves it by PORT_STRIDE: a port another program took on rank 0's
+# node is not tried again, and far from the ports of the ids next to this one's.
 PORT_BASE = 15000
 PORT_SPAN = 15000
-DEFAULT_PORT = 29500  # torch's default, used when there is no job id to derive one from
-# A restart of the same job (in place or requeued) moves its port by this stride: a port another
-# program took on rank 0's node is not tried again, and the step keeps far from the ports of
-# the job ids next to this one (jobs submitted together run together)
 PORT_STRIDE = 7919
-
-# Set beside MASTER_PORT where ddpjob chose it for a [train] command's program (rank/commandenv.py)
-PORT_CHOSEN = "DDPJOB_MASTER_PORT"
+DEFAULT_PORT = 29500  # torch's default, used when there is no job id to derive one from
+PORT_CHOSEN = "DDPJOB_MASTER_PORT"  # beside MASTER_PORT where ddpjob chose it (rank/commandenv.py)
 
 _HINT_ENV = "unset the stray variable, or launch with srun / torchrun, which set all of them"
 
@@ -52,8 +49,7 @@ def process_started() -> float | None:
 
 
 def port_for_job(job_id: str | None, attempt: int = 0) -> int:
-    """Deterministic MASTER_PORT for a job id (numeric ids map directly, others via crc32) and
-    its attempt: the same on every rank of one attempt, another one for the next."""
+    """MASTER_PORT for a job id (numeric ids directly, others via crc32) and attempt: every rank's."""
     if not job_id:
         return DEFAULT_PORT
     number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
@@ -133,9 +129,7 @@ class ClusterEnv:
     num_nodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
-    # MASTER_PORT is ddpjob's choice (derived from the job id and attempt, or the local
-    # supervisor's), not the user's: a port taken on rank 0's node is then the node's doing
-    port_derived: bool = False
+    port_derived: bool = False  # MASTER_PORT is ddpjob's choice (derived, or the supervisor's), not the user's
     # The job as SLURM's commands name it (_slurm_job_id): ARRAYID_TASK for an array task
     job_id: str | None = None
     restart_count: int = 0
@@ -251,14 +245,13 @@ def _slurm_job_id(v: _Vars) -> str | None:
 
 
 def _master(v: _Vars, addr: str, job_id: str | None, attempt: int = 0, *, chosen: bool = False) -> dict:
-    """An explicitly set MASTER_ADDR / MASTER_PORT always wins over the derived ones. `attempt`
-    counts this job's starts (requeues and restarts in place: DDPJOB_ATTEMPT); `chosen`: the
-    MASTER_PORT set is ddpjob's own (the local supervisor's), not the user's."""
+    """An explicitly set MASTER_ADDR / MASTER_PORT wins over the derived ones. `attempt`: the job's
+    requeues and restarts in place; `chosen`: the MASTER_PORT set is the local supervisor's."""
     port = v.integer("MASTER_PORT", default=port_for_job(job_id, attempt))
     if port is None or not 0 < port < 65536:
         raise DDPJobError(f"MASTER_PORT={port} is not a TCP port (1-65535)", "unset it or pick a free port")
-    ours = v.integer("MASTER_PORT") is None or v.integer(PORT_CHOSEN) == port
-    return dict(master_addr=v.text("MASTER_ADDR") or addr, master_port=port, port_derived=chosen or ours)
+    ours = chosen or v.integer("MASTER_PORT") is None or v.integer(PORT_CHOSEN) == port
+    return dict(master_addr=v.text("MASTER_ADDR") or addr, master_port=port, port_derived=ours)
 
 
 def _restart_count(v: _Vars, *names: str) -> int:
