@@ -236,6 +236,18 @@ def release_now(job_id: str) -> None:
     _run(["scontrol", "update", f"jobid={job_id}", "starttime=now"])
 
 
+def done_with_port_held(job_id: str, port: int, timeout: float) -> str:
+    """Hold `port` on this machine (every test node's) as another program would, release the job
+    (submitted with --hold) and wait for its end; its final state."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("0.0.0.0", port))
+        other.listen()
+        _run(["scontrol", "release", str(job_id)])
+        return wait_done(job_id, timeout)
+
+
 def active(job_id: str) -> bool:
     """True while the job is pending, running or on its way out."""
     state, _ = _state(job_id)

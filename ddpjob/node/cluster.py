@@ -33,6 +33,7 @@ PORT_SPAN = 15000
 PORT_STRIDE = 7919
 DEFAULT_PORT = 29500  # torch's default, used when there is no job id to derive one from
 PORT_CHOSEN = "DDPJOB_MASTER_PORT"  # beside MASTER_PORT where ddpjob chose it (rank/commandenv.py)
+PORT_IN_USE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")  # torch's words when rank 0 cannot listen
 
 _HINT_ENV = "unset the stray variable, or launch with srun / torchrun, which set all of them"
 
@@ -245,12 +246,12 @@ def _slurm_job_id(v: _Vars) -> str | None:
 
 
 def _master(v: _Vars, addr: str, job_id: str | None, attempt: int = 0, *, chosen: bool = False) -> dict:
-    """An explicitly set MASTER_ADDR / MASTER_PORT wins over the derived ones. `attempt`: the job's
-    requeues and restarts in place; `chosen`: the MASTER_PORT set is the local supervisor's."""
-    port = v.integer("MASTER_PORT", default=port_for_job(job_id, attempt))
-    if port is None or not 0 < port < 65536:
+    """A MASTER_ADDR/PORT set wins; `attempt`: requeues + restarts; `chosen`: the supervisor's port."""
+    given = v.integer("MASTER_PORT")
+    port = port_for_job(job_id, attempt) if given is None else given
+    if not 0 < port < 65536:
         raise DDPJobError(f"MASTER_PORT={port} is not a TCP port (1-65535)", "unset it or pick a free port")
-    ours = chosen or v.integer("MASTER_PORT") is None or v.integer(PORT_CHOSEN) == port
+    ours = chosen or given is None or v.integer(PORT_CHOSEN) == port
     return dict(master_addr=v.text("MASTER_ADDR") or addr, master_port=port, port_derived=ours)
 
 
@@ -366,12 +367,11 @@ def _from_slurm(v: _Vars) -> dict:
                           "ask for --nodes and --ntasks-per-node only, not a different --ntasks")
     if not 0 <= node_rank < len(per_node):
         raise DDPJobError(f"SLURM_NODEID={node_rank} but the step has {nodes} node(s)", _HINT_ENV)
-    return dict(rank=rank, local_rank=local_rank, world_size=ntasks,
-                local_world_size=per_node[node_rank], node_rank=node_rank, num_nodes=nodes,
-                job_id=job_id, restart_count=_restart_count(v, "SLURM_RESTART_COUNT"),
-                source="slurm", slurm_step=True, hosts=hosts,
-                **_master(v, hosts[0] if hosts else "127.0.0.1", port_id,
-                          _restart_count(v, "SLURM_RESTART_COUNT") + _restart_count(v, "DDPJOB_ATTEMPT")))
+    restarts = _restart_count(v, "SLURM_RESTART_COUNT")
+    return dict(rank=rank, local_rank=local_rank, world_size=ntasks, local_world_size=per_node[node_rank],
+                node_rank=node_rank, num_nodes=nodes, job_id=job_id, restart_count=restarts, source="slurm",
+                slurm_step=True, hosts=hosts, **_master(v, hosts[0] if hosts else "127.0.0.1", port_id,
+                                                        restarts + _restart_count(v, "DDPJOB_ATTEMPT")))
 
 
 def _check(e: ClusterEnv) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as tdist
 
 from ddpjob.errors import ClusterFailure, DDPJobError
 from ddpjob.node import dist
-from ddpjob.node.cluster import ClusterEnv
+from ddpjob.node.cluster import PORT_IN_USE, ClusterEnv
 
 
 def choose_backend(env: ClusterEnv, backend: str = "auto") -> str:
@@ -116,14 +116,14 @@ def init_process_group(env: ClusterEnv, backend: str = "auto", timeout_s: float 
                                 device_id=device if backend == "nccl" else None, **where)
     except (RuntimeError, ValueError, OSError) as exc:
         cause = " ".join(str(exc).split("\n")[0].split())[:200].rstrip(".")
-        if env.rank == 0 and "in use" in cause.lower() and env.port_derived:
-            # ddpjob chose the port: another program took it on this node, the node's doing. A
-            # retry derives another one from the attempt (node/cluster.port_for_job)
-            raise ClusterFailure(f"rank 0 on {env.hostname} could not listen on port {env.master_port}, "
-                                 f"which ddpjob chose: another program on the node holds it ({cause})",
-                                 "nothing to do: a restart takes another port; if this recurs, set "
-                                 "MASTER_PORT to a port the nodes keep free") from None
-        if env.rank == 0 and "in use" in cause.lower():
+        if env.rank == 0 and PORT_IN_USE.search(cause):
+            if env.port_derived:
+                # ddpjob chose the port: another program took it on this node, the node's doing. A
+                # retry derives another one from the attempt (node/cluster.port_for_job)
+                raise ClusterFailure(f"rank 0 on {env.hostname} could not listen on port {env.master_port}, "
+                                     f"which ddpjob chose: another program on the node holds it ({cause})",
+                                     "nothing to do: a restart takes another port; if this recurs, set "
+                                     "MASTER_PORT to a port the nodes keep free") from None
             raise DDPJobError(f"rank 0 on {env.hostname} could not listen on MASTER_PORT={env.master_port}, "
                               f"which you set ({cause})",
                               "another program uses this port: set MASTER_PORT to a free one, or unset "

@@ -109,21 +109,18 @@ def client(module_argv: list[str], addr: bytes | None = None, wait: bool = False
     sock = _connect(addr, wait or os.environ.get(ENV) == "1") if addr else None
     if sock is None:
         _exec(cold)
-    pending: list[int] = []
     pid: list[int] = []
 
     def relay(signum: int, frame: Any) -> None:
-        if pid:
-            try:
-                os.kill(pid[0], signum)
-            except ProcessLookupError:
-                pass
-        else:
-            pending.append(signum)
+        if not pid:  # no rank yet: noted with what came while this task started, for it or cold
+            earlysignals.note(signum, frame)
+            return
+        try:
+            os.kill(pid[0], signum)
+        except ProcessLookupError:
+            pass
 
     handle_relayed(relay)
-    pending.extend(signum for signum, _ in earlysignals.noted)  # noted while this task started
-    earlysignals.noted.clear()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, preemption.HELD)  # held back by the launcher: relayed now
     umask = os.umask(0o077)
     os.umask(umask)
@@ -143,11 +140,10 @@ def client(module_argv: list[str], addr: bytes | None = None, wait: bool = False
         if reply and isinstance(reply.get("error"), str):
             print(f"ddpjob: warm start: rank {os.environ.get('SLURM_PROCID', '?')} starts cold: "
                   f"{reply['error']}", file=sys.stderr, flush=True)
-        earlysignals.noted[:0] = [(signum, time.time()) for signum in pending]
         _exec(cold)  # exec puts the relaying handlers back to the default
     pid.append(reply["pid"])
-    for waiting in pending:
-        relay(waiting, None)
+    while earlysignals.noted:
+        relay(earlysignals.noted.pop(0)[0], None)
     try:
         end = read_line(sock, buf)
     except (OSError, ValueError):

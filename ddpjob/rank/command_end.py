@@ -23,6 +23,7 @@ from typing import Any
 from ddpjob import exitcodes
 from ddpjob.ledger import policy
 from ddpjob.ledger.programend import DIED, EXITED, KILLED, PEER_GONE
+from ddpjob.node.cluster import PORT_IN_USE
 
 FINAL_LINES = 200  # a traceback that begins within them is the program's last words
 
@@ -102,9 +103,6 @@ class Ending:
 # by the interpreter's end with the process group left standing (the trainers leave it so)
 TEARDOWN_ABORT = "terminate called without an active exception"
 
-# rank 0's store could not listen on MASTER_PORT: torch's DistNetworkError says EADDRINUSE
-_PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
-
 
 def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: int = signal.SIGTERM,
            killed: bool = False, hang_s: float | None = None, stderr_tail: str = "",
@@ -154,7 +152,7 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
                                                        "(no Python traceback on its stderr)",
                                               "error_class": policy.USER})
     at = f" at {raised.where}" if raised.where else ""
-    if _PORT_TAKEN.search(f"{raised.exception}: {raised.message}"):
+    if PORT_IN_USE.search(f"{raised.exception}: {raised.message}"):
         whose = ("which ddpjob chose: another program on the node holds it (retried on another port)"
                  if port_ours else "which you set: another program on the node holds it; set a free one")
         return Ending(exitcodes.ERROR, crash={

@@ -122,8 +122,6 @@ def test_a_script_whose_port_another_program_holds_restarts_in_place_on_another(
     """The script's `init_process_group("gloo", init_method="env://")` on the MASTER_PORT ddpjob
     derived, held on rank 0's node by another program before the job starts: its EADDRINUSE
     traceback is the node's doing, not the user's; the restart in place gets another port."""
-    import socket
-
     import slurmtools
     from ddpjob.node.cluster import port_for_job
 
@@ -131,11 +129,7 @@ def test_a_script_whose_port_another_program_holds_restarts_in_place_on_another(
     run = tmp_path / "run"
     ddpjob("sbatch", str(job_file(tmp_path)), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
     jid = slurmtools.submit(tmp_path / "job.sbatch", "--hold", cwd=tmp_path, env=job_env())
-    with socket.socket() as other:
-        other.bind(("0.0.0.0", port_for_job(jid)))
-        other.listen()
-        slurmtools._run(["scontrol", "release", jid])
-        assert slurmtools.wait_done(jid, 600) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
+    assert slurmtools.done_with_port_held(jid, port_for_job(jid), 600) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
     (crash,) = decisions(run)
     assert (crash["verdict"], crash["action"], crash["failed_rank"]) == ("infrastructure", "restart", 0), crash
     (own,) = rank_crashes(events(run), 0)

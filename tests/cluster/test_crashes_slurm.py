@@ -7,7 +7,6 @@ slurm.max_no_progress attempts in a row, with one line. Each failure is caused a
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -107,11 +106,7 @@ def test_a_port_another_program_holds_on_rank_0_s_node_is_the_node_s_fault_and_r
     run = tmp_path / "run"
     ddpjob("sbatch", str(job), "-o", str(tmp_path / "job.sbatch"), "--run-dir", str(run), cwd=tmp_path)
     jid = slurmtools.submit(tmp_path / "job.sbatch", "--hold", cwd=tmp_path, env=job_env())
-    with socket.socket() as other:  # the other program, holding the port before the job starts
-        other.bind(("0.0.0.0", port_for_job(jid)))
-        other.listen()
-        slurmtools._run(["scontrol", "release", jid])
-        assert slurmtools.wait_done(jid, 600) == "COMPLETED"
+    assert slurmtools.done_with_port_held(jid, port_for_job(jid), 600) == "COMPLETED"
     crash, done = decisions(events(run))
     assert (crash["reason"], crash["verdict"], crash["requeued_by"]) == ("crash", "infrastructure", "in_allocation"), crash
     assert done["reason"] == "finished", done
