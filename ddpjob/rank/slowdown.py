@@ -8,7 +8,8 @@ over `window` steps after the attempt's warm-up (the first steps pay for the all
 bucket rebuild, compilation), recorded as a `baseline` event; a resumed attempt takes the
 newest one of its world size from events.jsonl, so a requeued run is compared with itself
 before the requeue. Every half window after that, the median step time of the last window is
-compared with it; above (1 + threshold) x the baseline at CONFIRM looks in a row: one finding,
+compared with it: more than threshold / 3 below it, it is the new baseline (the window after
+start-up is often still slow, and a baseline taken there hides a real slowdown); above (1 + threshold) x the baseline at CONFIRM looks in a row: one finding,
 which says since when, how much, whether every rank or some are slower, and which part of the
 step moved (data wait, compute, or the all-reduce: the wait for the others). Below
 (1 + threshold / 2) x the baseline again: the job is back at its speed. Pure: no torch.
@@ -179,6 +180,11 @@ class SlowdownWatch:
                 self.slow, self._suspect = None, 0
                 return [Recovered(step, base.step / now.step if now.step > 0 else 1.0)]
             return []
+        if now.step < (1 - self.threshold / 3) * base.step:
+            # the run is faster than its baseline: the warm-up window was still slow (the first
+            # steps after start-up often are), so the baseline becomes the speed the run has shown
+            self.baseline, self._suspect = Baseline(step, now, self.world_size), 0
+            return [self.baseline]
         limit = (1 + self.threshold) * base.step
         self._suspect = self._suspect + 1 if now.step > limit else 0
         if self._suspect < CONFIRM:

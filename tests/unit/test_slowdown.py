@@ -78,6 +78,27 @@ def test_noise_and_a_short_burst_say_nothing_and_a_recovery_is_said_once() -> No
         "the job is back at 1.00x its own speed at step ")
 
 
+def test_a_baseline_taken_in_a_slow_warm_up_window_gives_way_to_the_run_s_own_speed() -> None:
+    """The window after the warm-up ran at 1.4x (steps 11-40 at 270 ms, the run's speed is 192
+    ms): the first look that finds the run faster than that baseline by over a third of the
+    threshold records a new one (a window half slow, then one past them), so a 1.5x slowdown from step 101 (data wait +96 ms) is said,
+    against 192 ms, not missed as 1.07x of the slow window. Without the new baseline nothing is
+    said (checked by hand)."""
+    watch = SlowdownWatch(window=20, threshold=0.3, world_size=2)
+    found = feed(watch, range(1, 251), 2, compute=lambda r, s: 0.228 if s <= 40 else 0.150,
+                 data=lambda r, s: 0.098 if s > 100 else 0.002)
+    kinds = [type(f).__name__ for _, f in found]
+    assert kinds[0] == "Baseline" and kinds[-1] == "Slowdown" and set(kinds[1:-1]) == {"Baseline"}, kinds
+    (_, slow_window), (lowered_at, base), (step, slow) = found[0], found[-2], found[-1]
+    assert slow_window.parts.step == pytest.approx(0.270) and base.parts.step == pytest.approx(0.192)
+    assert lowered_at <= 40 + 20 + 10  # by the first look whose window is past the slow steps
+    assert isinstance(slow, Slowdown) and 100 < step <= 100 + 3 * 20 and slow.cause == "data"
+    assert slow.base is base and slow.ratio == pytest.approx(0.192 / 0.288)
+    # the same faster window does not lower it again: the baseline moves only by a real margin
+    assert [type(f).__name__ for _, f in feed(SlowdownWatch(window=20, threshold=0.3, world_size=2),
+                                                range(1, 400), 2)] == ["Baseline"]
+
+
 def test_a_resumed_run_is_compared_with_its_baseline_before_the_stop(tmp_path) -> None:
     """The first attempt records its baseline; the second, on a host half as fast, takes it from
     the events (the newest of its world size) and says so after its warm-up, with no baseline
