@@ -8,10 +8,11 @@ over `window` steps after the attempt's warm-up (the first steps pay for the all
 bucket rebuild, compilation), recorded as a `baseline` event; a resumed attempt takes the
 newest one of its world size from events.jsonl, so a requeued run is compared with itself
 before the requeue. Every half window after that, the median step time of the last window is
-compared with it: more than threshold / 3 below it, it is the new baseline (the window after
-start-up is often still slow, and a baseline taken there hides a real slowdown); above (1 + threshold) x the baseline at CONFIRM looks in a row: one finding,
-which says since when, how much, whether every rank or some are slower, and which part of the
-step moved (data wait, compute, or the all-reduce: the wait for the others). Below
+compared with it. More than threshold / 3 below it: it is the new baseline (the window after
+start-up is often still slow, and a baseline taken there hides a real slowdown). Above
+(1 + threshold) x the baseline at CONFIRM looks in a row: one finding, which says since when,
+how much, whether every rank or some are slower, and which part of the step moved (data wait,
+compute, or the all-reduce: the wait for the others). Below
 (1 + threshold / 2) x the baseline again: the job is back at its speed. Pure: no torch.
 """
 
@@ -149,7 +150,8 @@ class Recovered:
 
 class SlowdownWatch:
     """Rank 0: `observe` each step's time and every rank's busy and data wait; it returns what is
-    new: the Baseline once (when none was given), a Slowdown, a Recovered."""
+    new: a Baseline (the first after the warm-up when none was given, and each faster one),
+    a Slowdown, a Recovered."""
 
     def __init__(self, *, window: int = 50, threshold: float = 0.3, baseline: Baseline | None = None,
                  world_size: int = 1, warmup: int | None = None) -> None:
