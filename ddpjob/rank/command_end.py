@@ -104,6 +104,12 @@ class Ending:
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
+def _teardown_abort(returncode: int, stderr_tail: str) -> bool:
+    """The program died of SIGABRT with TEARDOWN_ABORT among its last words."""
+    return (returncode in (-signal.SIGABRT, 128 + signal.SIGABRT)
+            and TEARDOWN_ABORT in "\n".join(stderr_tail.splitlines()[-5:]))
+
+
 def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: int = signal.SIGTERM,
            killed: bool = False, hang_s: float | None = None, stderr_tail: str = "",
            trainer_ended: int | None = None, port: int | None = None, port_ours: bool = True) -> Ending:
@@ -115,7 +121,8 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
     says a peer is gone); killed by a signal what the cluster broke; another status the user's.
     `trainer_ended`: the step at which an integration said the trainer's run ended by itself
     (metricslines.trainer_ended): a SIGABRT after it, with TEARDOWN_ABORT as the program's last
-    words, is the interpreter's end meeting torch's threads, not a crash: done. `port` the
+    words, is the interpreter's end meeting torch's threads, not a crash: done (after the stop
+    signal, such an abort is the program's exit: a stop, as if it had exited 0). `port` the
     MASTER_PORT the program got, `port_ours` ddpjob chose it (not the user): a program that could
     not listen on it met another program on the node, retried on another port."""
     if hang_s is not None:
@@ -126,9 +133,14 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
     # the step with SIGTERM once a peer died, and that peer's death is what made it raise)
     raised = last_traceback("\n".join(stderr_tail.splitlines()[-FINAL_LINES:]))
     peer_gone = raised is not None and bool(_PEER_GONE.search(f"{raised.exception}: {raised.message}"))
+    abort = raised is None and _teardown_abort(returncode, stderr_tail)
     if stopped:
         if returncode in (0, requeue_exit):  # its handler saved (or not) and left: Lightning's 0 too
             return Ending(exitcodes.REQUEUE, stop=True, program=EXITED)
+        if abort:  # it left after the stop, and its interpreter's end met torch's threads
+            return Ending(exitcodes.REQUEUE, stop=True, program=EXITED,
+                          note=f"the program left after the stop signal, then its interpreter aborted in torch's "
+                               f"teardown ({TEARDOWN_ABORT!r}): read as its exit")
         if raised is None and returncode in (-stop_signal, 128 + stop_signal):  # 128+N: a shell died of it
             return Ending(exitcodes.REQUEUE, stop=True, program=DIED)
         if raised is None and killed and returncode == -signal.SIGKILL:
@@ -137,8 +149,7 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
             return Ending(exitcodes.REQUEUE, stop=True, program=PEER_GONE)
     if returncode == 0:
         return Ending(exitcodes.OK)
-    if (trainer_ended is not None and raised is None and returncode in (-signal.SIGABRT, 128 + signal.SIGABRT)
-            and TEARDOWN_ABORT in "\n".join(stderr_tail.splitlines()[-5:])):
+    if trainer_ended is not None and abort:
         return Ending(exitcodes.OK, note=f"the program's trainer ended by itself at step {trainer_ended}, then its "
                                          f"interpreter aborted in torch's teardown ({TEARDOWN_ABORT!r}): read as done")
     if returncode == requeue_exit and raised is None:

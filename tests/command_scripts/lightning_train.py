@@ -5,12 +5,15 @@
 Test hooks (never a timer): DDPJOB_TEST_AT="RANK:STEP:ATTEMPT:HOW[,...]" (as plain_train.py)
 acts after optimizer step STEP: "pause" prints "paused at step N" and waits until the stop signal
 came (with the callback: its flag; without, Lightning's own handler); "kill" SIGKILLs this
-process; "raise" raises a ValueError. Each start prints "training from step N".
+process; "raise" raises a ValueError; "abortatexit" (any STEP) ends the process after training
+with SIGABRT and libstdc++'s line, as torch's teardown does now and then. Each start prints
+"training from step N".
 """
 
 import argparse
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -88,3 +91,6 @@ trainer = L.Trainer(accelerator="cpu", devices=args.devices or int(os.environ.ge
 torch.manual_seed(0)
 trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), ckpt_path="last")
 print(f"done at step {trainer.global_step}", flush=True)
+if how == "abortatexit":
+    print("terminate called without an active exception", file=sys.stderr, flush=True)
+    os.abort()

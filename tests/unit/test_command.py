@@ -86,6 +86,22 @@ def test_a_teardown_abort_after_the_trainers_own_end_is_done_and_nowhere_else() 
                   trainer_ended=300).crash is not None
 
 
+def test_a_teardown_abort_after_the_stop_signal_is_the_programs_exit_for_a_requeue() -> None:
+    """A pytorch/examples-style script saves on SIGTERM and leaves; its interpreter's end then
+    meets gloo's threads (this project's CI: rank 0 "Training snapshot saved", then libstdc++'s
+    line and SIGABRT). That is the stop it was asked for, not a crash; a traceback, or SIGABRT
+    without the line, stays what it was."""
+    tail = "Epoch 4 | Training snapshot saved at snapshot.pt\nterminate called without an active exception\n"
+    for code in (-signal.SIGABRT, 128 + signal.SIGABRT):
+        left = ending(code, requeue_exit=3, stopped=True, stderr_tail=tail)
+        assert (left.code, left.stop, left.program, left.crash, left.signum) == (exitcodes.REQUEUE, True, EXITED,
+                                                                                 None, None), left
+        assert "aborted in torch's teardown" in (left.note or ""), left
+    assert ending(-signal.SIGABRT, requeue_exit=3, stopped=True, stderr_tail="saved\n").crash is not None
+    assert ending(-signal.SIGABRT, requeue_exit=3, stopped=True, stderr_tail=TRACE + tail).crash is not None
+    assert ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail).crash is not None
+
+
 def test_the_trainers_end_line_of_this_attempt_only() -> None:
     from ddpjob.ledger import metricslines
 

@@ -2,12 +2,20 @@
 (RANK "*" = every rank, ATTEMPT "" = any; the attempt is torchrun's TORCHELASTIC_RESTART_COUNT, so
 the script reads nothing of ddpjob's own) acts when epoch EPOCH has ended. HOW = "pause": prints
 "paused at epoch N" and sleeps (a stop signal ends it: the script's own handler, or death by it);
-"kill": SIGKILLs this process; "raise": a ValueError, the script's own bug. The script itself is
-unchanged by the hook: a hook that does not fire costs nothing."""
+"kill": SIGKILLs this process; "raise": a ValueError, the script's own bug; "abortatexit": the
+interpreter's end aborts as torch's teardown now and then does (libstdc++'s line, then SIGABRT).
+The script itself is unchanged by the hook: a hook that does not fire costs nothing."""
 
+import atexit
 import os
 import signal
+import sys
 import time
+
+
+def _teardown_abort() -> None:
+    print("terminate called without an active exception", file=sys.stderr, flush=True)
+    os.abort()
 
 
 def at_epoch_end(epoch: int, rank: int) -> None:
@@ -24,4 +32,6 @@ def at_epoch_end(epoch: int, rank: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif how == "raise":
             raise ValueError(f"a bug at epoch {epoch}")
+        elif how == "abortatexit":
+            atexit.register(_teardown_abort)
         return
