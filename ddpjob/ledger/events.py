@@ -72,7 +72,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("launch", "rank 0 of a [train] command: its program started (the job's id on record for status and "
          "stop at once; the start record follows at its first step line)", ("world_size", "host", "source")),
     Kind("rank_end", "a [train] command's rank: its program ended (rank 0 completes the run only when "
-         "every rank's did with 0 and no stop)", ("rank", "host", "status", "stop", "program")),
+         "every rank's did with 0 and no stop; `teardown`: its 0 read from an abort in torch's teardown, "
+         "which needs a peer's own 0)", ("rank", "host", "status", "stop", "program", "teardown")),
     Kind("exit", "rank 0: the process group is torn down after a stop", ("step",)),
     Kind("noop", "rank 0: a requeued run that had completed did nothing", ("reason",)),
     Kind("local_start", "the local supervisor started an attempt's ranks",

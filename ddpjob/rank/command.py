@@ -35,7 +35,7 @@ from ddpjob.node import preemption
 from ddpjob.node.cluster import ClusterEnv, process_started
 from ddpjob.rank import commandenv, requeue, startcheck
 from ddpjob.ledger.programend import PEER_GONE, stop_said
-from ddpjob.rank.command_end import Ending, ending
+from ddpjob.rank.command_end import Ending, ending, unvouched_teardown
 
 POLL_S = 0.1
 TAIL_CHARS = 32768  # of the child's stderr, kept for its last traceback
@@ -311,6 +311,8 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
     """Record the ending (every rank: its rank_end; rank 0: the run's completion or the stop's
     decision; any rank: its crash) and leave as it says."""
     step, lost = crashes.command_point(run_dir)
+    if end.teardown and env.world_size == 1:  # no peer to say the program finished
+        end = unvouched_teardown()
     if end.stop and stop.code == preemption.PREEMPTED:
         peer = crashes.peer_crash(events.read(run_dir), env.job_id, restart, env.rank)
         if peer is not None:
@@ -321,15 +323,21 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
             print(f"ddpjob: rank {env.rank} on {env.hostname}: the step ended after rank {peer.get('rank')}'s "
                   "crash (srun's SIGTERM): no stop recorded, the crash is decided", file=sys.stderr, flush=True)
             end = Ending(128 + signal.SIGTERM, signum=signal.SIGTERM)
-    if end.crash is not None:
+
+    def crashed(end: Ending) -> None:
+        assert end.crash is not None
         # the step it crashed after, as far as its lines tell (the verdict's "at step N"), not the
         # save it resumes from: the decision carries that
         reached = step + lost if step is not None and lost is not None else step
         events.rank_crash(run_dir, rank=env.rank, host=env.hostname, job_id=env.job_id, restart=restart,
                           step=reached, last_output=last_line, **end.crash)
         print(f"ddpjob: rank {env.rank} on {env.hostname}: {end.crash['error']}", file=sys.stderr, flush=True)
+
+    if end.crash is not None:
+        crashed(end)
     events.record(run_dir, "rank_end", rank=env.rank, host=env.hostname, job_id=env.job_id, restart=restart,
-                  status=end.code, stop=end.stop, **({"program": end.program} if end.program else {}))
+                  status=end.code, stop=end.stop, **({"program": end.program} if end.program else {}),
+                  **({"teardown": True} if end.teardown else {}))
     complete = env.is_rank0 and end.code == exitcodes.OK
     if complete and env.world_size > 1:
         ends = _others_ended(run_dir, env, restart, stop, cfg.train.command_grace_s)
@@ -348,6 +356,9 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
         elif stop.code != preemption.NONE or any(e.get("stop") for e in ends):
             program = next((str(e["program"]) for e in ends if e.get("program")), None)
             end, complete = Ending(exitcodes.REQUEUE, stop=True, program=program), False
+        elif all(e.get("teardown") for e in ends):
+            end, complete = unvouched_teardown(), False
+            crashed(end)
     elif complete and stop.code != preemption.NONE:
         end, complete = Ending(exitcodes.REQUEUE, stop=True, program=end.program), False
     if complete:

@@ -97,10 +97,14 @@ class Ending:
     signum: int | None = None
     program: str | None = None  # after a stop: EXITED, DIED, KILLED or PEER_GONE
     note: str | None = None  # a line for the rank's log about how the ending was read
+    # read as exit 0 from a teardown abort alone (no trainer's `end` line vouches for it): rank 0
+    # completes the run only where some rank's program exited 0 by itself (rank/command.py)
+    teardown: bool = False
 
 
 # What libstdc++ prints when a std::thread still running is destroyed: torch's gloo threads met
-# by the interpreter's end with the process group left standing (the trainers leave it so)
+# by the interpreter's end (the trainers leave the process group standing; a script that calls
+# destroy_process_group meets it too, less often)
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
@@ -122,7 +126,9 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
     `trainer_ended`: the step at which an integration said the trainer's run ended by itself
     (metricslines.trainer_ended): a SIGABRT after it, with TEARDOWN_ABORT as the program's last
     words, is the interpreter's end meeting torch's threads, not a crash: done (after the stop
-    signal, such an abort is the program's exit: a stop, as if it had exited 0). `port` the
+    signal, such an abort is the program's exit: a stop, as if it had exited 0). Without that
+    line such an abort is read as exit 0 with `teardown` set: rank 0 completes the run only where
+    a peer's program exited 0 by itself (a world of one, or every rank aborted: a crash). `port` the
     MASTER_PORT the program got, `port_ours` ddpjob chose it (not the user): a program that could
     not listen on it met another program on the node, retried on another port."""
     if hang_s is not None:
@@ -152,6 +158,12 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
     if trainer_ended is not None and abort:
         return Ending(exitcodes.OK, note=f"the program's trainer ended by itself at step {trainer_ended}, then its "
                                          f"interpreter aborted in torch's teardown ({TEARDOWN_ABORT!r}): read as done")
+    if abort:  # its code ended; torch 2.x's gloo threads met the interpreter's end (1 run in 5 of
+        # a pytorch/examples script that calls destroy_process_group, measured): exit 0 if a peer's
+        # program exited 0 by itself (rank 0 decides, rank/command.py), else a crash
+        return Ending(exitcodes.OK, teardown=True,
+                      note=f"the program's code ended, then its interpreter aborted in torch's teardown "
+                           f"({TEARDOWN_ABORT!r}): read as exit 0 where a peer's program exited 0 by itself")
     if returncode == requeue_exit and raised is None:
         return Ending(exitcodes.REQUEUE, stop=True, program=EXITED)
     if returncode < 0 and raised is None:
@@ -178,6 +190,15 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
         "error": f"your code raised {raised.exception}: {raised.message}{at} (the command "
                  f"{_how(returncode)})", "error_class": policy.USER, "exception": raised.exception,
         **({"where": raised.where} if raised.where else {})})
+
+
+def unvouched_teardown() -> Ending:
+    """Rank 0's reading where every rank's program aborted in torch's teardown (or the only one
+    did) and none exited 0 by itself: nothing says the program finished, so a crash of the
+    cluster's class (a restart in place from the program's own checkpoint), not COMPLETED."""
+    return Ending(128 + signal.SIGABRT, signum=signal.SIGABRT, crash={
+        "error": f"the command was killed by SIGABRT in torch's teardown ({TEARDOWN_ABORT!r}) on every rank, "
+                 "and no rank's program exited 0 to say it had finished", "error_class": policy.INFRASTRUCTURE})
 
 
 def _how(returncode: int) -> str:

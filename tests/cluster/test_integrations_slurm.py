@@ -125,8 +125,8 @@ def test_a_preempted_lightning_run_without_the_callback_resumes_from_its_last_sa
     assert slurmtools.wait_done(high, timeout=300) == "COMPLETED"
     assert slurmtools.wait_done(jid, 900) == "COMPLETED", rank_log(run, 0) + rank_log(run, 1)
     assert (run / "COMPLETED").is_file()
-    # without the callback's end line a teardown abort after step 300 (docs/commands.md) is read
-    # as a crash: one more start from the save of step 300, never one from before it
+    # without the callback's end line a teardown abort after step 300 on every rank (docs/commands.md)
+    # is read as a crash: one more start from the save of step 300, never one from before it
     started = [int(s) for s in re.findall(r"^training from step ([0-9]+)$", rank_log(run, 0), re.M)]
     assert started[:2] == [0, 100] and set(started[2:]) <= {STEPS}, rank_log(run, 0)
     assert f"done at step {STEPS}" in rank_log(run, 0)

@@ -6,8 +6,9 @@ Test hooks (never a timer): DDPJOB_TEST_AT="RANK:STEP:ATTEMPT:HOW[,...]" (as pla
 acts after optimizer step STEP: "pause" prints "paused at step N" and waits until the stop signal
 came (with the callback: its flag; without, Lightning's own handler); "kill" SIGKILLs this
 process; "raise" raises a ValueError; "abortatexit" (any STEP) ends the process after training
-with SIGABRT and libstdc++'s line, as torch's teardown does now and then. Each start prints
-"training from step N".
+with SIGABRT and libstdc++'s line, as torch's teardown does now and then; "exitatexit" (any
+STEP) exits 0 after training without the interpreter's teardown. Each start prints "training
+from step N".
 """
 
 import argparse
@@ -94,3 +95,7 @@ print(f"done at step {trainer.global_step}", flush=True)
 if how == "abortatexit":
     print("terminate called without an active exception", file=sys.stderr, flush=True)
     os.abort()
+if how == "exitatexit":  # exits 0 by itself every time: torch's own teardown abort cannot come
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

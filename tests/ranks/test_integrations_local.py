@@ -133,25 +133,19 @@ def test_a_preempted_trainer_without_the_callback_redoes_the_steps_since_its_las
     all-reduce) until the grace's SIGKILL, or ends the fit with exit 0: a stop for a requeue
     either way, never COMPLETED early. The next start resumes from the save of step 100.
     Without the callback's `end` line, a teardown abort after the last step (docs/commands.md;
-    this project's CI: "done at step 300", then libstdc++'s line and SIGABRT) cannot be told from
-    a crash: one more start, in place, from the save of step 300, is the price the docs name
-    (the Trainer then trains a step 301 of its own, Lightning's fit nothing).
-    Rank 0's second attempt ends so, made to (its "abortatexit"); a later one may as well."""
-    run_dir, sup = submit(tmp_path, trainer, callback=False, DDPJOB_TEST_AT=f"1:{AT}:0:pause,0:0:1:abortatexit")
+    this project's CI: "done at step 300", then libstdc++'s line and SIGABRT) is exit 0 where a
+    peer's program exited 0 by itself: made to here, rank 0's second attempt aborts so ("abortatexit")
+    and rank 1's exits 0 ("exitatexit"). COMPLETED in that attempt, no crash, no third start."""
+    run_dir, sup = submit(tmp_path, trainer, callback=False,
+                          DDPJOB_TEST_AT=f"1:{AT}:0:pause,0:0:1:abortatexit,1:0:1:exitatexit")
     paused(run_dir)
     os.kill(sup, signal.SIGUSR2)
     assert ended(run_dir) == "COMPLETED", story(run_dir)
-    assert starts(run_dir)[:2] == [0, 100] and redone(run_dir) == AT - 100, story(run_dir)
+    assert starts(run_dir) == [0, 100] and redone(run_dir) == AT - 100, story(run_dir)
     assert f"done at step {STEPS}" in log(run_dir)
-    first, *after = decisions(run_dir)
-    assert first["reason"] == "time_limit" and after, decisions(run_dir)
-    for crash in after:  # only the teardown abort named above, each after the trainer's end
-        assert (crash["reason"], crash["verdict"], crash["action"]) == ("crash", "infrastructure", "restart"), crash
-        assert "killed by SIGABRT" in crash["failed_how"], crash
-    # each later start from the save of step 300 (Lightning's fit, with nothing left, starts no training)
-    assert set(starts(run_dir)[2:]) <= {STEPS} and len(starts(run_dir)) <= 2 + len(after), story(run_dir)
-    assert log(run_dir).count("terminate called without an active exception") + log(run_dir, 1).count(
-        "terminate called without an active exception") >= len(after), story(run_dir)
+    assert [d["reason"] for d in decisions(run_dir)] == ["time_limit"], decisions(run_dir)
+    assert "terminate called without an active exception" in log(run_dir), story(run_dir)
+    assert "read as exit 0 where a peer's program exited 0 by itself" in log(run_dir), story(run_dir)
 
 
 @pytest.mark.parametrize("trainer", ["hf", "lightning"])

@@ -16,7 +16,7 @@ from ddpjob.ledger import policy
 from ddpjob.node.cluster import ClusterEnv
 from ddpjob.rank.commandenv import command_environ
 from ddpjob.ledger.programend import DIED, EXITED, KILLED, PEER_GONE
-from ddpjob.rank.command_end import Ending, Raised, clip, ending, last_traceback
+from ddpjob.rank.command_end import Ending, Raised, clip, ending, last_traceback, unvouched_teardown
 
 
 def _cfg(**train: object):
@@ -70,15 +70,21 @@ def test_the_last_traceback_names_the_exception_and_the_scripts_own_innermost_li
     assert last_traceback("just a log line\nexit\n") is None
 
 
-def test_a_teardown_abort_after_the_trainers_own_end_is_done_and_nowhere_else() -> None:
+def test_a_teardown_abort_is_done_after_the_trainers_end_and_waits_for_a_peer_without_it() -> None:
     """An integration's "end" line, then SIGABRT with libstdc++'s line as the last words: torch's
-    threads met the interpreter's end, the run is done. Without the end line, with a traceback,
-    or with another last line, it stays a crash."""
+    threads met the interpreter's end, the run is done. Without the end line it is read as exit 0
+    marked `teardown` (rank 0 completes only where a peer exited 0 by itself). With a traceback,
+    another last line or another signal, it stays a crash."""
     tail = "done at step 300\nterminate called without an active exception\n"
     done = ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail, trainer_ended=300)
-    assert done.code == exitcodes.OK and done.crash is None and "step 300" in (done.note or "")
+    assert done.code == exitcodes.OK and done.crash is None and "step 300" in (done.note or "") and not done.teardown
     assert ending(128 + signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail, trainer_ended=300).code == 0
-    assert ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail).crash is not None
+    alone = ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail="Training finished\n" + tail[17:])
+    assert alone.code == exitcodes.OK and alone.crash is None and alone.teardown, alone
+    assert "read as exit 0 where a peer's program exited 0" in (alone.note or ""), alone
+    unvouched = unvouched_teardown()
+    assert unvouched.signum == signal.SIGABRT and unvouched.crash is not None
+    assert unvouched.crash["error_class"] == "infrastructure" and "no rank's program exited 0" in unvouched.crash["error"]
     assert ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail="done\n",
                   trainer_ended=300).crash is not None
     assert ending(-signal.SIGSEGV, requeue_exit=3, stopped=False, stderr_tail=tail, trainer_ended=300).crash is not None
@@ -99,7 +105,8 @@ def test_a_teardown_abort_after_the_stop_signal_is_the_programs_exit_for_a_reque
         assert "aborted in torch's teardown" in (left.note or ""), left
     assert ending(-signal.SIGABRT, requeue_exit=3, stopped=True, stderr_tail="saved\n").crash is not None
     assert ending(-signal.SIGABRT, requeue_exit=3, stopped=True, stderr_tail=TRACE + tail).crash is not None
-    assert ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail).crash is not None
+    without = ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail)
+    assert not without.stop and without.teardown, without  # no stop: exit 0 only where a peer vouches
 
 
 def test_the_trainers_end_line_of_this_attempt_only() -> None:
