@@ -260,6 +260,7 @@ def run(cfg: JobConfig, run_dir: Path, env: ClusterEnv, stop: preemption.StopFla
     end = ending(child.returncode, requeue_exit=t.command_requeue_exit, stopped=stop.code != preemption.NONE,
                  stop_signal=signum, killed=killed and hung is None, hang_s=hung, stderr_tail=out.tail,
                  trainer_ended=metricslines.trainer_ended(fileio.read_jsonl(metrics)[-50:], restart),
+                 alone=env.world_size == 1,
                  port=env.master_port, port_ours=env.port_derived)
     if end.note:
         print(f"ddpjob: rank {env.rank} on {env.hostname}: {end.note}", file=sys.stderr, flush=True)
@@ -311,8 +312,6 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
     """Record the ending (every rank: its rank_end; rank 0: the run's completion or the stop's
     decision; any rank: its crash) and leave as it says."""
     step, lost = crashes.command_point(run_dir)
-    if end.teardown and env.world_size == 1:  # no peer to say the program finished
-        end = unvouched_teardown()
     if end.stop and stop.code == preemption.PREEMPTED:
         peer = crashes.peer_crash(events.read(run_dir), env.job_id, restart, env.rank)
         if peer is not None:
@@ -324,17 +323,16 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
                   "crash (srun's SIGTERM): no stop recorded, the crash is decided", file=sys.stderr, flush=True)
             end = Ending(128 + signal.SIGTERM, signum=signal.SIGTERM)
 
-    def crashed(end: Ending) -> None:
-        assert end.crash is not None
+    def crashed(crash: dict[str, Any]) -> None:
         # the step it crashed after, as far as its lines tell (the verdict's "at step N"), not the
         # save it resumes from: the decision carries that
         reached = step + lost if step is not None and lost is not None else step
         events.rank_crash(run_dir, rank=env.rank, host=env.hostname, job_id=env.job_id, restart=restart,
-                          step=reached, last_output=last_line, **end.crash)
-        print(f"ddpjob: rank {env.rank} on {env.hostname}: {end.crash['error']}", file=sys.stderr, flush=True)
+                          step=reached, last_output=last_line, **crash)
+        print(f"ddpjob: rank {env.rank} on {env.hostname}: {crash['error']}", file=sys.stderr, flush=True)
 
     if end.crash is not None:
-        crashed(end)
+        crashed(end.crash)
     events.record(run_dir, "rank_end", rank=env.rank, host=env.hostname, job_id=env.job_id, restart=restart,
                   status=end.code, stop=end.stop, **({"program": end.program} if end.program else {}),
                   **({"teardown": True} if end.teardown else {}))
@@ -358,7 +356,8 @@ def _finish(cfg: JobConfig, env: ClusterEnv, run_dir: Path, restart: int, end: E
             end, complete = Ending(exitcodes.REQUEUE, stop=True, program=program), False
         elif all(e.get("teardown") for e in ends):
             end, complete = unvouched_teardown(), False
-            crashed(end)
+            if end.crash is not None:
+                crashed(end.crash)
     elif complete and stop.code != preemption.NONE:
         end, complete = Ending(exitcodes.REQUEUE, stop=True, program=end.program), False
     if complete:

@@ -116,7 +116,8 @@ def _teardown_abort(returncode: int, stderr_tail: str) -> bool:
 
 def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: int = signal.SIGTERM,
            killed: bool = False, hang_s: float | None = None, stderr_tail: str = "",
-           trainer_ended: int | None = None, port: int | None = None, port_ours: bool = True) -> Ending:
+           trainer_ended: int | None = None, alone: bool = False, port: int | None = None,
+           port_ours: bool = True) -> Ending:
     """The program's exit status -> this rank's ending. `stopped`: ddpjob sent it the stop signal
     (its module docstring: then any end but its own exception is a stop); `killed`: ddpjob's
     SIGKILL after the grace (SLURM's own SIGKILL ending a step is no stop); `hang_s`: ddpjob
@@ -128,7 +129,8 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
     words, is the interpreter's end meeting torch's threads, not a crash: done (after the stop
     signal, such an abort is the program's exit: a stop, as if it had exited 0). Without that
     line such an abort is read as exit 0 with `teardown` set: rank 0 completes the run only where
-    a peer's program exited 0 by itself (a world of one, or every rank aborted: a crash). `port` the
+    a peer's program exited 0 by itself; every rank aborted, or the program runs `alone` (the
+    job's one rank): unvouched_teardown(), a crash. `port` the
     MASTER_PORT the program got, `port_ours` ddpjob chose it (not the user): a program that could
     not listen on it met another program on the node, retried on another port."""
     if hang_s is not None:
@@ -155,15 +157,15 @@ def ending(returncode: int, *, requeue_exit: int, stopped: bool, stop_signal: in
             return Ending(exitcodes.REQUEUE, stop=True, program=PEER_GONE)
     if returncode == 0:
         return Ending(exitcodes.OK)
-    if trainer_ended is not None and abort:
+    if abort and trainer_ended is not None:
         return Ending(exitcodes.OK, note=f"the program's trainer ended by itself at step {trainer_ended}, then its "
                                          f"interpreter aborted in torch's teardown ({TEARDOWN_ABORT!r}): read as done")
     if abort:  # its code ended; torch 2.x's gloo threads met the interpreter's end (1 run in 5 of
         # a pytorch/examples script that calls destroy_process_group, measured): exit 0 if a peer's
         # program exited 0 by itself (rank 0 decides, rank/command.py), else a crash
-        return Ending(exitcodes.OK, teardown=True,
-                      note=f"the program's code ended, then its interpreter aborted in torch's teardown "
-                           f"({TEARDOWN_ABORT!r}): read as exit 0 where a peer's program exited 0 by itself")
+        return unvouched_teardown() if alone else Ending(exitcodes.OK, teardown=True, note=(
+            f"the program's code ended, then its interpreter aborted in torch's teardown "
+            f"({TEARDOWN_ABORT!r}): read as exit 0 where a peer's program exited 0 by itself"))
     if returncode == requeue_exit and raised is None:
         return Ending(exitcodes.REQUEUE, stop=True, program=EXITED)
     if returncode < 0 and raised is None:

@@ -82,6 +82,7 @@ def test_a_teardown_abort_is_done_after_the_trainers_end_and_waits_for_a_peer_wi
     alone = ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail="Training finished\n" + tail[17:])
     assert alone.code == exitcodes.OK and alone.crash is None and alone.teardown, alone
     assert "read as exit 0 where a peer's program exited 0" in (alone.note or ""), alone
+    assert ending(-signal.SIGABRT, requeue_exit=3, stopped=False, stderr_tail=tail[17:], alone=True) == unvouched_teardown()
     unvouched = unvouched_teardown()
     assert unvouched.signum == signal.SIGABRT and unvouched.crash is not None
     assert unvouched.crash["error_class"] == "infrastructure" and "no rank's program exited 0" in unvouched.crash["error"]
